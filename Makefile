@@ -1,0 +1,41 @@
+# longctx: the README's two commands (make demo, make test) and the CPU benchmarks (make bench).
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HOST ?= 127.0.0.1
+PORT ?= 7860
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench install install-dev clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# A stamp per extra set: reinstall only when pyproject.toml changed since the last install.
+$(VENV)/.stamp-all: pyproject.toml | $(PY)
+	$(PIP) install -e ".[all]"
+	touch $@
+
+$(VENV)/.stamp-dev: pyproject.toml | $(PY)
+	$(PIP) install -e ".[all,dev]"
+	touch $@ $(VENV)/.stamp-all
+
+install: $(VENV)/.stamp-all
+install-dev: $(VENV)/.stamp-dev
+
+demo: $(VENV)/.stamp-all
+	$(PY) -m apps --host $(HOST) --port $(PORT)
+
+# pytest exits 5 when it collected no test: that is a broken setup, never a pass.
+test: $(VENV)/.stamp-dev
+	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (setup problem)" >&2; exit 1; fi; \
+	exit $$rc
+
+bench: $(VENV)/.stamp-dev
+	$(PY) -m benchmarks.run_cpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,100 @@
+"""Gradio faces of longctx: one demo per app and the hub that mounts them all.
+
+The registry below is the explicit list of apps the hub shows. Importing this package does no work:
+each app's UI module is imported only when the hub (or ``python -m apps.<key>``) builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AppSpec", "REGISTRY", "get_app"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppSpec:
+    """One app of the suite, as the hub and the tests see it."""
+
+    key: str  # short id: tab id, element-id prefix (`{key}-example`, `{key}-status`), api_name prefix
+    title: str  # tab label
+    summary: str  # one line for the overview tab
+    package: str  # where its code lives
+    ui_module: str | None  # module exposing `build_ui()`; None while the app has no demo yet
+    status: str  # what works today, said plainly
+    example_expect: str = "Done"  # text that `#{key}-status` shows after the bundled example ran
+
+
+REGISTRY: tuple[AppSpec, ...] = (
+    AppSpec(
+        key="attention",
+        title="Attention core",
+        summary="One attention() entry point with reference, SDPA, chunked and Triton backends; block-sparse top-k attention.",
+        package="core/, kernels/",
+        ui_module=None,
+        status="in progress",
+    ),
+    AppSpec(
+        key="tabicl",
+        title="TabICL",
+        summary="In-context classification of large tables, scikit-learn compatible.",
+        package="tabular/",
+        ui_module=None,
+        status="in progress",
+    ),
+    AppSpec(
+        key="querent",
+        title="Querent",
+        summary="Query-aware sparse attention over gigapixel whole-slide images, with the slide pipeline around it.",
+        package="pathology/",
+        ui_module=None,
+        status="in progress",
+    ),
+    AppSpec(
+        key="infinite_video",
+        title="∞-Video",
+        summary="Continuous-time long-term memory for video Q-formers: any video length in bounded memory.",
+        package="video/",
+        ui_module=None,
+        status="in progress",
+    ),
+    AppSpec(
+        key="decision_mixer",
+        title="Decision Mixer",
+        summary="Offline RL with dynamic token selection, datasets and training runs.",
+        package="rl/",
+        ui_module=None,
+        status="in progress",
+    ),
+    AppSpec(
+        key="comemo",
+        title="CoMemo",
+        summary="Dual-path vision-language model (image context + gated cross-attention memory) with RoPE-DHR.",
+        package="apps/comemo/",
+        ui_module=None,
+        status="planned",
+    ),
+    AppSpec(
+        key="emloc",
+        title="EMLoC",
+        summary="Training-free multimodal long-context compression of demonstrations under a JS-divergence bound.",
+        package="apps/emloc/",
+        ui_module=None,
+        status="planned",
+    ),
+    AppSpec(
+        key="ncal",
+        title="NCAL",
+        summary="Neural-collapse regularization for long-tailed educational text classification.",
+        package="apps/ncal/",
+        ui_module=None,
+        status="planned",
+    ),
+)
+
+
+def get_app(key: str) -> AppSpec:
+    """Look an app up by key; ``ValueError`` lists the known keys."""
+    for spec in REGISTRY:
+        if spec.key == key:
+            return spec
+    raise ValueError(f"unknown app {key!r}; known apps: {[s.key for s in REGISTRY]}")

@@ -1,0 +1,6 @@
+"""``python -m apps``: serve the demo hub on 127.0.0.1:7860."""
+
+from apps.hub import main
+
+if __name__ == "__main__":
+    main()

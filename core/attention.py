@@ -1,0 +1,213 @@
+"""One attention entry point with explicit backends.
+
+Layout everywhere is ``(B, H, S, D)``: batch, heads, sequence, head dim. Queries may have a different
+length from keys/values, and key/value heads may be fewer than query heads (grouped-query attention):
+``H_q`` must be a multiple of ``H_kv``; query head ``h`` reads key/value head ``h // (H_q // H_kv)``.
+
+Mask semantics:
+    causal: query ``i`` sees key ``j`` iff ``j <= i + (S_k - S_q)`` (bottom-right aligned, as in
+        FlashAttention), so a query block appended after a cached prefix sees the whole prefix.
+    key_padding_mask: bool ``(B, S_k)``, ``True`` marks a *padded* key that no query may attend to
+        (the convention of ``torch.nn.MultiheadAttention``).
+    attn_bias: float tensor broadcastable to ``(B, H_q, S_q, S_k)``, added to the scaled scores.
+
+A query row whose keys are all masked returns zeros (not NaN) in every backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["attention", "BACKENDS", "AttentionInputs", "choose_backend", "prepare_inputs"]
+
+
+@dataclass(kw_only=True)
+class AttentionInputs:
+    """Validated attention arguments handed to a backend."""
+
+    q: torch.Tensor  # (B, Hq, Sq, D)
+    k: torch.Tensor  # (B, Hkv, Sk, D)
+    v: torch.Tensor  # (B, Hkv, Sk, Dv)
+    causal: bool
+    key_padding_mask: torch.Tensor | None  # (B, Sk) bool, True = padded
+    attn_bias: torch.Tensor | None  # broadcastable to (B, Hq, Sq, Sk)
+    scale: float
+
+    @property
+    def groups(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+
+def prepare_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> AttentionInputs:
+    """Check shapes, dtypes and devices; raise ``ValueError`` naming what is wrong."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have layout (B, H, S, D), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"attention needs floating-point inputs, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, Sq, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, H, S)")
+    if k.shape[3] != D:
+        raise ValueError(f"q head dim ({D}) must equal k head dim ({k.shape[3]})")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"key/value heads ({Hkv}) must divide query heads ({Hq})")
+    Sk = k.shape[2]
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be bool (True = padded), got {key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (B, Sk):
+            raise ValueError(f"key_padding_mask must have shape (B, S_k) = ({B}, {Sk}), got {tuple(key_padding_mask.shape)}")
+        key_padding_mask = key_padding_mask.to(q.device)
+    if attn_bias is not None:
+        if not attn_bias.dtype.is_floating_point:
+            raise ValueError(f"attn_bias must be a float tensor, got {attn_bias.dtype}")
+        try:
+            torch.broadcast_shapes(attn_bias.shape, (B, Hq, Sq, Sk))
+        except RuntimeError:
+            raise ValueError(
+                f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to (B, H, S_q, S_k) = {(B, Hq, Sq, Sk)}"
+            ) from None
+        attn_bias = attn_bias.to(q.device)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    return AttentionInputs(
+        q=q, k=k, v=v, causal=causal, key_padding_mask=key_padding_mask, attn_bias=attn_bias, scale=float(scale)
+    )
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv * groups, S, D) by repeating each head ``groups`` times."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def causal_keep(sq: int, sk: int, device: torch.device | None = None, q_offset: int = 0, k_offset: int = 0) -> torch.Tensor:
+    """Bool ``(sq, sk)``: True where query ``q_offset + i`` may see key ``k_offset + j`` (bottom-right aligned)."""
+    qi = torch.arange(q_offset, q_offset + sq, device=device)[:, None]
+    kj = torch.arange(k_offset, k_offset + sk, device=device)[None, :]
+    return kj <= qi  # caller passes offsets already shifted by (S_k - S_q)
+
+
+def _reference(a: AttentionInputs) -> torch.Tensor:
+    """Plain fp32 math: the ground truth every other backend is tested against."""
+    out_dtype = a.q.dtype
+    q = a.q.float()
+    k = _expand_kv(a.k.float(), a.groups)
+    v = _expand_kv(a.v.float(), a.groups)
+    Sq, Sk = q.shape[2], k.shape[2]
+    scores_BHQK = torch.matmul(q, k.transpose(-1, -2)) * a.scale
+    if a.attn_bias is not None:
+        scores_BHQK = scores_BHQK + a.attn_bias.float()
+    keep = torch.ones(1, 1, Sq, Sk, dtype=torch.bool, device=q.device)
+    if a.causal:
+        keep = keep & causal_keep(Sq, Sk, q.device, q_offset=Sk - Sq)[None, None]
+    if a.key_padding_mask is not None:
+        keep = keep & ~a.key_padding_mask[:, None, None, :]
+    scores_BHQK = scores_BHQK.masked_fill(~keep, float("-inf"))
+    row_max = scores_BHQK.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores_BHQK - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out.to(out_dtype)
+
+
+def _sdpa(a: AttentionInputs) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` with our mask semantics."""
+    q, k, v = a.q, a.k, a.v
+    Sq, Sk = q.shape[2], k.shape[2]
+    mask = None
+    if a.causal and not (a.key_padding_mask is not None or a.attn_bias is not None) and Sq == Sk:
+        is_causal = True
+    else:
+        is_causal = False
+        keep = None
+        if a.causal:
+            keep = causal_keep(Sq, Sk, q.device, q_offset=Sk - Sq)[None, None]
+        if a.key_padding_mask is not None:
+            kp = ~a.key_padding_mask[:, None, None, :]
+            keep = kp if keep is None else keep & kp
+        if a.attn_bias is not None:
+            mask = a.attn_bias.to(q.dtype)
+            if keep is not None:
+                mask = mask.masked_fill(~keep, float("-inf"))
+        elif keep is not None:
+            mask = keep
+    if a.groups > 1:
+        k, v = _expand_kv(k, a.groups), _expand_kv(v, a.groups)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=a.scale)
+    if mask is not None or is_causal:
+        # Fully masked rows come back as NaN from SDPA; our contract is zeros.
+        out = torch.nan_to_num(out, nan=0.0)
+    return out
+
+
+#: The backend table: name -> function of validated inputs. Registered explicitly, nothing discovered.
+BACKENDS: dict[str, Callable[[AttentionInputs], torch.Tensor]] = {
+    "reference": _reference,
+    "sdpa": _sdpa,
+}
+
+
+def choose_backend(a: AttentionInputs) -> str:
+    """The ``auto`` rule (see module docs): currently SDPA for every input."""
+    return "sdpa"
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Scaled dot-product attention, ``softmax(q kᵀ · scale + bias) v``.
+
+    Args:
+        q: queries ``(B, H_q, S_q, D)``.
+        k: keys ``(B, H_kv, S_k, D)``, ``H_kv`` divides ``H_q``.
+        v: values ``(B, H_kv, S_k, D_v)``.
+        causal: bottom-right aligned causal mask (see module docs).
+        key_padding_mask: bool ``(B, S_k)``, True = padded key.
+        attn_bias: additive float bias broadcastable to ``(B, H_q, S_q, S_k)``.
+        scale: score scale, default ``1/sqrt(D)``.
+        backend: ``"auto"`` or a name in ``BACKENDS``.
+
+    Returns:
+        ``(B, H_q, S_q, D_v)`` in the dtype of ``q``.
+    """
+    a = prepare_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_bias=attn_bias, scale=scale)
+    name = choose_backend(a) if backend == "auto" else backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}")
+    return BACKENDS[name](a)
