@@ -1,0 +1,504 @@
+"""Transformer blocks built on :func:`core.attention.attention`.
+
+Public names (all importable from here):
+
+- :class:`MLP`, :class:`MultiHeadAttention`, :func:`set_attention_backend` (defined in :mod:`core.mha`)
+- :class:`SelfAttentionBlock`: pre-norm (or post-norm) self-attention + MLP with residuals.
+- :class:`CrossAttentionBlock`: cross-attention to a context + MLP with residuals.
+- :class:`GatedCrossAttentionBlock`: tanh-gated cross-attention + FFN; the identity at initialisation.
+- :class:`InducedSetAttentionBlock`: Set Transformer ISAB whose inducing points read training rows only.
+- :class:`QFormerBlock`: learned queries: self-attention, (replaceable) cross-attention to context, FFN.
+
+Layouts: tokens ``(B, S, dim)``. Masks follow :mod:`core.attention` (bool ``key_padding_mask`` with
+``True`` = padded; additive ``attn_bias`` broadcastable to ``(B, H, S_q, S_k)``; bottom-right ``causal``).
+Every block has a ``backend`` attribute: reading it gives the backend of its attention layers, setting it
+sets all of them. RoPE tables are ``(cos, sin)`` pairs from :mod:`core.rope`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from core.mha import ACTIVATIONS, MLP, MultiHeadAttention, RopeTables, check_backend, set_attention_backend
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ACTIVATIONS",
+    "MLP",
+    "MultiHeadAttention",
+    "set_attention_backend",
+    "SelfAttentionBlock",
+    "CrossAttentionBlock",
+    "GatedCrossAttentionBlock",
+    "InducedSetAttentionBlock",
+    "QFormerBlock",
+    "CrossAttentionHook",
+]
+
+
+def _hidden_dim(dim: int, mlp_ratio: float, mlp_hidden_dim: int | None) -> int:
+    if mlp_hidden_dim is not None:
+        if not (isinstance(mlp_hidden_dim, int) and mlp_hidden_dim > 0):
+            raise ValueError(f"mlp_hidden_dim must be a positive int, got {mlp_hidden_dim!r}")
+        return mlp_hidden_dim
+    if not mlp_ratio > 0:
+        raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio}")
+    return max(1, int(round(dim * mlp_ratio)))
+
+
+class _HasBackend:
+    """``backend`` property shared by the blocks: get = first attention layer's, set = all of them."""
+
+    @property
+    def backend(self) -> str:
+        for m in self.modules():  # type: ignore[attr-defined]
+            if isinstance(m, MultiHeadAttention):
+                return m.backend
+        raise AttributeError("block has no attention layer")
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        set_attention_backend(self, check_backend(name))  # type: ignore[arg-type]
+
+
+class SelfAttentionBlock(_HasBackend, nn.Module):
+    """Self-attention + MLP, each with a residual.
+
+    Pre-norm (``norm_first=True``): ``x += Attn(LN x); x += MLP(LN x)``.
+    Post-norm: ``x = LN(x + Attn x); x = LN(x + MLP x)``.
+
+    Args:
+        dim: token features.
+        num_heads: attention heads.
+        mlp_ratio: MLP hidden size as a multiple of ``dim`` (ignored if ``mlp_hidden_dim`` is given).
+        mlp_hidden_dim: explicit MLP hidden size.
+        activation: MLP activation (see ``core.mha.ACTIVATIONS``).
+        num_kv_heads: key/value heads for grouped-query attention (default ``num_heads``).
+        dropout: dropout on the attention output and inside the MLP.
+        norm_first: pre-norm (True) or post-norm (False).
+        norm_eps: LayerNorm epsilon.
+        bias: biases on the projections.
+        backend: attention backend (see :mod:`core.attention`).
+        device, dtype: parameter factory arguments.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        mlp_ratio: float = 4.0,
+        mlp_hidden_dim: int | None = None,
+        activation: str = "gelu",
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        norm_eps: float = 1e-5,
+        bias: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.norm_first = norm_first
+        self.attn = MultiHeadAttention(
+            dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, backend=backend, **fk
+        )
+        self.mlp = MLP(dim, _hidden_dim(dim, mlp_ratio, mlp_hidden_dim), dropout=dropout, activation=activation, bias=bias, **fk)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_bias: torch.Tensor | None = None,
+        rope: RopeTables | None = None,
+    ) -> torch.Tensor:
+        """``(B, S, dim) -> (B, S, dim)``; masks and ``rope`` as in :meth:`MultiHeadAttention.forward`.
+
+        A padded position is still computed (it attends to the unpadded keys); ignore its output.
+        """
+        kw = {"causal": causal, "key_padding_mask": key_padding_mask, "attn_bias": attn_bias, "rope": rope}
+        if self.norm_first:
+            x_BSD = x_BSD + self.attn(self.norm1(x_BSD), **kw)
+            return x_BSD + self.mlp(self.norm2(x_BSD))
+        x_BSD = self.norm1(x_BSD + self.attn(x_BSD, **kw))
+        return self.norm2(x_BSD + self.mlp(x_BSD))
+
+
+class CrossAttentionBlock(_HasBackend, nn.Module):
+    """Cross-attention from ``x`` to a context, then an MLP, each with a residual.
+
+    Pre-norm: ``x += Attn(LN x, C); x += MLP(LN x)`` with ``C = LN_c(context)`` if ``norm_context`` else
+    ``context``. Post-norm: ``x = LN(x + Attn(x, C)); x = LN(x + MLP x)``.
+
+    Args:
+        dim: features of ``x``.
+        num_heads: attention heads.
+        context_dim: context features (default ``dim``).
+        norm_context: LayerNorm the context before the key/value projections.
+        mlp_ratio, mlp_hidden_dim, activation, num_kv_heads, dropout, norm_first, norm_eps, bias, backend,
+        device, dtype: as in :class:`SelfAttentionBlock`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        context_dim: int | None = None,
+        norm_context: bool = False,
+        mlp_ratio: float = 4.0,
+        mlp_hidden_dim: int | None = None,
+        activation: str = "gelu",
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        norm_eps: float = 1e-5,
+        bias: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        context_dim = dim if context_dim is None else context_dim
+        self.norm_first = norm_first
+        self.attn = MultiHeadAttention(
+            dim, num_heads, kv_dim=context_dim, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout,
+            backend=backend, **fk,
+        )
+        self.mlp = MLP(dim, _hidden_dim(dim, mlp_ratio, mlp_hidden_dim), dropout=dropout, activation=activation, bias=bias, **fk)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm_context = nn.LayerNorm(context_dim, eps=norm_eps, **fk) if norm_context else nn.Identity()
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        context_BND: torch.Tensor,
+        *,
+        context_padding_mask: torch.Tensor | None = None,
+        attn_bias: torch.Tensor | None = None,
+        q_rope: RopeTables | None = None,
+        k_rope: RopeTables | None = None,
+    ) -> torch.Tensor:
+        """``x (B, S, dim)``, ``context (B, N, context_dim)`` -> ``(B, S, dim)``.
+
+        ``context_padding_mask``: bool ``(B, N)``, True = padded context token. A query whose context is
+        entirely padded gets a zero attention update.
+        """
+        ctx = self.norm_context(context_BND)
+        kw = {"key_padding_mask": context_padding_mask, "attn_bias": attn_bias, "q_rope": q_rope, "k_rope": k_rope}
+        if self.norm_first:
+            x_BSD = x_BSD + self.attn(self.norm1(x_BSD), ctx, **kw)
+            return x_BSD + self.mlp(self.norm2(x_BSD))
+        x_BSD = self.norm1(x_BSD + self.attn(x_BSD, ctx, **kw))
+        return self.norm2(x_BSD + self.mlp(x_BSD))
+
+
+class GatedCrossAttentionBlock(_HasBackend, nn.Module):
+    """Tanh-gated cross-attention block (Flamingo / CoMemo memory path), pre-norm.
+
+    ``x += tanh(g_attn) · XAttn(LN x, C)``; ``x += tanh(g_ff) · FFN(LN x)``, with scalar gates
+    ``attn_gate`` and ``ff_gate`` initialised to ``gate_init`` (0: the block is the identity at
+    initialisation, so it can be inserted into a trained network without changing it).
+
+    Args:
+        dim: features of ``x`` (e.g. the language model's hidden size).
+        num_heads: attention heads.
+        context_dim: features of the context (e.g. image tokens), default ``dim``.
+        norm_context: LayerNorm the context before the key/value projections.
+        gate_init: initial value of both gates (before tanh).
+        mlp_ratio, mlp_hidden_dim, activation, num_kv_heads, dropout, norm_eps, bias, backend, device,
+        dtype: as in :class:`SelfAttentionBlock`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        context_dim: int | None = None,
+        norm_context: bool = False,
+        gate_init: float = 0.0,
+        mlp_ratio: float = 4.0,
+        mlp_hidden_dim: int | None = None,
+        activation: str = "gelu",
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        norm_eps: float = 1e-5,
+        bias: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        context_dim = dim if context_dim is None else context_dim
+        self.attn = MultiHeadAttention(
+            dim, num_heads, kv_dim=context_dim, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout,
+            backend=backend, **fk,
+        )
+        self.mlp = MLP(dim, _hidden_dim(dim, mlp_ratio, mlp_hidden_dim), dropout=dropout, activation=activation, bias=bias, **fk)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm_context = nn.LayerNorm(context_dim, eps=norm_eps, **fk) if norm_context else nn.Identity()
+        self.attn_gate = nn.Parameter(torch.full((), float(gate_init), **fk))
+        self.ff_gate = nn.Parameter(torch.full((), float(gate_init), **fk))
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        context_BND: torch.Tensor,
+        *,
+        context_padding_mask: torch.Tensor | None = None,
+        attn_bias: torch.Tensor | None = None,
+        q_rope: RopeTables | None = None,
+        k_rope: RopeTables | None = None,
+    ) -> torch.Tensor:
+        """``x (B, S, dim)``, ``context (B, N, context_dim)`` -> ``(B, S, dim)``.
+
+        ``q_rope``/``k_rope``: RoPE tables for the queries (text positions) and keys (image positions,
+        e.g. from :func:`core.rope.rope_dhr_position_ids`). ``attn_bias`` can restrict which context
+        tokens each query sees (e.g. ``-inf`` for images that come later in the text).
+        """
+        ctx = self.norm_context(context_BND)
+        attn_out = self.attn(
+            self.norm1(x_BSD), ctx, key_padding_mask=context_padding_mask, attn_bias=attn_bias,
+            q_rope=q_rope, k_rope=k_rope,
+        )
+        x_BSD = x_BSD + torch.tanh(self.attn_gate) * attn_out
+        return x_BSD + torch.tanh(self.ff_gate) * self.mlp(self.norm2(x_BSD))
+
+
+def _non_train_mask(
+    x_BND: torch.Tensor, n_train: int | torch.Tensor | None, train_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Bool ``(B, N)``: True for rows the inducing points must NOT read (non-train rows); None = all train."""
+    B, N = x_BND.shape[:2]
+    if n_train is not None and train_mask is not None:
+        raise ValueError("pass either n_train or train_mask, not both")
+    if train_mask is not None:
+        if train_mask.dtype != torch.bool:
+            raise ValueError(f"train_mask must be bool (True = train row), got {train_mask.dtype}")
+        if train_mask.dim() == 1:
+            train_mask = train_mask[None].expand(B, -1)
+        if tuple(train_mask.shape) != (B, N):
+            raise ValueError(f"train_mask must have shape (N,) or (B, N) = ({B}, {N}), got {tuple(train_mask.shape)}")
+        return ~train_mask.to(x_BND.device)
+    if n_train is None:
+        return None
+    rows = torch.arange(N, device=x_BND.device)
+    if isinstance(n_train, torch.Tensor):
+        if n_train.dim() == 0:
+            n_train = n_train[None].expand(B)
+        if tuple(n_train.shape) != (B,) or n_train.dtype.is_floating_point:
+            raise ValueError(f"n_train tensor must be integer of shape (B,) = ({B},), got {n_train.dtype} {tuple(n_train.shape)}")
+        n = n_train.to(x_BND.device)
+        if bool(((n < 0) | (n > N)).any()):
+            raise ValueError(f"n_train values must lie in [0, {N}], got {n.tolist()}")
+        return rows[None, :] >= n[:, None]
+    if not (isinstance(n_train, int) and 0 <= n_train <= N):
+        raise ValueError(f"n_train must be an int in [0, N={N}], got {n_train!r}")
+    return (rows >= n_train)[None].expand(B, N)
+
+
+class InducedSetAttentionBlock(_HasBackend, nn.Module):
+    """Induced set attention block (Set Transformer ISAB) with train-only inducing summaries.
+
+    ``H = MAB(I, X_train)`` (learned inducing points ``I`` attend to the training rows only), then
+    ``out = MAB(X, H)`` (every row, train or test, attends to the summary ``H``). Each MAB is a
+    :class:`CrossAttentionBlock` with a LayerNorm on its context. Cost is linear in the number of rows, and
+    a test row influences only its own output: no test-to-train leakage, and test rows are independent.
+
+    Args:
+        dim: row features.
+        num_heads: attention heads.
+        num_inducing: inducing points ``M`` (TabICL: 128).
+        mlp_ratio, mlp_hidden_dim, activation, dropout, norm_first, norm_eps, bias, backend, device, dtype:
+            as in :class:`SelfAttentionBlock`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_inducing: int,
+        *,
+        mlp_ratio: float = 4.0,
+        mlp_hidden_dim: int | None = None,
+        activation: str = "gelu",
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        norm_eps: float = 1e-5,
+        bias: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(num_inducing, int) and num_inducing > 0):
+            raise ValueError(f"num_inducing must be a positive int, got {num_inducing!r}")
+        fk = {"device": device, "dtype": dtype}
+        kw = dict(
+            norm_context=True, mlp_ratio=mlp_ratio, mlp_hidden_dim=mlp_hidden_dim, activation=activation,
+            dropout=dropout, norm_first=norm_first, norm_eps=norm_eps, bias=bias, backend=backend, **fk,
+        )
+        self.num_inducing = num_inducing
+        self.inducing = nn.Parameter(torch.empty(num_inducing, dim, **fk))  # (M, dim) learned queries I
+        nn.init.xavier_uniform_(self.inducing)
+        self.induce_block = CrossAttentionBlock(dim, num_heads, **kw)  # MAB(I, X_train)
+        self.broadcast_block = CrossAttentionBlock(dim, num_heads, **kw)  # MAB(X, H)
+
+    def induce(
+        self,
+        x_BND: torch.Tensor,
+        *,
+        n_train: int | torch.Tensor | None = None,
+        train_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inducing summary ``H = MAB(I, X_train)``: ``(B, N, dim) -> (B, M, dim)``.
+
+        Args:
+            x_BND: rows of each set.
+            n_train: the first ``n_train`` rows are training rows: an int, or an int tensor ``(B,)`` per set.
+            train_mask: bool ``(N,)`` or ``(B, N)``, True = training row (alternative to ``n_train``).
+                With neither, every row counts as a training row. A set without training rows gets a
+                summary that depends on no row.
+        """
+        if x_BND.dim() != 3:
+            raise ValueError(f"ISAB input must be (B, N, dim), got shape {tuple(x_BND.shape)}")
+        masked = _non_train_mask(x_BND, n_train, train_mask)
+        queries = self.inducing.to(x_BND.dtype)[None].expand(x_BND.shape[0], -1, -1)  # (B, M, dim)
+        return self.induce_block(queries, x_BND, context_padding_mask=masked)
+
+    def forward(
+        self,
+        x_BND: torch.Tensor,
+        *,
+        n_train: int | torch.Tensor | None = None,
+        train_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(B, N, dim) -> (B, N, dim)``; ``n_train`` / ``train_mask`` as in :meth:`induce`."""
+        summary_BMD = self.induce(x_BND, n_train=n_train, train_mask=train_mask)
+        return self.broadcast_block(x_BND, summary_BMD)
+
+
+class CrossAttentionHook(Protocol):
+    """Replacement for :class:`QFormerBlock`'s cross-attention.
+
+    Called as ``hook(attn, queries_BQD, context_BND, context_padding_mask)`` where ``attn`` is the block's
+    :class:`MultiHeadAttention` (``attn.project_q``, ``attn.project_kv``, ``attn.attend``, ``attn.merge``
+    reuse its projections), ``queries_BQD`` are the LayerNormed queries, ``context_BND`` the context as the
+    default path would see it (after ``norm_context``; None if the caller passed None) and
+    ``context_padding_mask`` the bool ``(B, N)`` mask or None. Returns the attended values ``(B, Q, dim)``
+    (after the output projection), which the block adds to the queries as its residual update.
+    """
+
+    def __call__(
+        self,
+        attn: MultiHeadAttention,
+        queries_BQD: torch.Tensor,
+        context_BND: torch.Tensor | None,
+        context_padding_mask: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+class QFormerBlock(_HasBackend, nn.Module):
+    """Q-former block for learned queries, pre-norm: self-attention, cross-attention to context, FFN.
+
+    ``q += SelfAttn(LN q); q += XAttn(LN q, C); q += FFN(LN q)``. The cross-attention can be replaced per
+    call (``cross_attn=hook``, see :class:`CrossAttentionHook`), e.g. to mix ordinary attention over the
+    current video chunk with a continuous long-term memory read through the same key/value projections::
+
+        def hook(attn, q_BQD, ctx_BND, pad):
+            short = attn(q_BQD, ctx_BND, key_padding_mask=pad)        # ordinary cross-attention
+            q = attn.project_q(q_BQD)                                 # (B, H, Q, hd)
+            long = attn.merge(memory_read(q, attn.k_proj, attn.v_proj))  # (B, Q, dim)
+            return alpha * short + (1 - alpha) * long
+
+    Args:
+        dim: query features.
+        num_heads: attention heads (self and cross).
+        context_dim: context features (default ``dim``).
+        norm_context: LayerNorm the context before the cross-attention's key/value projections.
+        mlp_ratio, mlp_hidden_dim, activation, dropout, norm_eps, bias, backend, device, dtype: as in
+            :class:`SelfAttentionBlock`.
+
+    Attributes:
+        self_attn, cross_attn: :class:`MultiHeadAttention` layers; ``cross_attn.project_kv(context)`` gives
+            the cross-attention keys and values.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        context_dim: int | None = None,
+        norm_context: bool = False,
+        mlp_ratio: float = 4.0,
+        mlp_hidden_dim: int | None = None,
+        activation: str = "gelu",
+        dropout: float = 0.0,
+        norm_eps: float = 1e-5,
+        bias: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        context_dim = dim if context_dim is None else context_dim
+        self.self_attn = MultiHeadAttention(dim, num_heads, bias=bias, dropout=dropout, backend=backend, **fk)
+        self.cross_attn = MultiHeadAttention(
+            dim, num_heads, kv_dim=context_dim, bias=bias, dropout=dropout, backend=backend, **fk
+        )
+        self.mlp = MLP(dim, _hidden_dim(dim, mlp_ratio, mlp_hidden_dim), dropout=dropout, activation=activation, bias=bias, **fk)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm3 = nn.LayerNorm(dim, eps=norm_eps, **fk)
+        self.norm_context = nn.LayerNorm(context_dim, eps=norm_eps, **fk) if norm_context else nn.Identity()
+
+    def forward(
+        self,
+        queries_BQD: torch.Tensor,
+        context_BND: torch.Tensor | None,
+        *,
+        context_padding_mask: torch.Tensor | None = None,
+        cross_attn: CrossAttentionHook | None = None,
+    ) -> torch.Tensor:
+        """``queries (B, Q, dim)``, ``context (B, N, context_dim)`` -> ``(B, Q, dim)``.
+
+        Args:
+            queries_BQD: query tokens.
+            context_BND: context tokens (may be None only when ``cross_attn`` is given).
+            context_padding_mask: bool ``(B, N)``, True = padded context token.
+            cross_attn: optional hook replacing the cross-attention (see :class:`CrossAttentionHook`).
+        """
+        if queries_BQD.dim() != 3:
+            raise ValueError(f"queries must be (B, Q, dim), got shape {tuple(queries_BQD.shape)}")
+        q = queries_BQD + self.self_attn(self.norm1(queries_BQD))
+        ctx = None if context_BND is None else self.norm_context(context_BND)
+        normed = self.norm2(q)
+        if cross_attn is None:
+            if ctx is None:
+                raise ValueError("QFormerBlock needs a context tensor unless a cross_attn hook is given")
+            update = self.cross_attn(normed, ctx, key_padding_mask=context_padding_mask)
+        else:
+            update = cross_attn(self.cross_attn, normed, ctx, context_padding_mask)
+            if not isinstance(update, torch.Tensor) or update.shape != normed.shape:
+                got = tuple(update.shape) if isinstance(update, torch.Tensor) else type(update).__name__
+                raise ValueError(f"cross_attn hook must return a tensor of shape {tuple(normed.shape)}, got {got}")
+        q = q + update
+        return q + self.mlp(self.norm3(q))
