@@ -12,10 +12,30 @@ Mask semantics:
     attn_bias: float tensor broadcastable to ``(B, H_q, S_q, S_k)``, added to the scaled scores.
 
 A query row whose keys are all masked returns zeros (not NaN) in every backend.
+
+Backends (the ``BACKENDS`` table, registered explicitly):
+    reference: plain math in float32 (float64 for double inputs), the ground truth.
+    sdpa: ``torch.nn.functional.scaled_dot_product_attention``; masks become a dense ``(B, H, S_q, S_k)``
+        mask, so memory grows with ``S_q · S_k``.
+    chunked: online softmax over query and key chunks (:mod:`core.attention_chunked`), exact, memory
+        ``O(S · chunk)`` in forward and backward (scores are recomputed in backward); any length on a CPU.
+        Chunk sizes per call: ``q_chunk_size`` / ``k_chunk_size``.
+    triton: the fused kernel ``kernels.flash_attention`` (imported on first use), CUDA tensors only.
+
+The ``auto`` rule (:func:`choose_backend`), in order:
+    1. CUDA tensors, float16/bfloat16, head dim 16..128 (same for q and v), no ``attn_bias`` and Triton
+       installed -> ``triton``; if the kernel still declines the input (``ValueError``), go on with rule 2.
+    2. the dense score matrix, ``B · H_q · S_q · S_k · 4`` bytes, fits the memory budget -> ``sdpa``.
+       The budget is ``DEFAULT_MEMORY_BUDGET`` (512 MiB) unless the call passes ``memory_budget=`` (bytes).
+    3. otherwise -> ``chunked``.
+There is no process-wide switch: choose per call (``backend=``) or per module attribute.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import logging
 import math
 from collections.abc import Callable
@@ -24,9 +44,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from core.attention_chunked import chunked_attention
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention", "BACKENDS", "AttentionInputs", "choose_backend", "prepare_inputs"]
+__all__ = [
+    "attention",
+    "BACKENDS",
+    "AttentionInputs",
+    "choose_backend",
+    "prepare_inputs",
+    "dense_score_bytes",
+    "DEFAULT_MEMORY_BUDGET",
+]
+
+#: Largest dense score matrix (bytes, counted as fp32) that ``auto`` hands to ``sdpa``; per call: ``memory_budget=``.
+DEFAULT_MEMORY_BUDGET = 512 * 2**20
+#: Head dims the Triton kernel is chosen for by ``auto``.
+TRITON_HEAD_DIMS = (16, 128)
 
 
 @dataclass(kw_only=True)
@@ -40,6 +75,8 @@ class AttentionInputs:
     key_padding_mask: torch.Tensor | None  # (B, Sk) bool, True = padded
     attn_bias: torch.Tensor | None  # broadcastable to (B, Hq, Sq, Sk)
     scale: float
+    q_chunk_size: int | None = None  # chunked backend: queries per chunk (None = its default)
+    k_chunk_size: int | None = None  # chunked backend: keys per chunk (None = its default)
 
     @property
     def groups(self) -> int:
@@ -55,6 +92,8 @@ def prepare_inputs(
     key_padding_mask: torch.Tensor | None = None,
     attn_bias: torch.Tensor | None = None,
     scale: float | None = None,
+    q_chunk_size: int | None = None,
+    k_chunk_size: int | None = None,
 ) -> AttentionInputs:
     """Check shapes, dtypes and devices; raise ``ValueError`` naming what is wrong."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -97,8 +136,19 @@ def prepare_inputs(
         attn_bias = attn_bias.to(q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    for name, size in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {size!r}")
     return AttentionInputs(
-        q=q, k=k, v=v, causal=causal, key_padding_mask=key_padding_mask, attn_bias=attn_bias, scale=float(scale)
+        q=q,
+        k=k,
+        v=v,
+        causal=bool(causal),
+        key_padding_mask=key_padding_mask,
+        attn_bias=attn_bias,
+        scale=float(scale),
+        q_chunk_size=q_chunk_size,
+        k_chunk_size=k_chunk_size,
     )
 
 
@@ -115,15 +165,16 @@ def causal_keep(sq: int, sk: int, device: torch.device | None = None, q_offset: 
 
 
 def _reference(a: AttentionInputs) -> torch.Tensor:
-    """Plain fp32 math: the ground truth every other backend is tested against."""
+    """Plain fp32 math (fp64 for double inputs): the ground truth every other backend is tested against."""
     out_dtype = a.q.dtype
-    q = a.q.float()
-    k = _expand_kv(a.k.float(), a.groups)
-    v = _expand_kv(a.v.float(), a.groups)
+    cdtype = torch.promote_types(out_dtype, torch.float32)
+    q = a.q.to(cdtype)
+    k = _expand_kv(a.k.to(cdtype), a.groups)
+    v = _expand_kv(a.v.to(cdtype), a.groups)
     Sq, Sk = q.shape[2], k.shape[2]
     scores_BHQK = torch.matmul(q, k.transpose(-1, -2)) * a.scale
     if a.attn_bias is not None:
-        scores_BHQK = scores_BHQK + a.attn_bias.float()
+        scores_BHQK = scores_BHQK + a.attn_bias.to(cdtype)
     keep = torch.ones(1, 1, Sq, Sk, dtype=torch.bool, device=q.device)
     if a.causal:
         keep = keep & causal_keep(Sq, Sk, q.device, q_offset=Sk - Sq)[None, None]
@@ -143,6 +194,7 @@ def _sdpa(a: AttentionInputs) -> torch.Tensor:
     q, k, v = a.q, a.k, a.v
     Sq, Sk = q.shape[2], k.shape[2]
     mask = None
+    row_has_key = None
     if a.causal and not (a.key_padding_mask is not None or a.attn_bias is not None) and Sq == Sk:
         is_causal = True
     else:
@@ -153,31 +205,111 @@ def _sdpa(a: AttentionInputs) -> torch.Tensor:
         if a.key_padding_mask is not None:
             kp = ~a.key_padding_mask[:, None, None, :]
             keep = kp if keep is None else keep & kp
+        if keep is not None:
+            # Rows that see no key: let them see everything, then zero them, so that neither the output
+            # nor the gradients carry SDPA's NaN for an all -inf row.
+            row_has_key = keep.any(dim=-1, keepdim=True)  # (B|1, 1, Sq, 1)
+            if bool(row_has_key.all()):
+                row_has_key = None
+            else:
+                keep = keep | ~row_has_key
         if a.attn_bias is not None:
             mask = a.attn_bias.to(q.dtype)
             if keep is not None:
                 mask = mask.masked_fill(~keep, float("-inf"))
         elif keep is not None:
             mask = keep
-    if a.groups > 1:
-        k, v = _expand_kv(k, a.groups), _expand_kv(v, a.groups)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=a.scale)
-    if mask is not None or is_causal:
-        # Fully masked rows come back as NaN from SDPA; our contract is zeros.
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=a.scale, enable_gqa=a.groups > 1
+    )
+    if row_has_key is not None:
+        out = torch.where(row_has_key, out, 0.0)
+    if a.attn_bias is not None:
+        # A bias that is -inf over a whole row makes SDPA return NaN there; our contract is zeros.
         out = torch.nan_to_num(out, nan=0.0)
     return out
+
+
+def _chunked(a: AttentionInputs) -> torch.Tensor:
+    """Online softmax over query/key chunks with recompute in backward (see :mod:`core.attention_chunked`)."""
+    return chunked_attention(
+        a.q,
+        a.k,
+        a.v,
+        causal=a.causal,
+        key_padding_mask=a.key_padding_mask,
+        attn_bias=a.attn_bias,
+        scale=a.scale,
+        q_chunk_size=a.q_chunk_size,
+        k_chunk_size=a.k_chunk_size,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def triton_installed() -> bool:
+    """Whether the ``triton`` package can be imported (looked up on first call, not at import)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton(a: AttentionInputs) -> torch.Tensor:
+    """The fused Triton kernel; CUDA tensors only."""
+    if a.q.device.type != "cuda":
+        raise ValueError(
+            f"backend 'triton' needs CUDA tensors, got {a.q.device.type} tensors; use 'chunked', 'sdpa' or 'auto'"
+        )
+    if not triton_installed():
+        raise ValueError("backend 'triton' needs the triton package (pip install triton); use 'sdpa' or 'auto'")
+    kernel = importlib.import_module("kernels.flash_attention")
+    return kernel.flash_attention(
+        a.q, a.k, a.v, causal=a.causal, key_padding_mask=a.key_padding_mask, attn_bias=a.attn_bias, scale=a.scale
+    )
 
 
 #: The backend table: name -> function of validated inputs. Registered explicitly, nothing discovered.
 BACKENDS: dict[str, Callable[[AttentionInputs], torch.Tensor]] = {
     "reference": _reference,
     "sdpa": _sdpa,
+    "chunked": _chunked,
+    "triton": _triton,
 }
 
 
-def choose_backend(a: AttentionInputs) -> str:
-    """The ``auto`` rule (see module docs): currently SDPA for every input."""
-    return "sdpa"
+def dense_score_bytes(a: AttentionInputs) -> int:
+    """Bytes of a dense fp32 score matrix ``(B, H_q, S_q, S_k)`` for these inputs."""
+    B, Hq, Sq, _ = a.q.shape
+    return B * Hq * Sq * a.k.shape[2] * 4
+
+
+def _triton_eligible(a: AttentionInputs) -> bool:
+    lo, hi = TRITON_HEAD_DIMS
+    D, Dv = a.q.shape[3], a.v.shape[3]
+    return (
+        a.q.device.type == "cuda"
+        and a.q.dtype in (torch.float16, torch.bfloat16)
+        and lo <= D <= hi
+        and Dv == D
+        and a.attn_bias is None
+        and triton_installed()
+    )
+
+
+def _memory_rule(a: AttentionInputs, memory_budget: int | None) -> str:
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    return "sdpa" if dense_score_bytes(a) <= budget else "chunked"
+
+
+def choose_backend(a: AttentionInputs, *, memory_budget: int | None = None) -> str:
+    """The ``auto`` rule (module docs): ``triton`` on eligible CUDA inputs, else ``sdpa`` when the dense
+    score matrix fits ``memory_budget`` bytes (default ``DEFAULT_MEMORY_BUDGET``), else ``chunked``."""
+    _check_budget(memory_budget)
+    if _triton_eligible(a):
+        return "triton"
+    return _memory_rule(a, memory_budget)
+
+
+def _check_budget(memory_budget: int | None) -> None:
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0):
+        raise ValueError(f"memory_budget must be a non-negative int (bytes) or None, got {memory_budget!r}")
 
 
 def attention(
@@ -190,6 +322,9 @@ def attention(
     attn_bias: torch.Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    memory_budget: int | None = None,
+    q_chunk_size: int | None = None,
+    k_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, ``softmax(q kᵀ · scale + bias) v``.
 
@@ -202,12 +337,34 @@ def attention(
         attn_bias: additive float bias broadcastable to ``(B, H_q, S_q, S_k)``.
         scale: score scale, default ``1/sqrt(D)``.
         backend: ``"auto"`` or a name in ``BACKENDS``.
+        memory_budget: ``auto`` only: bytes the dense fp32 score matrix may take for ``sdpa`` to be chosen
+            (default ``DEFAULT_MEMORY_BUDGET``, 512 MiB).
+        q_chunk_size: ``chunked`` only: queries per chunk (default up to 1024, fewer for large ``B · H_q``).
+        k_chunk_size: ``chunked`` only: keys per chunk (default 1024).
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in the dtype of ``q``.
     """
-    a = prepare_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_bias=attn_bias, scale=scale)
-    name = choose_backend(a) if backend == "auto" else backend
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}")
-    return BACKENDS[name](a)
+    a = prepare_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        attn_bias=attn_bias,
+        scale=scale,
+        q_chunk_size=q_chunk_size,
+        k_chunk_size=k_chunk_size,
+    )
+    if backend == "auto":
+        name = choose_backend(a, memory_budget=memory_budget)
+        if name == "triton":
+            try:
+                return _triton(a)
+            except ValueError as err:  # the kernel declined this input: fall back to the memory rule
+                name = _memory_rule(a, memory_budget)
+                logger.debug("triton kernel declined the input (%s); using %s", err, name)
+        return BACKENDS[name](a)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {['auto', *BACKENDS]}")
+    return BACKENDS[backend](a)
