@@ -1,0 +1,566 @@
+"""FlashAttention-2 style Triton kernels: forward, backward, autograd wrapper.
+
+``flash_attention(q, k, v, *, causal, key_padding_mask, attn_bias, scale)`` has the signature and the
+semantics of ``core.attention.attention`` (layout ``(B, H, S, D)``):
+
+* queries and keys may have different lengths; ``causal`` is bottom-right aligned: query ``i`` sees key
+  ``j`` iff ``j <= i + (S_k - S_q)``;
+* ``key_padding_mask`` is bool ``(B, S_k)``, ``True`` marks a padded key;
+* grouped-query attention: query head ``h`` reads key/value head ``h // (H_q // H_kv)``; K/V are never
+  repeated in memory, the kernels map head indices;
+* a query row that sees no key returns zeros (and gets zero gradients).
+
+Forward: one program per (query block, batch*head); online softmax in base 2 (scores pre-multiplied by
+``scale * log2(e)``); with ``causal`` the key loop stops at the diagonal, and only the blocks that cross the
+diagonal pay for the causal mask. The per-row log-sum-exp (base 2) is saved for the backward.
+
+Backward (no atomics): a preprocess kernel computes ``delta = rowsum(dO * O)``; one kernel per key block
+accumulates dK and dV over every query block (and over the query heads of its group, for GQA); one
+kernel per query block accumulates dQ over the key blocks.
+
+Limits: CUDA tensors (or any tensors when Triton runs in interpreter mode, ``TRITON_INTERPRET=1`` set
+before this module is imported); fp16, bf16, fp32 (fp32 dots use IEEE precision, not TF32); head dims
+16..128 (padded to a power of two inside the kernel); no ``attn_bias`` (``core`` falls back to another
+backend when a bias is given).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["flash_attention", "is_interpreted", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
+
+LOG2E = 1.4426950408889634
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _empty(shape: tuple[int, ...], *, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Allocate a kernel output (uninitialised: every element must be written by a kernel).
+
+    Tests replace this function with one that fills NaN, so an element a kernel forgets to write shows.
+    """
+    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared device helpers (also used by kernels.block_sparse)
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_tile(ptrs, offs_r, n_r, offs_c, N_C: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_R: tl.constexpr):
+    """Load a (rows, BLOCK_C) tile; rows ``>= n_r`` and columns ``>= N_C`` read as 0."""
+    if EVEN_R:
+        if N_C == BLOCK_C:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_c[None, :] < N_C, other=0.0)
+    else:
+        if N_C == BLOCK_C:
+            x = tl.load(ptrs, mask=offs_r[:, None] < n_r, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < N_C), other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, offs_r, n_r, offs_c, N_C: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_R: tl.constexpr):
+    """Store a (rows, BLOCK_C) tile, skipping rows ``>= n_r`` and columns ``>= N_C``."""
+    if EVEN_R:
+        if N_C == BLOCK_C:
+            tl.store(ptrs, x)
+        else:
+            tl.store(ptrs, x, mask=offs_c[None, :] < N_C)
+    else:
+        if N_C == BLOCK_C:
+            tl.store(ptrs, x, mask=offs_r[:, None] < n_r)
+        else:
+            tl.store(ptrs, x, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < N_C))
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, qk, v, PRECISION: tl.constexpr):
+    """One FlashAttention-2 update with a (M, N) block of base-2 scores (``-inf`` = masked)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A row with every key masked so far keeps m = -inf; subtract 0 instead so no NaN appears.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _finish_rows(acc, l_i, m_i):
+    """Normalise the accumulator; log-sum-exp (base 2) is +inf for rows that saw no key."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("inf"))
+    return out, lse
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, DELTA,
+    s_ob, s_oh, s_os, s_od,
+    s_dob, s_doh, s_dos, s_dod,
+    H, Sq,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
+):  # fmt: skip
+    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = _load_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
+                   offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
+    do = _load_tile(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
+                    offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if EVEN_M:
+        tl.store(DELTA + pid_bh * Sq + offs_m, delta)
+    else:
+        tl.store(DELTA + pid_bh * Sq + offs_m, delta, mask=offs_m < Sq)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dense forward
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, kpm_base,
+    s_ks, s_kd, s_vs, s_vd,
+    offs_m, Sk, causal_off, qk_scale, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)
+        v = _load_tile(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if not EVEN_N:
+            qk = tl.where(offs_n[None, :] < Sk, qk, float("-inf"))
+        if CAUSAL_MASK:
+            qk = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_off, qk, float("-inf"))
+        if HAS_PAD:
+            pad = tl.load(kpm_base + offs_n, mask=offs_n < Sk, other=1)
+            qk = tl.where(pad[None, :] == 0, qk, float("-inf"))
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, v, PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE, KPM,
+    s_qb, s_qh, s_qs, s_qd,
+    s_kb, s_kh, s_ks, s_kd,
+    s_vb, s_vh, s_vs, s_vd,
+    s_ob, s_oh, s_os, s_od,
+    s_pb,
+    H, GROUPS, Sq, Sk, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUPS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd,
+                   offs_m, Sq, offs_d, D, BLOCK_D, EVEN_M)  # fmt: skip
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_vb + hk * s_vh
+    kpm_base = KPM + b * s_pb
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    causal_off = Sk - Sq
+    if CAUSAL:
+        # Keys < hi may be seen by some row of this block; keys < lo_diag by every row of it.
+        hi = tl.maximum(tl.minimum(Sk, pid_m * BLOCK_M + BLOCK_M + causal_off), 0)
+        lo_diag = tl.minimum((tl.maximum(pid_m * BLOCK_M + causal_off + 1, 0) // BLOCK_N) * BLOCK_N, hi)
+        # Blocks entirely below the diagonal: no causal mask, and in bounds (lo_diag <= Sk, a block multiple).
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, kpm_base, s_ks, s_kd, s_vs, s_vd,
+                                   offs_m, Sk, causal_off, qk_scale, 0, lo_diag,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_PAD, True, PRECISION)  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, kpm_base, s_ks, s_kd, s_vs, s_vd,
+                                   offs_m, Sk, causal_off, qk_scale, lo_diag, hi,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_PAD, EVEN_N, PRECISION)  # fmt: skip
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, kpm_base, s_ks, s_kd, s_vs, s_vd,
+                                   offs_m, Sk, causal_off, qk_scale, 0, Sk,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_PAD, EVEN_N, PRECISION)  # fmt: skip
+    out, lse = _finish_rows(acc, l_i, m_i)
+    _store_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
+                out.to(O.dtype.element_ty), offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
+    if EVEN_M:
+        tl.store(LSE + pid_bh * Sq + offs_m, lse)
+    else:
+        tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=offs_m < Sq)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dense backward
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, KPM, DK, DV_,
+    s_qb, s_qh, s_qs, s_qd,
+    s_kb, s_kh, s_ks, s_kd,
+    s_vb, s_vh, s_vs, s_vd,
+    s_dob, s_doh, s_dos, s_dod,
+    s_dkb, s_dkh, s_dks, s_dkd,
+    s_dvb, s_dvh, s_dvs, s_dvd,
+    s_pb,
+    H, GROUPS, Sq, Sk, qk_scale, sm_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (key block, batch * kv head): dK, dV summed over the group's query heads."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    HKV = H // GROUPS
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_tile(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd,
+                   offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)  # fmt: skip
+    v = _load_tile(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd,
+                   offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)  # fmt: skip
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if HAS_PAD:
+        keep_n = tl.load(KPM + b * s_pb + offs_n, mask=offs_n < Sk, other=1) == 0
+    causal_off = Sk - Sq
+    lo = 0
+    if CAUSAL:
+        # The first query that sees key n0 is n0 - causal_off.
+        lo = (tl.maximum(pid_n * BLOCK_N - causal_off, 0) // BLOCK_M) * BLOCK_M
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        q_base = Q + b * s_qb + h * s_qh
+        do_base = DO + b * s_dob + h * s_doh
+        row_base = (b * H + h) * Sq
+        for start_m in range(lo, Sq, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = _load_tile(q_base + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd, offs_m, Sq, offs_d, D, BLOCK_D, EVEN_M)
+            do = _load_tile(do_base + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
+                            offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
+            if EVEN_M:
+                lse = tl.load(LSE + row_base + offs_m)
+                delta = tl.load(DELTA + row_base + offs_m)
+            else:
+                lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Sq, other=float("inf"))
+                delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Sq, other=0.0)
+            qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (N, M)
+            p_t = tl.math.exp2(qk_t - lse[None, :])
+            if CAUSAL:
+                p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, p_t, 0.0)
+            if HAS_PAD:
+                p_t = tl.where(keep_n[:, None], p_t, 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (N, M)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    dk = dk * sm_scale
+    _store_tile(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :] * s_dkd,
+                dk.to(DK.dtype.element_ty), offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)  # fmt: skip
+    _store_tile(DV_ + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvs + offs_dv[None, :] * s_dvd,
+                dv.to(DV_.dtype.element_ty), offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)  # fmt: skip
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, KPM, DQ,
+    s_qb, s_qh, s_qs, s_qd,
+    s_kb, s_kh, s_ks, s_kd,
+    s_vb, s_vh, s_vs, s_vd,
+    s_dob, s_doh, s_dos, s_dod,
+    s_dqb, s_dqh, s_dqs, s_dqd,
+    s_pb,
+    H, GROUPS, Sq, Sk, qk_scale, sm_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (query block, batch * query head): dQ over the key blocks it sees."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUPS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd,
+                   offs_m, Sq, offs_d, D, BLOCK_D, EVEN_M)  # fmt: skip
+    do = _load_tile(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
+                    offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
+    if EVEN_M:
+        lse = tl.load(LSE + pid_bh * Sq + offs_m)
+        delta = tl.load(DELTA + pid_bh * Sq + offs_m)
+    else:
+        lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=offs_m < Sq, other=float("inf"))
+        delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_vb + hk * s_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    causal_off = Sk - Sq
+    hi = Sk
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Sk, pid_m * BLOCK_M + BLOCK_M + causal_off), 0)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)
+        v = _load_tile(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(qk - lse[:, None])
+        if not EVEN_N:
+            p = tl.where(offs_n[None, :] < Sk, p, 0.0)
+        if CAUSAL:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_off, p, 0.0)
+        if HAS_PAD:
+            pad = tl.load(KPM + b * s_pb + offs_n, mask=offs_n < Sk, other=1)
+            p = tl.where(pad[None, :] == 0, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    dq = dq * sm_scale
+    _store_tile(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :] * s_dqd,
+                dq.to(DQ.dtype.element_ty), offs_m, Sq, offs_d, D, BLOCK_D, EVEN_M)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------
+
+
+def is_interpreted() -> bool:
+    """True when this module's kernels were defined in Triton interpreter mode (``TRITON_INTERPRET=1``)."""
+    return not isinstance(_attn_fwd, triton.runtime.JITFunction)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Dot precision: IEEE for fp32 inputs (match the fp32 reference), tensor cores otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _fwd_config(d: int, dtype: torch.dtype) -> dict[str, int]:
+    """Forward tile sizes, a plain function of head dim and dtype (no autotuning)."""
+    if is_interpreted():
+        # Small, unequal tiles so the tests cross many block and diagonal boundaries.
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if d <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _bwd_config(d: int, dtype: torch.dtype) -> dict[str, int]:
+    """Backward tile sizes (dK/dV kernel: BLOCK_N keys x BLOCK_M queries; dQ kernel the same tiles)."""
+    if is_interpreted():
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
+    if dtype == torch.float32 or d > 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` naming what the kernels do not support (``core`` then falls back)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (B, H, S, D), got {getattr(t, 'shape', type(t).__name__)}")
+    if attn_bias is not None:
+        raise ValueError("attn_bias is not supported by the Triton attention kernels; use another backend")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported by the Triton kernels; supported: {SUPPORTED_DTYPES}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda" and not is_interpreted():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got device {q.device} "
+            "(or set TRITON_INTERPRET=1 before importing kernels to run them on the CPU interpreter)"
+        )
+    B, Hq, _, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ValueError(f"q head dim ({D}) must equal k head dim ({k.shape[3]})")
+    for name, d in (("head dim", D), ("value head dim", v.shape[3])):
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} {d} is outside the range supported by the Triton kernels ({MIN_HEAD_DIM}..{MAX_HEAD_DIM})")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"key/value heads ({Hkv}) must divide query heads ({Hq})")
+
+
+def padding_mask_u8(key_padding_mask: torch.Tensor | None, b: int, sk: int, device: torch.device) -> torch.Tensor | None:
+    """Validate a bool ``(B, S_k)`` padding mask (True = padded) and return it as contiguous uint8."""
+    if key_padding_mask is None:
+        return None
+    if key_padding_mask.dtype != torch.bool:
+        raise ValueError(f"key_padding_mask must be bool (True = padded), got {key_padding_mask.dtype}")
+    if tuple(key_padding_mask.shape) != (b, sk):
+        raise ValueError(f"key_padding_mask must have shape (B, S_k) = ({b}, {sk}), got {tuple(key_padding_mask.shape)}")
+    return key_padding_mask.to(device=device, dtype=torch.uint8).contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+def _flash_forward(q, k, v, kpm_u8, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    o = _empty((B, Hq, Sq, Dv), like=q)
+    lse = _empty((B, Hq, Sq), like=q, dtype=torch.float32)  # base-2 log-sum-exp of the scaled scores
+    if o.numel() == 0:
+        return o, lse
+    cfg = _fwd_config(max(D, Dv), q.dtype)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    kpm = kpm_u8 if kpm_u8 is not None else q
+    grid = (triton.cdiv(Sq, bm), B * Hq)
+    _attn_fwd[grid](
+        q, k, v, o, lse, kpm,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        kpm.stride(0) if kpm_u8 is not None else 0,
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E,
+        D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), BLOCK_M=bm, BLOCK_N=bn,
+        CAUSAL=bool(causal), HAS_PAD=kpm_u8 is not None, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0,
+        PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return o, lse
+
+
+def bwd_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dO * O)`` in fp32, shape (B, H, S)."""
+    B, H, S, Dv = o.shape
+    delta = _empty((B, H, S), like=o, dtype=torch.float32)
+    if delta.numel() == 0:
+        return delta
+    bm = 16 if is_interpreted() else 64
+    _attn_bwd_preprocess[(triton.cdiv(S, bm), B * H)](
+        o, do, delta, *_strides(o), *_strides(do), H, S,
+        DV=Dv, BLOCK_DV=_block_d(Dv), BLOCK_M=bm, EVEN_M=S % bm == 0,
+    )  # fmt: skip
+    return delta
+
+
+def _flash_backward(q, k, v, o, lse, do, kpm_u8, causal: bool, scale: float):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    dq = _empty(q.shape, like=q)
+    dk = _empty(k.shape, like=k)
+    dv = _empty(v.shape, like=v)
+    if Sq == 0 or Sk == 0 or B == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = bwd_delta(o, do)
+    cfg = _bwd_config(max(D, Dv), q.dtype)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    kpm = kpm_u8 if kpm_u8 is not None else q
+    common = dict(
+        D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), BLOCK_M=bm, BLOCK_N=bn,
+        CAUSAL=bool(causal), HAS_PAD=kpm_u8 is not None, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0,
+        PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    s_pb = kpm.stride(0) if kpm_u8 is not None else 0
+    _attn_bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](
+        q, k, v, do, lse, delta, kpm, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), s_pb,
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **common,
+    )  # fmt: skip
+    _attn_bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](
+        q, k, v, do, lse, delta, kpm, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), s_pb,
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **common,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, kpm_u8, causal, scale):
+        o, lse = _flash_forward(q, k, v, kpm_u8, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse, kpm_u8)
+        ctx.causal = causal
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, kpm_u8 = ctx.saved_tensors
+        dq, dk, dv = _flash_backward(q, k, v, o, lse, do, kpm_u8, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention with the Triton FlashAttention-2 kernels (differentiable).
+
+    Args:
+        q: queries ``(B, H_q, S_q, D)``, fp16/bf16/fp32, CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        k: keys ``(B, H_kv, S_k, D)``; ``H_kv`` divides ``H_q`` (grouped-query attention).
+        v: values ``(B, H_kv, S_k, D_v)``.
+        causal: bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + S_k - S_q``.
+        key_padding_mask: bool ``(B, S_k)``, True = padded key (never attended to).
+        attn_bias: must be None: additive biases are not supported here (raises ``ValueError``).
+        scale: score scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``(B, H_q, S_q, D_v)`` in the dtype of ``q``; rows that see no key are zeros.
+
+    Raises:
+        ValueError: for ``attn_bias``, an unsupported dtype or head dim, non-CUDA tensors outside
+            interpreter mode, or inconsistent shapes.
+    """
+    check_tensors(q, k, v, attn_bias)
+    kpm_u8 = padding_mask_u8(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[3])
+    return _FlashAttention.apply(q, k, v, kpm_u8, bool(causal), float(scale))
