@@ -1,0 +1,437 @@
+"""Continuous-time memory: basis functions, ridge fit, Gibbs continuous attention, consolidation.
+
+A sequence of ``L`` vectors ``x_1..x_L`` (one per frame, say) placed at positions ``t_i`` in ``[0, 1]``
+is represented by ``N`` basis functions ``psi_j(t)`` and a coefficient matrix ``B`` (``N x D``):
+``x(t) ~= B^T psi(t)``. The coefficients come from ridge regression
+
+    F[j, i] = psi_j(t_i),    B^T = X^T F^T (F F^T + lambda I)^-1
+
+so the memory has ``N x D`` numbers whatever ``L`` is.
+
+Continuous attention (a Gibbs density over time) reads it: with keys ``K(t) = W_K x(t)`` and values
+``V(t) = W_V x(t)``, ``p(t) ∝ exp(q . K(t) / sqrt(d))`` on ``[0, 1]`` and the context is
+``∫ p(t) V(t) dt``. The integral is taken with the trapezoid rule on ``T`` points, which is exactly
+ordinary softmax attention over the ``T`` evaluated points with an additive bias ``log w_i`` (the
+trapezoid weights), so it runs through :func:`core.attention.attention` like every other attention.
+
+Consolidation (the ∞-Video long-term memory): when a new chunk arrives, ``M`` positions ``s_m`` of the old
+signal are sampled, the old values ``x_old(s_m)`` are squeezed into ``(0, tau]`` (placed at
+``tau * s_m``), the new chunk's vectors are placed evenly on ``(tau, 1]``, and ``B`` is refit.
+"Sticky" memories draw the ``s_m`` from the previous attention density (a histogram over ``num_bins``
+bins, categorical draws) instead of evenly, so time spans that were attended keep more detail.
+Drawn positions are sorted (time order is preserved) and every bin, the first included, can be drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from core.attention import attention
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BoxBasis",
+    "GaussianBasis",
+    "make_basis",
+    "BASIS_KINDS",
+    "ridge_fit",
+    "evaluate_signal",
+    "trapezoid_grid",
+    "continuous_attention",
+    "attention_density",
+    "mix_attention",
+    "density_histogram",
+    "sticky_positions",
+    "uniform_positions",
+    "ContinuousMemoryConfig",
+    "ContinuousMemory",
+]
+
+
+def _check_positions(t: torch.Tensor) -> None:
+    if t.dim() != 1:
+        raise ValueError(f"positions must be a 1-D tensor, got shape {tuple(t.shape)}")
+    if t.numel() and (not torch.isfinite(t).all() or t.min() < 0 or t.max() > 1):
+        raise ValueError(f"positions must lie in [0, 1], got range [{t.min().item()}, {t.max().item()}]")
+
+
+class BoxBasis:
+    """``N`` box functions of width ``1/N`` tiling ``[0, 1]``: ``psi_j(t) = 1`` on ``[j/N, (j+1)/N)``.
+
+    The point ``t = 1`` belongs to the last box, so the boxes partition the closed interval.
+    """
+
+    kind = "box"
+
+    def __init__(self, num_basis: int) -> None:
+        if num_basis < 1:
+            raise ValueError(f"num_basis must be >= 1, got {num_basis}")
+        self.num_basis = num_basis
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """Evaluate at positions ``t`` (``(T,)`` in ``[0, 1]``); returns ``(N, T)``."""
+        _check_positions(t)
+        idx = (t * self.num_basis).floor().long().clamp_(0, self.num_basis - 1)  # (T,)
+        out = torch.zeros(self.num_basis, t.numel(), dtype=t.dtype, device=t.device)
+        out[idx, torch.arange(t.numel(), device=t.device)] = 1.0
+        return out
+
+
+class GaussianBasis:
+    """``N`` Gaussian bumps ``psi_j(t) = exp(-(t - mu_j)^2 / (2 sigma^2))`` with centres evenly on ``[0, 1]``.
+
+    Args:
+        num_basis: number of functions ``N``.
+        width: standard deviation ``sigma``; default ``1 / N`` (neighbouring bumps overlap at ~0.6).
+    """
+
+    kind = "gaussian"
+
+    def __init__(self, num_basis: int, width: float | None = None) -> None:
+        if num_basis < 1:
+            raise ValueError(f"num_basis must be >= 1, got {num_basis}")
+        self.num_basis = num_basis
+        self.width = float(width) if width is not None else 1.0 / num_basis
+        if not self.width > 0:
+            raise ValueError(f"width must be > 0, got {width}")
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """Evaluate at positions ``t`` (``(T,)`` in ``[0, 1]``); returns ``(N, T)``."""
+        _check_positions(t)
+        if self.num_basis == 1:
+            mu = torch.full((1,), 0.5, dtype=t.dtype, device=t.device)
+        else:
+            mu = torch.linspace(0, 1, self.num_basis, dtype=t.dtype, device=t.device)
+        return torch.exp(-((t[None, :] - mu[:, None]) ** 2) / (2 * self.width**2))  # (N, T)
+
+
+BASIS_KINDS = ("box", "gaussian")
+
+
+def make_basis(kind: str, num_basis: int, **kwargs) -> BoxBasis | GaussianBasis:
+    """Build a basis by name: ``"box"`` or ``"gaussian"``."""
+    if kind == "box":
+        return BoxBasis(num_basis)
+    if kind == "gaussian":
+        return GaussianBasis(num_basis, **kwargs)
+    raise ValueError(f"unknown basis kind {kind!r}; choose one of {list(BASIS_KINDS)}")
+
+
+def ridge_fit(x_BLD: torch.Tensor, t_L: torch.Tensor, basis, *, ridge: float = 0.5) -> torch.Tensor:
+    """Fit coefficients ``B`` so that ``x(t_i) ~= B^T psi(t_i)``.
+
+    Args:
+        x_BLD: signal, ``(B, L, D)`` (or ``(L, D)``), one vector per position.
+        t_L: positions in ``[0, 1]``, ``(L,)``.
+        basis: a basis (callable ``t -> (N, T)``).
+        ridge: the ridge penalty ``lambda`` (>= 0; 0 only works when ``F F^T`` is invertible).
+
+    Returns:
+        Coefficients ``(B, N, D)`` (or ``(N, D)``), in float32 or the input's wider float dtype.
+    """
+    squeeze = x_BLD.dim() == 2
+    if squeeze:
+        x_BLD = x_BLD[None]
+    if x_BLD.dim() != 3:
+        raise ValueError(f"x must be (B, L, D) or (L, D), got shape {tuple(x_BLD.shape)}")
+    if t_L.dim() != 1 or t_L.numel() != x_BLD.shape[1]:
+        raise ValueError(f"positions must be ({x_BLD.shape[1]},), got shape {tuple(t_L.shape)}")
+    if ridge < 0:
+        raise ValueError(f"ridge must be >= 0, got {ridge}")
+    dtype = torch.promote_types(x_BLD.dtype, torch.float32)
+    F_NL = basis(t_L.to(device=x_BLD.device, dtype=dtype))  # (N, L)
+    N = F_NL.shape[0]
+    G_NN = F_NL @ F_NL.T + ridge * torch.eye(N, dtype=dtype, device=x_BLD.device)
+    rhs_NBD = torch.einsum("nl,bld->nbd", F_NL, x_BLD.to(dtype))  # F X, per batch
+    # B = (F F^T + lambda I)^-1 F X  (the transpose of X F^T (F F^T + lambda I)^-1; G is symmetric)
+    coef = torch.linalg.solve(G_NN, rhs_NBD.reshape(N, -1)).reshape(rhs_NBD.shape)  # (N, B, D)
+    coef_BND = coef.permute(1, 0, 2).contiguous()
+    return coef_BND[0] if squeeze else coef_BND
+
+
+def evaluate_signal(coef_BND: torch.Tensor, t_T: torch.Tensor, basis) -> torch.Tensor:
+    """Reconstruct ``x(t) = B^T psi(t)`` at positions ``t_T``; returns ``(B, T, D)`` (or ``(T, D)``)."""
+    psi_NT = basis(t_T.to(device=coef_BND.device, dtype=coef_BND.dtype))
+    if coef_BND.dim() == 2:
+        return psi_NT.T @ coef_BND
+    return torch.einsum("nt,bnd->btd", psi_NT, coef_BND)
+
+
+def trapezoid_grid(num_points: int, *, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integration points on ``[0, 1]`` and the log of their trapezoid weights.
+
+    Returns:
+        ``(t_T, logw_T)``: ``T = num_points`` evenly spaced points including both ends, and
+        ``log w_i`` with ``w = 1/(T-1)`` inside and half that at both ends (``sum w = 1``).
+    """
+    if num_points < 2:
+        raise ValueError(f"num_points must be >= 2 for the trapezoid rule, got {num_points}")
+    t = torch.linspace(0, 1, num_points, device=device, dtype=dtype)
+    w = torch.full((num_points,), 1.0 / (num_points - 1), device=device, dtype=dtype)
+    w[0] = w[-1] = 0.5 / (num_points - 1)
+    return t, w.log()
+
+
+def continuous_attention(
+    q_BHQD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    v_BHTD: torch.Tensor,
+    logw_T: torch.Tensor,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gibbs continuous attention ``∫ p(t) V(t) dt`` with ``p(t) ∝ exp(scale · q . K(t))``, by quadrature.
+
+    Args:
+        q_BHQD: queries ``(B, H, Q, D)``.
+        k_BHTD: keys evaluated at the ``T`` integration points, ``(B, H_kv, T, D)``.
+        v_BHTD: values evaluated at the same points, ``(B, H_kv, T, D_v)``.
+        logw_T: log quadrature weights ``(T,)`` (see :func:`trapezoid_grid`).
+        scale: score scale, default ``1/sqrt(D)``.
+        backend: attention backend name, passed to :func:`core.attention.attention`.
+
+    Returns:
+        Context vectors ``(B, H, Q, D_v)``. Normalising ``p`` by the same quadrature makes the
+        weights ``w_i exp(s_i) / sum_j w_j exp(s_j)``, i.e. softmax with bias ``log w``.
+    """
+    T = k_BHTD.shape[2]
+    if logw_T.shape != (T,):
+        raise ValueError(f"logw must be ({T},) to match the keys' integration points, got {tuple(logw_T.shape)}")
+    bias = logw_T.to(q_BHQD.dtype).view(1, 1, 1, T)
+    return attention(q_BHQD, k_BHTD, v_BHTD, attn_bias=bias, scale=scale, backend=backend)
+
+
+def attention_density(
+    q_BHQD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    logw_T: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The Gibbs density ``p(t_i)`` at the integration points, averaged over heads and queries.
+
+    Returns:
+        ``(B, T)`` float32 with ``sum_i w_i p(t_i) = 1`` (a density on ``[0, 1]``, not a probability vector).
+    """
+    B, H, Q, D = q_BHQD.shape
+    Hkv = k_BHTD.shape[1]
+    if H % Hkv:
+        raise ValueError(f"key heads ({Hkv}) must divide query heads ({H})")
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k = k_BHTD.float().repeat_interleave(H // Hkv, dim=1)  # (B, H, T, D)
+    scores = torch.einsum("bhqd,bhtd->bhqt", q_BHQD.float(), k) * scale + logw_T.float()
+    probs = scores.softmax(dim=-1)  # quadrature probabilities w_i p(t_i)
+    return probs.mean(dim=(1, 2)) / logw_T.float().exp()  # (B, T) density
+
+
+def mix_attention(short_term: torch.Tensor, long_term: torch.Tensor | None, alpha: float) -> torch.Tensor:
+    """``alpha * short_term + (1 - alpha) * long_term``; ``alpha = 1`` or no memory gives ``short_term``."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    if long_term is None or alpha == 1.0:
+        return short_term
+    if long_term.shape != short_term.shape:
+        raise ValueError(f"short-term {tuple(short_term.shape)} and long-term {tuple(long_term.shape)} shapes differ")
+    return alpha * short_term + (1.0 - alpha) * long_term
+
+
+def density_histogram(density_BT: torch.Tensor, t_T: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """Probability mass of each of ``num_bins`` equal bins of ``[0, 1]`` under a density sampled at ``t_T``.
+
+    The density is integrated with the trapezoid rule on the sample points (each point's mass goes to
+    the bin it falls in, the last point to the last bin). Returns ``(B, num_bins)`` rows summing to 1.
+    """
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+    T = t_T.numel()
+    if density_BT.dim() != 2 or density_BT.shape[1] != T:
+        raise ValueError(f"density must be (B, {T}), got shape {tuple(density_BT.shape)}")
+    if (density_BT < 0).any() or not torch.isfinite(density_BT).all():
+        raise ValueError("density must be finite and non-negative")
+    w = torch.full((T,), 1.0 / max(T - 1, 1), dtype=torch.float32, device=density_BT.device)
+    if T > 1:
+        w[0] = w[-1] = 0.5 / (T - 1)
+    mass_BT = density_BT.float() * w
+    idx = (t_T.to(density_BT.device).float() * num_bins).floor().long().clamp_(0, num_bins - 1)
+    hist = torch.zeros(density_BT.shape[0], num_bins, dtype=torch.float32, device=density_BT.device)
+    hist.index_add_(1, idx, mass_BT)
+    total = hist.sum(dim=1, keepdim=True)
+    if (total <= 0).any():
+        raise ValueError("density has zero mass")
+    return hist / total
+
+
+def uniform_positions(num_samples: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``num_samples`` evenly spaced positions in ``(0, 1)`` (centres of equal bins), sorted."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    return (torch.arange(num_samples, device=device, dtype=dtype) + 0.5) / num_samples
+
+
+def sticky_positions(
+    hist_BK: torch.Tensor,
+    num_samples: int,
+    *,
+    generator: torch.Generator | None = None,
+    jitter: bool = True,
+) -> torch.Tensor:
+    """Draw ``num_samples`` positions per row from a histogram over ``K`` bins of ``[0, 1]``; sorted.
+
+    Each draw picks bin ``k`` with probability ``hist[k]`` (every bin with mass is reachable, the first
+    included), then a position inside it: uniform in the bin with ``jitter``, else the bin's centre.
+    Positions are sorted ascending so the resampled signal keeps its time order, and lie in ``(0, 1]``.
+
+    Returns:
+        ``(B, num_samples)``.
+    """
+    if hist_BK.dim() != 2:
+        raise ValueError(f"histogram must be (B, K), got shape {tuple(hist_BK.shape)}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    B, K = hist_BK.shape
+    bins = torch.multinomial(hist_BK.float().cpu(), num_samples, replacement=True, generator=generator)  # (B, M)
+    if jitter:
+        # 1 - U with U in [0, 1) gives offsets in (0, 1]: the position stays inside its bin and above 0.
+        offset = 1.0 - torch.rand(B, num_samples, generator=generator)
+    else:
+        offset = torch.full((B, num_samples), 0.5)
+    pos = (bins.float() + offset) / K
+    return pos.sort(dim=1).values.to(hist_BK.device)
+
+
+@dataclass(kw_only=True)
+class ContinuousMemoryConfig:
+    """Settings of one continuous long-term memory (one per attention layer)."""
+
+    num_basis: int = 256  # N basis functions: memory holds N x D numbers whatever the length
+    basis: str = "box"  # "box" (as in the published ∞-Video code) or "gaussian"
+    gaussian_width: float | None = None  # sigma of the Gaussian basis; None = 1/N
+    ridge: float = 0.5  # lambda of the ridge fit (published default)
+    tau: float = 0.75  # old memory is squeezed into (0, tau], the new chunk goes on (tau, 1]
+    num_samples: int = 512  # M positions of the old signal resampled at each consolidation
+    sticky: bool = True  # draw the M positions from the last attention density instead of evenly
+    num_bins: int = 128  # histogram bins of the density for sticky draws
+    num_points: int = 1000  # trapezoid integration points of the continuous attention
+
+    def __post_init__(self) -> None:
+        if self.num_basis < 1:
+            raise ValueError(f"num_basis must be >= 1, got {self.num_basis}")
+        if self.basis not in BASIS_KINDS:
+            raise ValueError(f"basis must be one of {list(BASIS_KINDS)}, got {self.basis!r}")
+        if self.ridge < 0:
+            raise ValueError(f"ridge must be >= 0, got {self.ridge}")
+        if not 0.0 < self.tau < 1.0:
+            raise ValueError(f"tau must lie in (0, 1), got {self.tau}")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if self.num_bins < 1:
+            raise ValueError(f"num_bins must be >= 1, got {self.num_bins}")
+        if self.num_points < 2:
+            raise ValueError(f"num_points must be >= 2, got {self.num_points}")
+
+
+class ContinuousMemory:
+    """The ∞-Video long-term memory of one layer: ridge coefficients of a signal on ``[0, 1]``.
+
+    Usage per video: :meth:`reset`, then for each chunk :meth:`update` with the chunk's vectors, read
+    :meth:`points` (the signal at the integration points) to run :func:`continuous_attention`, and hand
+    the resulting density to :meth:`set_density` so the next consolidation can use sticky positions.
+
+    The state is ``coef`` (``(B, N, D)``), fixed in size, plus the last density (``(B, T)``).
+    """
+
+    def __init__(self, config: ContinuousMemoryConfig | None = None, *, seed: int | None = None) -> None:
+        self.config = config or ContinuousMemoryConfig()
+        kw = {"width": self.config.gaussian_width} if self.config.basis == "gaussian" else {}
+        self.basis = make_basis(self.config.basis, self.config.num_basis, **kw)
+        self._seed = seed
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (call at the start of each video)."""
+        self.coef: torch.Tensor | None = None  # (B, N, D)
+        self.density: torch.Tensor | None = None  # (B, T) last attention density at the integration points
+        self.num_chunks = 0
+        self.num_frames = 0
+        self._generator = torch.Generator()
+        if self._seed is not None:
+            self._generator.manual_seed(self._seed)
+        else:
+            self._generator.seed()
+
+    @property
+    def is_empty(self) -> bool:
+        return self.coef is None
+
+    def grid(self, *, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The integration points and their log trapezoid weights."""
+        return trapezoid_grid(self.config.num_points, device=device, dtype=dtype)
+
+    def resample_positions(self, batch: int, device=None) -> torch.Tensor:
+        """Positions ``(B, M)`` in ``(0, 1]`` at which the old signal is sampled for consolidation."""
+        cfg = self.config
+        if cfg.sticky and self.density is not None:
+            t_T, _ = self.grid(device=self.density.device)
+            hist = density_histogram(self.density, t_T, cfg.num_bins)
+            return sticky_positions(hist, cfg.num_samples, generator=self._generator).to(device)
+        return uniform_positions(cfg.num_samples, device=device).expand(batch, -1)
+
+    def update(self, x_BLD: torch.Tensor) -> None:
+        """Consolidate a new chunk ``(B, L, D)`` (one vector per frame) into the memory."""
+        if x_BLD.dim() != 3 or x_BLD.shape[1] < 1:
+            raise ValueError(f"chunk must be (B, L, D) with L >= 1, got shape {tuple(x_BLD.shape)}")
+        cfg = self.config
+        B, L, D = x_BLD.shape
+        x = x_BLD.float()
+        if self.coef is None:
+            t_new = (torch.arange(L, device=x.device, dtype=torch.float32) + 0.5) / L  # frame centres
+            self.coef = ridge_fit(x, t_new, self.basis, ridge=cfg.ridge)
+        else:
+            if self.coef.shape[0] != B or self.coef.shape[2] != D:
+                raise ValueError(f"chunk {tuple(x_BLD.shape)} does not match the memory's (B, D) = "
+                                 f"({self.coef.shape[0]}, {self.coef.shape[2]}); reset() between videos")
+            s_BM = self.resample_positions(B, device=x.device)
+            # old signal at s_m, placed at tau * s_m in (0, tau]
+            psi_NBM = self.basis(s_BM.reshape(-1)).reshape(cfg.num_basis, B, -1)
+            old_BMD = torch.einsum("nbm,bnd->bmd", psi_NBM, self.coef)
+            t_new = cfg.tau + (1 - cfg.tau) * (torch.arange(L, device=x.device, dtype=torch.float32) + 0.5) / L
+            coefs = []
+            for b in range(B):  # positions differ per row when sticky
+                t_all = torch.cat([cfg.tau * s_BM[b], t_new])
+                x_all = torch.cat([old_BMD[b], x[b]], dim=0)
+                coefs.append(ridge_fit(x_all, t_all, self.basis, ridge=cfg.ridge))
+            self.coef = torch.stack(coefs)
+        self.num_chunks += 1
+        self.num_frames += L
+
+    def points(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The signal at the integration points ``(B, T, D)`` and the log weights ``(T,)``."""
+        if self.coef is None:
+            raise ValueError("the memory is empty: call update() with a chunk first")
+        t_T, logw_T = self.grid(device=self.coef.device)
+        return evaluate_signal(self.coef, t_T, self.basis), logw_T
+
+    def set_density(self, density_BT: torch.Tensor) -> None:
+        """Record the attention density ``(B, T)`` at the integration points (used by sticky resampling)."""
+        if density_BT.dim() != 2 or density_BT.shape[1] != self.config.num_points:
+            raise ValueError(f"density must be (B, {self.config.num_points}), got {tuple(density_BT.shape)}")
+        self.density = density_BT.detach().float()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The coefficients (and the last density, if any) as tensors."""
+        out = {}
+        if self.coef is not None:
+            out["coef"] = self.coef
+        if self.density is not None:
+            out["density"] = self.density
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by the state (independent of how many frames went in)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())

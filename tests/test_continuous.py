@@ -1,0 +1,244 @@
+"""Tests of the continuous-time memory (core.continuous)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.attention import attention
+from core.continuous import (
+    BoxBasis,
+    ContinuousMemory,
+    ContinuousMemoryConfig,
+    GaussianBasis,
+    attention_density,
+    continuous_attention,
+    density_histogram,
+    evaluate_signal,
+    make_basis,
+    mix_attention,
+    ridge_fit,
+    sticky_positions,
+    trapezoid_grid,
+)
+
+
+def _random_sines(D: int, gen: torch.Generator):
+    """Parameters of a random low-frequency signal: a few sines with random phases and amplitudes."""
+    freqs = torch.randint(1, 4, (3, D), generator=gen).float()
+    phase = torch.rand(3, D, generator=gen) * 2 * math.pi
+    amp = torch.randn(3, D, generator=gen)
+    return freqs, phase, amp
+
+
+def _eval_sines(params, t: torch.Tensor) -> torch.Tensor:
+    freqs, phase, amp = params
+    return (amp[None] * torch.sin(2 * math.pi * freqs[None] * t[:, None, None] + phase[None])).sum(1)  # (T, D)
+
+
+def _smooth_signal(t: torch.Tensor, D: int, gen: torch.Generator) -> torch.Tensor:
+    return _eval_sines(_random_sines(D, gen), t)
+
+
+@pytest.mark.parametrize("kind,num_basis", [("box", 128), ("gaussian", 48)])
+def test_ridge_fit_reconstructs_smooth_signal(kind, num_basis):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**30, (1,))))
+    L, D = 1000, 5
+    t = torch.linspace(0, 1, L)
+    params = _random_sines(D, gen)
+    x = _eval_sines(params, t)
+    basis = make_basis(kind, num_basis)
+    coef = ridge_fit(x, t, basis, ridge=1e-3)
+    assert coef.shape == (num_basis, D)
+    t_test = torch.rand(300, generator=gen)
+    x_test = _eval_sines(params, t_test)
+    rel = (evaluate_signal(coef, t_test, basis) - x_test).norm() / x_test.norm()
+    assert rel < (0.05 if kind == "box" else 0.02), rel
+    # A much coarser basis cannot reconstruct it as well: the check discriminates.
+    coarse = make_basis(kind, 4)
+    rel_coarse = (evaluate_signal(ridge_fit(x, t, coarse, ridge=1e-3), t_test, coarse) - x_test).norm() / x_test.norm()
+    assert rel_coarse > 2 * rel
+
+
+def test_ridge_fit_matches_closed_form_and_batches():
+    L, N, D = 37, 11, 3
+    x = torch.randn(2, L, D, dtype=torch.float64)
+    t = torch.rand(L, dtype=torch.float64)
+    basis = GaussianBasis(N, width=0.1)
+    coef = ridge_fit(x, t, basis, ridge=0.5)
+    F = basis(t)
+    for b in range(2):
+        expected = x[b].T @ F.T @ torch.linalg.inv(F @ F.T + 0.5 * torch.eye(N, dtype=torch.float64))  # B = X F^T (F F^T + lI)^-1
+        torch.testing.assert_close(coef[b], expected.T)
+
+
+def test_box_basis_partitions_unit_interval():
+    N = 7
+    t = torch.rand(500)
+    t[:3] = torch.tensor([0.0, 1.0, 3 / 7])
+    psi = BoxBasis(N)(t)
+    torch.testing.assert_close(psi.sum(0), torch.ones(500))
+    assert psi[0, 0] == 1 and psi[N - 1, 1] == 1 and psi[3, 2] == 1
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        BoxBasis(N)(torch.tensor([1.5]))
+
+
+def test_trapezoid_grid_integrates():
+    t, logw = trapezoid_grid(101)
+    w = logw.exp()
+    assert torch.isclose(w.sum(), torch.tensor(1.0))
+    assert torch.isclose((w * t**2).sum(), torch.tensor(1 / 3), atol=1e-4)
+    with pytest.raises(ValueError, match="num_points"):
+        trapezoid_grid(1)
+
+
+def test_continuous_attention_equals_explicit_quadrature():
+    B, H, Q, T, D = 2, 4, 5, 64, 8
+    q = torch.randn(B, H, Q, D)
+    k = torch.randn(B, 2, T, D)
+    v = torch.randn(B, 2, T, D)
+    _, logw = trapezoid_grid(T)
+    out = continuous_attention(q, k, v, logw)
+    kk = k.repeat_interleave(2, 1)
+    vv = v.repeat_interleave(2, 1)
+    p = torch.exp(q @ kk.transpose(-1, -2) / math.sqrt(D))  # unnormalized Gibbs density at the points
+    w = logw.exp()
+    expected = (p * w) @ vv / (p * w).sum(-1, keepdim=True)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    dens = attention_density(q, k, logw)
+    assert dens.shape == (B, T)
+    torch.testing.assert_close((dens * w).sum(1), torch.ones(B))
+    expected_dens = ((p * w) / (p * w).sum(-1, keepdim=True) / w).mean(dim=(1, 2))
+    torch.testing.assert_close(dens, expected_dens, rtol=1e-4, atol=1e-5)
+
+
+def test_sharp_density_equals_nearest_frame():
+    """A very sharp Gibbs density over a box-basis memory returns the attended frame's value."""
+    L, D = 24, 16
+    frames = torch.randn(L, D)
+    t_frames = (torch.arange(L) + 0.5) / L
+    basis = BoxBasis(L)
+    coef = ridge_fit(frames, t_frames, basis, ridge=1e-6)
+    t_T, logw = trapezoid_grid(1000)
+    x_T = evaluate_signal(coef, t_T, basis)  # (T, D): the signal at integration points
+    target = int(torch.randint(0, L, (1,)))
+    q = frames[target] * 200.0  # a sharp query aimed at one frame
+    k = x_T[None, None]
+    v = x_T[None, None]
+    out = continuous_attention(q.view(1, 1, 1, D), k, v, logw, scale=1.0)
+    # Discrete attention over the frames with the same sharp query.
+    ref = attention(q.view(1, 1, 1, D), frames[None, None], frames[None, None], scale=1.0)
+    nearest = frames[(frames @ q).argmax()]
+    torch.testing.assert_close(out.view(D), nearest, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(ref.view(D), nearest, rtol=1e-3, atol=1e-3)
+    dens = attention_density(q.view(1, 1, 1, D), k, logw, scale=1.0)[0]
+    mass_in_box = (dens * logw.exp())[(t_T * L).floor().clamp(max=L - 1) == target].sum()
+    assert mass_in_box > 0.99
+
+
+def test_mix_attention():
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(mix_attention(a, b, 0.75), 0.75 * a + 0.25 * b)
+    assert mix_attention(a, b, 1.0) is a
+    assert mix_attention(a, None, 0.3) is a
+    with pytest.raises(ValueError, match="alpha"):
+        mix_attention(a, b, 1.5)
+
+
+def test_consolidation_keeps_memory_size_fixed():
+    cfg = ContinuousMemoryConfig(num_basis=32, num_samples=64, num_points=200)
+    mem = ContinuousMemory(cfg, seed=1)
+    D = 12
+    sizes = []
+    for n in range(6):
+        mem.update(torch.randn(2, 16 + 7 * n, D))
+        x_T, logw = mem.points()
+        assert x_T.shape == (2, 200, D)
+        mem.set_density(torch.rand(2, 200) + 0.1)
+        sizes.append(mem.nbytes())
+        assert mem.coef.shape == (2, 32, D)
+    assert len(set(sizes)) == 1
+    assert mem.num_frames == sum(16 + 7 * n for n in range(6))
+    mem.reset()
+    assert mem.is_empty and mem.nbytes() == 0
+    with pytest.raises(ValueError, match="empty"):
+        mem.points()
+
+
+def test_consolidation_squeezes_old_memory_into_tau():
+    """After one consolidation, (0, tau] holds the old chunk contracted and (tau, 1] the new one."""
+    cfg = ContinuousMemoryConfig(basis="gaussian", num_basis=96, num_samples=400, tau=0.5, ridge=1e-3, sticky=False,
+                                 num_points=400)
+    mem = ContinuousMemory(cfg)
+    D = 3
+    t = (torch.arange(100) + 0.5) / 100
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**30, (1,))))
+    p_old, p_new = _random_sines(D, gen), _random_sines(D, gen)
+    mem.update(_eval_sines(p_old, t)[None])
+    mem.update(_eval_sines(p_new, t)[None])
+    probe = torch.linspace(0.1, 0.9, 17)
+    got_old = evaluate_signal(mem.coef[0], probe * 0.5, mem.basis)
+    want_old = _eval_sines(p_old, probe)
+    got_new = evaluate_signal(mem.coef[0], 0.5 + 0.5 * probe, mem.basis)
+    want_new = _eval_sines(p_new, probe)
+    assert (got_old - want_old).norm() / want_old.norm() < 0.1
+    assert (got_new - want_new).norm() / want_new.norm() < 0.1
+    # and the two halves are not interchangeable
+    assert (got_old - want_new).norm() / want_new.norm() > 0.3
+
+
+def test_sticky_positions_sorted_and_follow_density():
+    K, M = 16, 20000
+    hist = torch.rand(2, K) ** 3
+    hist[0, 0] = hist[0].sum()  # the first bin (half the mass) must be reachable
+    hist[1, 5] = 0.0  # an empty bin is never drawn
+    hist = hist / hist.sum(1, keepdim=True)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**30, (1,))))
+    pos = sticky_positions(hist, M, generator=gen)
+    assert pos.shape == (2, M)
+    assert (pos[:, 1:] >= pos[:, :-1]).all(), "positions must be sorted"
+    assert (pos > 0).all() and (pos <= 1).all()
+    counts = torch.stack([torch.bincount((p * K).ceil().long() - 1, minlength=K) for p in pos]).float() / M
+    torch.testing.assert_close(counts, hist, atol=0.015, rtol=0)
+    assert counts[0, 0] > 0.4 and counts[1, 5] == 0
+    # Without jitter positions are the bin centres.
+    centres = sticky_positions(hist, 50, generator=gen, jitter=False)
+    assert torch.allclose((centres * K - 0.5).round(), centres * K - 0.5, atol=1e-5)
+
+
+def test_density_histogram_and_sticky_memory_use_it():
+    t_T, logw = trapezoid_grid(257)
+    dens = torch.exp(-((t_T - 0.2) ** 2) / (2 * 0.02**2))[None]
+    dens = dens / (dens * logw.exp()).sum()
+    hist = density_histogram(dens, t_T, 10)
+    torch.testing.assert_close(hist.sum(1), torch.ones(1))
+    assert hist[0, 1] + hist[0, 2] > 0.9
+    cfg = ContinuousMemoryConfig(num_basis=16, num_samples=1000, num_bins=10, num_points=257)
+    mem = ContinuousMemory(cfg, seed=3)
+    mem.update(torch.randn(1, 8, 4))
+    mem.set_density(dens)
+    s = mem.resample_positions(1)
+    assert ((s > 0.1) & (s < 0.3)).float().mean() > 0.9
+    cfg_u = ContinuousMemoryConfig(num_basis=16, num_samples=1000, num_bins=10, num_points=257, sticky=False)
+    mem_u = ContinuousMemory(cfg_u)
+    mem_u.update(torch.randn(1, 8, 4))
+    mem_u.set_density(dens)
+    s_u = mem_u.resample_positions(1)
+    assert ((s_u > 0.1) & (s_u < 0.3)).float().mean() < 0.25
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="tau"):
+        ContinuousMemoryConfig(tau=1.0)
+    with pytest.raises(ValueError, match="basis"):
+        ContinuousMemoryConfig(basis="wavelet")
+    with pytest.raises(ValueError, match="unknown basis"):
+        make_basis("wavelet", 3)
+    mem = ContinuousMemory(ContinuousMemoryConfig(num_basis=8, num_points=50))
+    mem.update(torch.randn(1, 4, 6))
+    with pytest.raises(ValueError, match="reset"):
+        mem.update(torch.randn(1, 4, 7))
+    with pytest.raises(ValueError, match="density"):
+        mem.set_density(torch.rand(1, 49))
