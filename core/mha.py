@@ -23,7 +23,15 @@ from core.rope import apply_rope
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MLP", "MultiHeadAttention", "set_attention_backend", "check_backend", "ACTIVATIONS"]
+__all__ = [
+    "MLP",
+    "MultiHeadAttention",
+    "set_attention_backend",
+    "check_backend",
+    "hidden_dim_for",
+    "HasBackend",
+    "ACTIVATIONS",
+]
 
 #: Activation names accepted by :class:`MLP`. ``swiglu`` uses a gated hidden layer (two input projections).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu")
@@ -127,6 +135,9 @@ class MultiHeadAttention(nn.Module):
             the fused backends do not support it).
         backend: attention backend name (``"auto"`` or a key of ``core.attention.BACKENDS``); a plain
             attribute, change it any time (see :func:`set_attention_backend`).
+        attention_options: extra keyword arguments for :func:`core.attention.attention` on every call,
+            e.g. ``{"k_chunk_size": 256}`` for the ``chunked`` backend or ``{"memory_budget": ...}`` for
+            ``auto``; stored as the plain attribute ``attention_options``.
         device, dtype: parameter factory arguments.
 
     Attributes:
@@ -144,6 +155,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         backend: str = "auto",
+        attention_options: dict | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -166,6 +178,7 @@ class MultiHeadAttention(nn.Module):
         self.dim, self.kv_dim = dim, kv_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = check_backend(backend)
+        self.attention_options = dict(attention_options or {})
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias, **fk)
         self.k_proj = nn.Linear(kv_dim, num_kv_heads * head_dim, bias=bias, **fk)
         self.v_proj = nn.Linear(kv_dim, num_kv_heads * head_dim, bias=bias, **fk)
@@ -204,7 +217,7 @@ class MultiHeadAttention(nn.Module):
         """:func:`core.attention.attention` with this module's backend; returns ``(B, H, S, head_dim)``."""
         return attention(
             q_BHSD, k_BHND, v_BHND, causal=causal, key_padding_mask=key_padding_mask, attn_bias=attn_bias,
-            backend=self.backend,
+            backend=self.backend, **self.attention_options,
         )
 
     def merge(self, out_BHSD: torch.Tensor) -> torch.Tensor:
@@ -248,3 +261,29 @@ class MultiHeadAttention(nn.Module):
             f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={self.backend!r}"
         )
+
+
+def hidden_dim_for(dim: int, mlp_ratio: float, mlp_hidden_dim: int | None) -> int:
+    """MLP hidden size: ``mlp_hidden_dim`` if given, else ``round(dim * mlp_ratio)``."""
+    if mlp_hidden_dim is not None:
+        if not (isinstance(mlp_hidden_dim, int) and mlp_hidden_dim > 0):
+            raise ValueError(f"mlp_hidden_dim must be a positive int, got {mlp_hidden_dim!r}")
+        return mlp_hidden_dim
+    if not mlp_ratio > 0:
+        raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio}")
+    return max(1, int(round(dim * mlp_ratio)))
+
+
+class HasBackend:
+    """``backend`` property shared by the blocks: get = first attention layer's, set = all of them."""
+
+    @property
+    def backend(self) -> str:
+        for m in self.modules():  # type: ignore[attr-defined]
+            if isinstance(m, MultiHeadAttention):
+                return m.backend
+        raise AttributeError("block has no attention layer")
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        set_attention_backend(self, check_backend(name))  # type: ignore[arg-type]
