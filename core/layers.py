@@ -106,17 +106,42 @@ class SelfAttentionBlock(HasBackend, nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         attn_bias: torch.Tensor | None = None,
         rope: RopeTables | None = None,
+        context_len: int | None = None,
     ) -> torch.Tensor:
         """``(B, S, dim) -> (B, S, dim)``; masks and ``rope`` as in :meth:`MultiHeadAttention.forward`.
 
-        A padded position is still computed (it attends to the unpadded keys); ignore its output.
+        Args:
+            x_BSD: tokens.
+            causal: bottom-right aligned causal mask.
+            key_padding_mask: bool ``(B, S)``, True = padded token (never attended to). A padded position
+                is still computed (it attends to the unpadded keys); ignore its output.
+            attn_bias: additive bias broadcastable to ``(B, H, S, S)`` (``(B, H, S, context_len)`` with
+                ``context_len``).
+            rope: ``(cos, sin)`` tables for the ``S`` positions, applied to queries and keys.
+            context_len: if given, keys/values are only the first ``context_len`` tokens and every token
+                attends to those alone (in-context learning: train and test rows read the train rows
+                only, in one call, without an ``S x S`` mask). Not combinable with ``causal``.
         """
-        kw = {"causal": causal, "key_padding_mask": key_padding_mask, "attn_bias": attn_bias, "rope": rope}
+        if context_len is not None:
+            S = x_BSD.shape[1]
+            if not (isinstance(context_len, int) and 1 <= context_len <= S):
+                raise ValueError(f"context_len must be an int in [1, S={S}], got {context_len!r}")
+            if causal:
+                raise ValueError("context_len and causal=True cannot be combined")
         if self.norm_first:
-            x_BSD = x_BSD + self.attn(self.norm1(x_BSD), **kw)
+            x_BSD = x_BSD + self._attend(self.norm1(x_BSD), key_padding_mask, attn_bias, causal, rope, context_len)
             return x_BSD + self.mlp(self.norm2(x_BSD))
-        x_BSD = self.norm1(x_BSD + self.attn(x_BSD, **kw))
+        x_BSD = self.norm1(x_BSD + self._attend(x_BSD, key_padding_mask, attn_bias, causal, rope, context_len))
         return self.norm2(x_BSD + self.mlp(x_BSD))
+
+    def _attend(self, h_BSD, key_padding_mask, attn_bias, causal, rope, context_len) -> torch.Tensor:
+        if context_len is None:
+            return self.attn(h_BSD, causal=causal, key_padding_mask=key_padding_mask, attn_bias=attn_bias, rope=rope)
+        k_rope = None if rope is None else (rope[0][..., :context_len, :], rope[1][..., :context_len, :])
+        kpm = None if key_padding_mask is None else key_padding_mask[:, :context_len]
+        return self.attn(
+            h_BSD, h_BSD[:, :context_len], key_padding_mask=kpm, attn_bias=attn_bias, q_rope=rope, k_rope=k_rope
+        )
 
 
 class CrossAttentionBlock(HasBackend, nn.Module):
@@ -363,8 +388,16 @@ class InducedSetAttentionBlock(HasBackend, nn.Module):
         if x_BND.dim() != 3:
             raise ValueError(f"ISAB input must be (B, N, dim), got shape {tuple(x_BND.shape)}")
         masked = _non_train_mask(x_BND, n_train, train_mask)
+        context = x_BND
+        if n_train is not None and masked is not None:
+            # Training rows come first: read only the longest training prefix (saves the test rows' keys).
+            n_max = n_train if isinstance(n_train, int) else int(n_train.max())
+            if n_max > 0:
+                context, masked = x_BND[:, :n_max], masked[:, :n_max]  # (B, n_max, dim), (B, n_max)
+                if isinstance(n_train, int):
+                    masked = None  # every kept row is a training row
         queries = self.inducing.to(x_BND.dtype)[None].expand(x_BND.shape[0], -1, -1)  # (B, M, dim)
-        return self.induce_block(queries, x_BND, context_padding_mask=masked)
+        return self.induce_block(queries, context, context_padding_mask=masked)
 
     def forward(
         self,

@@ -361,3 +361,62 @@ def test_gradients_reach_every_parameter():
         (out * torch.randn_like(out)).sum().backward()
         for pname, p in block.named_parameters():
             assert p.grad is not None and p.grad.abs().sum() > 0, f"{name}.{pname} got no gradient"
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_gradients_agree_across_backends(backend):
+    _need(backend)
+    x, ctx = torch.randn(2, 7, 16), torch.randn(2, 5, 16)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    for block, call in [
+        (SelfAttentionBlock(16, 2, num_kv_heads=1), lambda m, x: m(x, causal=True)),
+        (QFormerBlock(16, 2), lambda m, x: m(x[:, :3], ctx, context_padding_mask=pad)),
+    ]:
+        _rand_params(block)
+        grads = []
+        for name in ("reference", backend):
+            block.backend = name
+            block.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            out = call(block, xi)
+            out.backward(torch.ones_like(out))
+            grads.append([xi.grad] + [p.grad.clone() for p in block.parameters()])
+        for g_ref, g in zip(*grads):
+            torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- in-context attention (context_len)
+
+
+def test_context_len_reads_only_the_prefix():
+    block = _rand_params(SelfAttentionBlock(32, 4, backend="reference"))
+    x = torch.randn(2, 10, 32)
+    n = 6
+    out = block(x, context_len=n)
+    # same as an additive -inf bias on the keys past the prefix
+    bias = torch.zeros(10, 10)
+    bias[:, n:] = float("-inf")
+    torch.testing.assert_close(out, block(x, attn_bias=bias), atol=1e-5, rtol=1e-5)
+    # a later (test) row changes only its own output
+    x2 = x.clone()
+    x2[:, 8] = torch.randn(2, 32)
+    out2 = block(x2, context_len=n)
+    keep = torch.arange(10) != 8
+    torch.testing.assert_close(out2[:, keep], out[:, keep])
+    # rope tables for all S positions; keys use the prefix's
+    rope = RotaryEmbedding(8)(torch.arange(10))
+    bias_rope = block(x, attn_bias=bias, rope=rope)
+    torch.testing.assert_close(block(x, context_len=n, rope=rope), bias_rope, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="context_len"):
+        block(x, context_len=11)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        block(x, context_len=4, causal=True)
+
+
+def test_isab_without_training_rows_is_row_independent():
+    isab = _rand_params(InducedSetAttentionBlock(16, 2, 3, backend="reference"))
+    x = torch.randn(2, 5, 16)
+    s0 = isab.induce(x, n_train=0)
+    torch.testing.assert_close(isab.induce(torch.randn(2, 5, 16), n_train=0), s0)
+    assert torch.isfinite(isab(x, n_train=0)).all()
