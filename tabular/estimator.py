@@ -1,0 +1,295 @@
+"""``TabICLClassifier``: a scikit-learn classifier that predicts by in-context learning, with no training.
+
+``fit`` only stores the (preprocessed) train table; ``predict_proba`` runs the pretrained TabICL model with the
+train rows as context. An ensemble of ``n_estimators`` views of the table — feature orders (cyclic shifts of a
+random permutation, a Latin-square design so each feature visits each position), cyclic class shifts and two
+normalisations (none / Yeo-Johnson power) — is averaged in logit space, then a softmax with temperature
+``softmax_temperature``. More classes than the model's decoder has go through a balanced hierarchy of class
+groups (≤ ``max_classes`` groups per node); probabilities multiply down the tree.
+
+Test rows and ensemble members are processed in batches sized from ``memory_budget_mb``; the train-side
+representation (column summaries and ICL keys/values) of every ensemble member is cached after the first
+``predict`` when it fits in half of that budget, so repeated predictions skip the train rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
+
+from tabular.model import TabICL
+from tabular.preprocess import TablePreprocessor, to_frame
+from tabular.weights_io import default_checkpoint, load_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TabICLClassifier"]
+
+_MODEL_CACHE: dict[tuple[str, str], TabICL] = {}
+
+
+def _get_model(checkpoint, device: torch.device) -> TabICL:
+    path = str(default_checkpoint() if checkpoint is None else checkpoint)
+    key = (path, str(device))
+    if key not in _MODEL_CACHE:
+        _MODEL_CACHE[key] = load_model(path, device=device)
+    return _MODEL_CACHE[key]
+
+
+@dataclass(kw_only=True)
+class _Member:
+    """One ensemble view."""
+
+    perm: np.ndarray  # feature order
+    shift: int  # cyclic class shift
+    power: bool  # Yeo-Johnson transform of numeric columns
+
+
+@dataclass(kw_only=True)
+class _Node:
+    """A node of the class hierarchy: the model classifies its rows into ``len(children)`` groups (or classes)."""
+
+    classes: np.ndarray  # encoded class ids covered by this node
+    groups: list  # per group: array of encoded class ids
+    children: list  # per group: _Node, or None when the group is a single class
+    cache: dict = field(default_factory=dict)  # train context per member batch
+
+
+def _balanced_tree(classes: np.ndarray, k: int) -> _Node:
+    """Split ``classes`` into at most ``k`` near-equal contiguous groups, recursively."""
+    if len(classes) <= k:
+        return _Node(classes=classes, groups=[classes[i : i + 1] for i in range(len(classes))], children=[None] * len(classes))
+    n_groups = min(k, math.ceil(len(classes) / k))
+    groups = np.array_split(classes, n_groups)
+    return _Node(classes=classes, groups=list(groups), children=[_balanced_tree(g, k) if len(g) > 1 else None for g in groups])
+
+
+class TabICLClassifier(ClassifierMixin, BaseEstimator):
+    """In-context tabular classifier backed by a pretrained TabICL checkpoint.
+
+    Args:
+        n_estimators: ensemble members (feature shuffles x class shifts x normalisations).
+        checkpoint: path of a ``.safetensors`` (or pretraining ``.pt``) checkpoint; None = the shipped default.
+        device: "cpu", "cuda", ... ; None picks CUDA when available, else CPU.
+        random_state: seed of the ensemble's feature permutations.
+        memory_budget_mb: memory the inference may use for activations; sets the test-row and member batch
+            sizes and whether the train-side cache is kept.
+        batch_size: test rows per forward pass; None derives it from ``memory_budget_mb``.
+        softmax_temperature: temperature applied to the averaged logits.
+        verbose: log progress at INFO level.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_estimators: int = 8,
+        checkpoint=None,
+        device=None,
+        random_state=0,
+        memory_budget_mb: float = 2048.0,
+        batch_size=None,
+        softmax_temperature: float = 0.9,
+        verbose: bool = False,
+    ) -> None:
+        self.n_estimators = n_estimators
+        self.checkpoint = checkpoint
+        self.device = device
+        self.random_state = random_state
+        self.memory_budget_mb = memory_budget_mb
+        self.batch_size = batch_size
+        self.softmax_temperature = softmax_temperature
+        self.verbose = verbose
+
+    # -- sklearn plumbing ---------------------------------------------------------------------------------
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.allow_nan = True
+        tags.input_tags.categorical = True
+        tags.input_tags.string = True
+        tags.non_deterministic = False
+        return tags
+
+    def _check_params(self) -> None:
+        if not (isinstance(self.n_estimators, (int, np.integer)) and self.n_estimators >= 1):
+            raise ValueError(f"n_estimators must be a positive int, got {self.n_estimators!r}")
+        if not (isinstance(self.memory_budget_mb, (int, float)) and self.memory_budget_mb > 0):
+            raise ValueError(f"memory_budget_mb must be a positive number, got {self.memory_budget_mb!r}")
+        if self.batch_size is not None and not (isinstance(self.batch_size, (int, np.integer)) and self.batch_size >= 1):
+            raise ValueError(f"batch_size must be None or a positive int, got {self.batch_size!r}")
+        if not (isinstance(self.softmax_temperature, (int, float)) and self.softmax_temperature > 0):
+            raise ValueError(f"softmax_temperature must be > 0, got {self.softmax_temperature!r}")
+
+    def _validate_X(self, X, *, reset: bool):
+        import pandas as pd
+
+        if X is None:
+            raise ValueError("X is None; expected a 2-D array or DataFrame")
+        if hasattr(X, "toarray") or type(X).__module__.startswith("scipy.sparse"):
+            raise TypeError("TabICLClassifier does not accept sparse input; pass a dense array or DataFrame")
+        if not isinstance(X, pd.DataFrame):
+            arr = np.asarray(X)
+            if arr.dtype.kind in "cV":
+                raise ValueError(f"complex or structured data is not supported (dtype {arr.dtype})")
+            if arr.ndim != 2:
+                raise ValueError(
+                    f"Expected 2D array, got {'scalar' if arr.ndim == 0 else f'{arr.ndim}D'} array instead: "
+                    f"shape {arr.shape}. Reshape your data with array.reshape(-1, 1) for one feature or "
+                    "array.reshape(1, -1) for one sample."
+                )
+            if arr.dtype.kind == "O":
+                for v in arr.ravel()[:1000]:
+                    if not isinstance(v, (str, bytes, bool, int, float, np.generic, type(None))):
+                        raise TypeError(f"argument must be a string or a real number, got a {type(v).__name__}")
+        validate_data(self, X, skip_check_array=True, reset=reset)
+        df = to_frame(X)
+        if df.shape[0] == 0:
+            raise ValueError(f"Found array with 0 sample(s) (shape={df.shape}) while a minimum of 1 is required.")
+        if df.shape[1] == 0:
+            raise ValueError(f"Found array with 0 feature(s) (shape={df.shape}) while a minimum of 1 is required.")
+        return df
+
+    # -- fit --------------------------------------------------------------------------------------------
+    def fit(self, X, y):
+        """Store the train table (preprocessed) and labels; no gradient step happens."""
+        self._check_params()
+        df = self._validate_X(X, reset=True)
+        if y is None:
+            raise ValueError("y is None; a classifier needs labels")
+        y = column_or_1d(np.asarray(y) if not hasattr(y, "to_numpy") else y.to_numpy(), warn=True)
+        if len(y) != len(df):
+            raise ValueError(f"X has {len(df)} rows but y has {len(y)} labels")
+        if y.dtype.kind == "f" and np.isnan(y).any() or y.dtype.kind == "O" and any(v is None or v != v for v in y):
+            raise ValueError("y contains missing labels (NaN/None); drop those rows or label them")
+        check_classification_targets(y)
+        self.classes_, y_enc = np.unique(y, return_inverse=True)
+        self._pre = TablePreprocessor()
+        Xv, self._is_cat = self._pre.fit_transform(df)
+        self._X_train = Xv
+        self._y_train = y_enc.astype(np.int64)
+        self._device = torch.device(self.device) if self.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = _get_model(self.checkpoint, self._device)
+        self._max_classes = model.config.max_classes
+        rng = np.random.default_rng(self.random_state)
+        F = Xv.shape[1]
+        base = rng.permutation(F)
+        self._members = []
+        C = len(self.classes_)
+        for i in range(int(self.n_estimators)):
+            perm = np.roll(base, i % F) if i < F or F == 1 else rng.permutation(F)
+            self._members.append(_Member(perm=perm, shift=int(i % max(1, min(C, self._max_classes))), power=(i % 2 == 1)))
+        self._power = None
+        if any(m.power for m in self._members):
+            self._power = self._fit_power(Xv)
+        self._tree = _balanced_tree(np.arange(C), self._max_classes) if C > 1 else None
+        self.n_features_in_ = df.shape[1]
+        return self
+
+    def _fit_power(self, Xv: np.ndarray):
+        """Yeo-Johnson per numeric column (None when there is none or it fails)."""
+        from sklearn.preprocessing import PowerTransformer
+
+        num = ~self._is_cat
+        if not num.any():
+            return None
+        pt = PowerTransformer(method="yeo-johnson", standardize=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pt.fit(Xv[:, num].astype(np.float64))
+        except (ValueError, FloatingPointError):
+            return None
+        return pt
+
+    def _view(self, Xv: np.ndarray, m: _Member) -> np.ndarray:
+        if m.power and self._power is not None:
+            Xv = Xv.copy()
+            num = ~self._is_cat
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                Xv[:, num] = self._power.transform(Xv[:, num].astype(np.float64)).astype(np.float32)
+        return Xv[:, m.perm]
+
+    # -- predict ----------------------------------------------------------------------------------------
+    def _bytes_per_row(self, model: TabICL, F: int, n_ctx: int) -> int:
+        """Rough activation bytes per (row, member) in the forward pass."""
+        c = model.config
+        tokens = F + c.n_cls
+        cells = F * c.embed_dim * (8 + 2 * c.mlp_ratio) + F * c.col_heads * c.col_inducing
+        row = tokens * c.embed_dim * (8 + 2 * c.mlp_ratio) + c.row_heads * tokens * tokens
+        icl = c.icl_dim * 8 + c.icl_ffn * 2 + c.icl_heads * min(n_ctx, 8192)
+        return 4 * int(cells + row + icl)
+
+    def _node_logits(self, node: _Node, X_test: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
+        """Averaged member logits ``(n_test, len(node.groups))`` of the group of each test row at ``node``."""
+        model = _get_model(self.checkpoint, self._device)
+        group_of = np.full(len(self.classes_), -1, dtype=np.int64)
+        for g, members in enumerate(node.groups):
+            group_of[members] = g
+        sel = np.isin(self._y_train, node.classes)
+        Xtr, ytr = self._X_train[sel], group_of[self._y_train[sel]]
+        G = len(node.groups)
+        n_test = X_test.shape[0]
+        F = Xtr.shape[1]
+        budget = self.memory_budget_mb * 2**20
+        per_row = self._bytes_per_row(model, F, len(Xtr))
+        members = self._members
+        # Members batched so that the train pass fits; test rows chunked so each forward fits.
+        train_cost = per_row * len(Xtr)
+        per_batch = max(1, min(len(members), int(budget // max(1, train_cost))))
+        chunk = int(self.batch_size) if self.batch_size else max(1, int(budget // max(1, per_row * per_batch)))
+        total = np.zeros((n_test, G), dtype=np.float64)
+        for b0 in range(0, len(members), per_batch):
+            batch = members[b0 : b0 + per_batch]
+            key = b0
+            ctx = node.cache.get(key)
+            if ctx is None:
+                xs = np.stack([self._view(Xtr, m) for m in batch])
+                ys = np.stack([(ytr + m.shift) % G for m in batch])
+                ctx = model.build_context(torch.from_numpy(xs).to(self._device), torch.from_numpy(ys).to(self._device),
+                                          chunk=chunk)
+                if ctx.nbytes() * math.ceil(len(members) / per_batch) <= budget / 2:
+                    node.cache[key] = ctx
+            xt = torch.from_numpy(np.stack([self._view(X_test, m) for m in batch])).to(self._device)
+            logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()  # (b, n, G)
+            for j, m in enumerate(batch):
+                # Undo the class shift: shifted id (g + s) % G holds group g.
+                total += logits[j][:, (np.arange(G) + m.shift) % G]
+        return total / len(members)
+
+    def _node_proba(self, node: _Node, X_test: np.ndarray) -> np.ndarray:
+        """Class probabilities ``(n_test, n_classes)`` under ``node`` (zeros outside its classes)."""
+        out = np.zeros((X_test.shape[0], len(self.classes_)))
+        logits = self._node_logits(node, X_test, np.ones(X_test.shape[0], dtype=bool))
+        z = logits / self.softmax_temperature
+        z = z - z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        for g, (grp, child) in enumerate(zip(node.groups, node.children)):
+            if child is None:
+                out[:, grp[0]] = p[:, g]
+            else:
+                out += p[:, g : g + 1] * self._node_proba(child, X_test)
+        return out
+
+    def predict_proba(self, X) -> np.ndarray:
+        """Class probabilities ``(n_samples, n_classes)``, columns in the order of ``classes_``."""
+        check_is_fitted(self, "_members")
+        df = self._validate_X(X, reset=False)
+        Xv = self._pre.transform(df)
+        if self._tree is None:  # a single class seen at fit time
+            return np.ones((len(Xv), 1))
+        proba = self._node_proba(self._tree, Xv)
+        return proba / proba.sum(axis=1, keepdims=True)
+
+    def predict(self, X) -> np.ndarray:
+        """Most probable class label of each row."""
+        proba = self.predict_proba(X)
+        return self.classes_[np.argmax(proba, axis=1)]

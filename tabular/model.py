@@ -1,0 +1,355 @@
+"""TabICL: in-context classification of tables with a three-stage transformer.
+
+Layouts: a batch of ``B`` tables with ``N`` rows (the first ``n_train`` labelled, the rest queries) and ``F``
+features: ``X (B, N, F)`` float (NaN = missing), ``y_train (B, n_train)`` int64 in ``[0, max_classes)``.
+
+1. **Column embedding** (distribution-aware): every column is a set of ``N`` scalars. ``Linear(1, d)`` lifts each
+   cell, induced set attention blocks (:class:`core.layers.InducedSetAttentionBlock`) let each cell see a summary
+   of its column — the inducing points read the **train rows only**, so a query row never influences another
+   row. Two heads give a per-cell weight ``W`` and bias ``b`` (``d`` each); the cell embedding is ``x·W + b``.
+2. **Row interaction**: the ``F`` cell embeddings of one row plus ``n_cls`` learned CLS tokens go through
+   self-attention blocks with rotary position embeddings over feature positions (:mod:`core.rope`, base 1e5);
+   the CLS outputs concatenated give the row vector (``n_cls · d`` features).
+3. **ICL transformer**: train rows get a label embedding (one-hot -> linear) added; in every block, queries of
+   all rows attend to keys/values of the train rows only (one attention call with train keys; no N² mask), so
+   train rows attend to train rows and a test row attends to train rows only. An MLP decoder maps each test
+   row to ``max_classes`` logits.
+
+All attention goes through ``core`` modules (backend chosen per module, ``core.attention`` picks memory-bounded
+kernels for long contexts).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from core.layers import MLP, InducedSetAttentionBlock, SelfAttentionBlock
+from core.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TabICLConfig", "TabICL", "TrainContext", "column_stats", "standardize", "tabicl_tiny", "tabicl_small", "tabicl_base", "standardize_columns", "CONFIGS"]
+
+
+@dataclass(kw_only=True)
+class TabICLConfig:
+    """Sizes of the three stages."""
+
+    max_classes: int = 10  # logits the decoder emits; more classes go through hierarchical grouping
+    embed_dim: int = 128  # cell / feature-token width d shared by column embedding and row interaction
+    col_blocks: int = 3  # induced set attention blocks over each column (paper: 3)
+    col_heads: int = 4  # heads in the column blocks
+    col_inducing: int = 128  # inducing points per ISAB (paper: 128); summary size of a column
+    row_blocks: int = 3  # row-interaction self-attention blocks (paper: 3)
+    row_heads: int = 8  # heads in the row blocks
+    n_cls: int = 4  # CLS tokens per row; the row vector is their concatenation (n_cls * embed_dim)
+    rope_base: float = 100_000.0  # RoPE frequency base over feature positions (paper: 1e5)
+    icl_blocks: int = 12  # ICL transformer blocks (paper: 12)
+    icl_heads: int = 4  # heads in the ICL blocks
+    icl_ffn: int = 1024  # MLP hidden size of the ICL blocks (paper: 1024)
+    mlp_ratio: float = 2.0  # MLP hidden size / width in the column and row blocks
+    clip_value: float = 10.0  # standardized cells are clipped to +-clip_value before embedding
+
+    def __post_init__(self) -> None:
+        for name in ("max_classes", "embed_dim", "col_blocks", "col_heads", "col_inducing", "row_blocks",
+                     "row_heads", "n_cls", "icl_blocks", "icl_heads", "icl_ffn"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v > 0):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_classes < 2:
+            raise ValueError(f"max_classes ({self.max_classes}) must be at least 2")
+        for name in ("col_heads", "row_heads"):
+            h = getattr(self, name)
+            if self.embed_dim % h != 0:
+                raise ValueError(f"{name} ({h}) must divide embed_dim ({self.embed_dim})")
+        if (self.embed_dim // self.row_heads) % 2 != 0:
+            raise ValueError(f"row head dim ({self.embed_dim // self.row_heads}) must be even for RoPE")
+        if self.icl_dim % self.icl_heads != 0:
+            raise ValueError(f"icl_heads ({self.icl_heads}) must divide the row vector size ({self.icl_dim})")
+        if not self.rope_base > 1.0:
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        if not self.clip_value > 0:
+            raise ValueError(f"clip_value must be > 0, got {self.clip_value}")
+
+    @property
+    def icl_dim(self) -> int:
+        """Width of the ICL transformer: the concatenated CLS outputs."""
+        return self.n_cls * self.embed_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tabicl_tiny() -> TabICLConfig:
+    """A few thousand parameters' worth of model for tests."""
+    return TabICLConfig(embed_dim=16, col_blocks=1, col_heads=2, col_inducing=8, row_blocks=1, row_heads=2,
+                        n_cls=2, icl_blocks=2, icl_heads=2, icl_ffn=64)
+
+
+def tabicl_small() -> TabICLConfig:
+    """The shipped default: small enough to pretrain on CPU (about 0.6M parameters, < 3 MB in fp32)."""
+    return TabICLConfig(embed_dim=32, col_blocks=2, col_heads=4, col_inducing=32, row_blocks=2, row_heads=4,
+                        n_cls=4, icl_blocks=4, icl_heads=4, icl_ffn=256)
+
+
+def tabicl_base() -> TabICLConfig:
+    """The published sizes (about 27M parameters)."""
+    return TabICLConfig()
+
+
+CONFIGS = {"tiny": tabicl_tiny, "small": tabicl_small, "base": tabicl_base}
+
+
+def column_stats(X_train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN-aware per-table, per-column mean and std over train rows ``(B, n_train, F)`` -> 2 x ``(B, 1, F)``."""
+    valid = ~torch.isnan(X_train)
+    cnt = valid.sum(1, keepdim=True).clamp_min(1)
+    mean = torch.where(valid, X_train, 0).sum(1, keepdim=True) / cnt
+    var = torch.where(valid, (X_train - mean) ** 2, 0).sum(1, keepdim=True) / cnt
+    std = var.sqrt()
+    return mean, torch.where(std > 1e-8, std, torch.ones_like(std))
+
+
+def standardize(X: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, clip: float) -> torch.Tensor:
+    """``(X - mean) / std``, NaN -> 0 (the train mean), clipped to ``[-clip, clip]``."""
+    return ((X - mean) / std).nan_to_num(nan=0.0).clamp(-clip, clip)
+
+
+def standardize_columns(X: torch.Tensor, n_train: int, clip: float) -> torch.Tensor:
+    """Per table and column: standardize with train-row statistics (rows ``[:n_train]``), NaN -> 0, clip.
+
+    Args:
+        X: ``(B, N, F)`` float, NaN = missing.
+        n_train: statistics use rows ``[:n_train]`` only (a query row never changes another row's value).
+        clip: clip to ``[-clip, clip]``.
+    """
+    mean, std = column_stats(X[:, :n_train])
+    return standardize(X, mean, std, clip)
+
+
+@dataclass(kw_only=True)
+class TrainContext:
+    """Everything test rows need from the train rows: the train-side cache of repeated predictions."""
+
+    mean: torch.Tensor  # (B, 1, F) train column means
+    std: torch.Tensor  # (B, 1, F) train column stds
+    summaries: list  # per column block: (B*F, M, d) inducing summaries
+    kv: list  # per ICL block: (k, v), each (B, H, n_train, head_dim)
+    n_train: int  # train rows
+
+    def nbytes(self) -> int:
+        ts = [self.mean, self.std, *self.summaries, *(t for kv in self.kv for t in kv)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+class ColumnEmbedding(nn.Module):
+    """Distribution-aware cell embedding: ISAB over each column (train rows induce), per-cell weight and bias."""
+
+    def __init__(self, cfg: TabICLConfig) -> None:
+        super().__init__()
+        d = cfg.embed_dim
+        self.lift = nn.Linear(1, d)
+        self.blocks = nn.ModuleList(
+            InducedSetAttentionBlock(d, cfg.col_heads, cfg.col_inducing, mlp_ratio=cfg.mlp_ratio)
+            for _ in range(cfg.col_blocks)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.weight_head = nn.Linear(d, d)
+        self.bias_head = nn.Linear(d, d)
+
+    def summaries(self, x_SN1: torch.Tensor, n_train: int) -> list[torch.Tensor]:
+        """Per-block inducing summaries ``(S, M, d)`` of columns ``x (S, N, 1)``; reads rows ``[:n_train]``."""
+        h = self.lift(x_SN1[:, :n_train])
+        out = []
+        for blk in self.blocks:
+            H = blk.induce(h)  # (S, M, d): inducing points attend to train rows
+            out.append(H)
+            h = blk.broadcast_block(h, H)
+        return out
+
+    def apply(self, x_SN1: torch.Tensor, summaries: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        """Cell embeddings ``(S, N, d)`` of any rows given the column summaries (rows are independent)."""
+        h = self.lift(x_SN1)
+        for blk, H in zip(self.blocks, summaries):
+            h = blk.broadcast_block(h, H)
+        h = self.norm(h)
+        return x_SN1 * self.weight_head(h) + self.bias_head(h)
+
+    def forward(self, x_SN1: torch.Tensor, n_train: int) -> torch.Tensor:
+        """Cell embeddings ``(S, N, d)`` of columns ``(S, N, 1)``; the summaries read rows ``[:n_train]``."""
+        h = self.lift(x_SN1)
+        for blk in self.blocks:
+            h = blk.broadcast_block(h, blk.induce(h[:, :n_train]))
+        h = self.norm(h)
+        return x_SN1 * self.weight_head(h) + self.bias_head(h)
+
+
+class RowInteraction(nn.Module):
+    """Self-attention across the features of one row (RoPE over feature positions), read out by CLS tokens."""
+
+    def __init__(self, cfg: TabICLConfig) -> None:
+        super().__init__()
+        d = cfg.embed_dim
+        self.n_cls = cfg.n_cls
+        self.cls = nn.Parameter(torch.randn(cfg.n_cls, d) * 0.02)  # (n_cls, d) learned CLS tokens
+        self.blocks = nn.ModuleList(
+            SelfAttentionBlock(d, cfg.row_heads, mlp_ratio=cfg.mlp_ratio) for _ in range(cfg.row_blocks)
+        )
+        self.rope = RotaryEmbedding(d // cfg.row_heads, base=cfg.rope_base)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, cells_RFD: torch.Tensor) -> torch.Tensor:
+        """Cells of ``R`` rows ``(R, F, d)`` -> row vectors ``(R, n_cls * d)``."""
+        R, F, d = cells_RFD.shape
+        tokens = torch.cat([self.cls.to(cells_RFD.dtype)[None].expand(R, -1, -1), cells_RFD], dim=1)  # (R, C+F, d)
+        pos = torch.arange(self.n_cls + F, device=cells_RFD.device)
+        rope = self.rope(pos, dtype=cells_RFD.dtype)  # (C+F, hd) each
+        for blk in self.blocks:
+            tokens = blk(tokens, rope=rope)
+        return self.norm(tokens[:, : self.n_cls]).reshape(R, self.n_cls * d)
+
+
+class ICLTransformer(nn.Module):
+    """Pre-norm blocks where every row attends to the train rows only; labels embedded on train rows."""
+
+    def __init__(self, cfg: TabICLConfig) -> None:
+        super().__init__()
+        D = cfg.icl_dim
+        self.max_classes = cfg.max_classes
+        self.label_embed = nn.Linear(cfg.max_classes, D)
+        self.blocks = nn.ModuleList(
+            SelfAttentionBlock(D, cfg.icl_heads, mlp_hidden_dim=cfg.icl_ffn) for _ in range(cfg.icl_blocks)
+        )
+        self.norm = nn.LayerNorm(D)
+        self.decoder = MLP(D, 2 * D, out_dim=cfg.max_classes)
+
+    def _block(self, blk: SelfAttentionBlock, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One block for rows ``x (B, S, D)`` attending to cached train keys/values ``(B, H, n_train, hd)``."""
+        q = blk.attn.project_q(blk.norm1(x))
+        x = x + blk.attn.merge(blk.attn.attend(q, k, v))
+        return x + blk.mlp(blk.norm2(x))
+
+    def embed_train(self, rows_train: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
+        """Add the label embedding to train rows ``(B, n_train, D)``."""
+        onehot = nn.functional.one_hot(y_train, self.max_classes).to(rows_train.dtype)
+        return rows_train + self.label_embed(onehot)
+
+    def context(self, rows_train: torch.Tensor, y_train: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-block train keys/values: the train-side cache that test rows attend to."""
+        x = self.embed_train(rows_train, y_train)
+        cache = []
+        for blk in self.blocks:
+            k, v = blk.attn.project_kv(blk.norm1(x))
+            cache.append((k, v))
+            x = self._block(blk, x, k, v)
+        return cache
+
+    def predict(self, rows_test: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Logits ``(B, n_test, max_classes)`` of test rows ``(B, n_test, D)`` given the train cache."""
+        x = rows_test
+        for blk, (k, v) in zip(self.blocks, cache):
+            x = self._block(blk, x, k, v)
+        return self.decoder(self.norm(x))
+
+    def forward(self, rows: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
+        """Rows ``(B, N, D)`` with the first ``n_train = y_train.shape[1]`` labelled -> test logits."""
+        n_train = y_train.shape[1]
+        x = torch.cat([self.embed_train(rows[:, :n_train], y_train), rows[:, n_train:]], dim=1)
+        for blk in self.blocks:
+            h = blk.norm1(x)
+            k, v = blk.attn.project_kv(h[:, :n_train])  # keys/values from train rows only
+            q = blk.attn.project_q(h)
+            x = x + blk.attn.merge(blk.attn.attend(q, k, v))
+            x = x + blk.mlp(blk.norm2(x))
+        return self.decoder(self.norm(x[:, n_train:]))
+
+
+class TabICL(nn.Module):
+    """The full model. ``forward(X, y_train) -> logits (B, N - n_train, max_classes)``."""
+
+    def __init__(self, config: TabICLConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or tabicl_small()
+        self.col = ColumnEmbedding(self.config)
+        self.row = RowInteraction(self.config)
+        self.icl = ICLTransformer(self.config)
+
+    def _cells(self, X: torch.Tensor, n_train: int) -> torch.Tensor:
+        """``(B, N, F)`` raw -> cell embeddings ``(B, N, F, d)``."""
+        B, N, F = X.shape
+        Z = standardize_columns(X, n_train, self.config.clip_value)
+        cols = Z.permute(0, 2, 1).reshape(B * F, N, 1)  # (B*F, N, 1): one set per column
+        E = self.col(cols, n_train)  # (B*F, N, d)
+        return E.reshape(B, F, N, -1).permute(0, 2, 1, 3)
+
+    def encode_rows(self, X: torch.Tensor, n_train: int) -> torch.Tensor:
+        """Row vectors ``(B, N, n_cls * d)`` of raw tables ``X (B, N, F)``."""
+        B, N, F = X.shape
+        E = self._cells(X, n_train)
+        return self.row(E.reshape(B * N, F, -1)).reshape(B, N, -1)
+
+    def forward(self, X: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
+        """Test-row logits.
+
+        Args:
+            X: ``(B, N, F)`` float tables, NaN = missing; rows ``[:n_train]`` are labelled.
+            y_train: ``(B, n_train)`` int64 labels in ``[0, max_classes)``.
+
+        Returns:
+            ``(B, N - n_train, max_classes)`` logits.
+        """
+        if X.dim() != 3:
+            raise ValueError(f"X must be (B, N, F), got shape {tuple(X.shape)}")
+        if y_train.dim() != 2 or y_train.shape[0] != X.shape[0]:
+            raise ValueError(f"y_train must be (B, n_train) with B = {X.shape[0]}, got {tuple(y_train.shape)}")
+        n_train = y_train.shape[1]
+        if not 0 < n_train < X.shape[1]:
+            raise ValueError(f"n_train ({n_train}) must be in [1, N) with N = {X.shape[1]}")
+        if int(y_train.min()) < 0 or int(y_train.max()) >= self.config.max_classes:
+            raise ValueError(f"labels must lie in [0, {self.config.max_classes}), got [{int(y_train.min())}, {int(y_train.max())}]")
+        rows = self.encode_rows(X, n_train)
+        return self.icl(rows, y_train)
+
+    # -- inference with a train-side cache ---------------------------------------------------------------
+    def _rows_from_cells(self, Z: torch.Tensor, summaries: list, chunk: int) -> torch.Tensor:
+        """Standardized ``Z (B, N, F)`` -> row vectors ``(B, N, D)``, ``chunk`` rows at a time (rows independent)."""
+        B, N, F = Z.shape
+        out = []
+        for s in range(0, N, chunk):
+            z = Z[:, s : s + chunk]
+            n = z.shape[1]
+            cols = z.permute(0, 2, 1).reshape(B * F, n, 1)
+            E = self.col.apply(cols, summaries).reshape(B, F, n, -1).permute(0, 2, 1, 3)  # (B, n, F, d)
+            out.append(self.row(E.reshape(B * n, F, -1)).reshape(B, n, -1))
+        return torch.cat(out, dim=1)
+
+    @torch.no_grad()
+    def build_context(self, X_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int = 4096) -> TrainContext:
+        """Run the train rows once: column summaries, column statistics and the ICL keys/values.
+
+        Args:
+            X_train: ``(B, n_train, F)`` raw train rows (NaN = missing).
+            y_train: ``(B, n_train)`` labels in ``[0, max_classes)``.
+            chunk: rows per chunk in the row-wise stages (memory bound).
+        """
+        mean, std = column_stats(X_train)
+        Z = standardize(X_train, mean, std, self.config.clip_value)
+        B, n, F = Z.shape
+        summaries = self.col.summaries(Z.permute(0, 2, 1).reshape(B * F, n, 1), n)
+        rows = self._rows_from_cells(Z, summaries, chunk)
+        kv = self.icl.context(rows, y_train)
+        return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, n_train=n)
+
+    @torch.no_grad()
+    def predict_logits(self, X_test: torch.Tensor, ctx: TrainContext, *, chunk: int = 4096) -> torch.Tensor:
+        """Logits ``(B, n_test, max_classes)`` of raw test rows ``(B, n_test, F)`` against a train context."""
+        Z = standardize(X_test, ctx.mean, ctx.std, self.config.clip_value)
+        out = []
+        for s in range(0, Z.shape[1], chunk):
+            rows = self._rows_from_cells(Z[:, s : s + chunk], ctx.summaries, chunk)
+            out.append(self.icl.predict(rows, ctx.kv))
+        return torch.cat(out, dim=1)

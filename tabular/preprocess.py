@@ -1,0 +1,139 @@
+"""Turning a user's table (NumPy or pandas, mixed types, missing values) into a float matrix for the model.
+
+Rules (fitted on the train table, applied unchanged at predict time):
+
+* A column is **categorical** if its pandas dtype is object / string / category / bool, or (NumPy object
+  arrays) if its values do not all parse as numbers. Categories are ordinal-encoded in order of first
+  appearance-sorted value; missing values get their own code, and categories unseen at fit time map to that
+  same "missing/unknown" code.
+* A **numeric** column keeps its values; ``±inf`` counts as missing (NaN). Missing numeric cells stay NaN and
+  the model imputes the train mean.
+* Columns that are entirely missing or constant on the train rows carry no information and are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TablePreprocessor", "to_frame"]
+
+
+def to_frame(X):
+    """A pandas DataFrame view of ``X`` (DataFrame, NumPy array or list of rows); 2-D required."""
+    import pandas as pd
+
+    if isinstance(X, pd.DataFrame):
+        return X
+    if isinstance(X, pd.Series):
+        raise ValueError("X must be 2-D (rows x features); got a pandas Series, use X.to_frame() or reshape")
+    arr = np.asarray(X, dtype=object) if not isinstance(X, np.ndarray) else X
+    if arr.ndim != 2:
+        raise ValueError(f"X must be 2-D (rows x features); got an array of shape {arr.shape}")
+    return pd.DataFrame(arr)
+
+
+def _is_categorical_dtype(s) -> bool:
+    import pandas as pd
+
+    dt = s.dtype
+    return (
+        isinstance(dt, pd.CategoricalDtype)
+        or pd.api.types.is_bool_dtype(dt)
+        or pd.api.types.is_object_dtype(dt)
+        or pd.api.types.is_string_dtype(dt)
+    )
+
+
+def _as_numeric(s):
+    """Float64 values of a column, or None when some present value is not a number."""
+    import pandas as pd
+
+    if pd.api.types.is_bool_dtype(s.dtype):
+        return None
+    if pd.api.types.is_numeric_dtype(s.dtype):
+        return s.to_numpy(dtype=np.float64, na_value=np.nan)
+    try:
+        vals = pd.to_numeric(s, errors="raise")
+    except (ValueError, TypeError):
+        return None
+    if any(isinstance(v, (bool, np.bool_)) for v in s.dropna().head(50)):
+        return None
+    return np.asarray(vals, dtype=np.float64)
+
+
+@dataclass(kw_only=True)
+class TablePreprocessor:
+    """Fitted column rules; ``fit_transform`` on train, ``transform`` on new rows."""
+
+    kinds_: list = field(default_factory=list)  # per input column: "num", "cat" or "drop"
+    categories_: dict = field(default_factory=dict)  # column index -> {value: code}
+
+    def _column_values(self, s, j: int, *, fitting: bool) -> np.ndarray:
+        import pandas as pd
+
+        kind = self.kinds_[j] if not fitting else None
+        if fitting:
+            num = None if (_is_categorical_dtype(s) and not pd.api.types.is_object_dtype(s.dtype)) else _as_numeric(s)
+            kind = "num" if num is not None else "cat"
+            if kind == "num":
+                v = num.copy()
+                v[~np.isfinite(v)] = np.nan
+                return v, kind
+            present = s[s.notna()]
+            uniq = sorted(pd.unique(present), key=lambda x: (str(type(x)), str(x)))
+            self.categories_[j] = {val: float(i) for i, val in enumerate(uniq)}
+            return self._encode(s, j), kind
+        if kind == "num":
+            num = _as_numeric(s)
+            if num is None:
+                raise ValueError(f"column {s.name!r} was numeric at fit time but holds non-numeric values now")
+            v = num.copy()
+            v[~np.isfinite(v)] = np.nan
+            return v, kind
+        return self._encode(s, j), kind
+
+    def _encode(self, s, j: int) -> np.ndarray:
+        mapping = self.categories_[j]
+        unknown = float(len(mapping))  # missing and unseen categories share one extra code
+        return np.array([mapping.get(v, unknown) if v == v and v is not None else unknown for v in s.tolist()],
+                        dtype=np.float64)
+
+    def fit_transform(self, X) -> tuple[np.ndarray, np.ndarray]:
+        """Fit the rules on the train table; returns ``(values (n, F') float32, is_categorical (F',) bool)``."""
+        df = to_frame(X)
+        self.kinds_, self.categories_ = [], {}
+        cols, cats = [], []
+        for j in range(df.shape[1]):
+            self.kinds_.append(None)
+            v, kind = self._column_values(df.iloc[:, j], j, fitting=True)
+            finite = v[~np.isnan(v)]
+            if finite.size == 0 or np.all(finite == finite[0]) and (kind == "num" or np.all(v == v[0])):
+                self.kinds_[j] = "drop"
+                continue
+            self.kinds_[j] = kind
+            cols.append(v)
+            cats.append(kind == "cat")
+        n_dropped = sum(k == "drop" for k in self.kinds_)
+        if n_dropped:
+            logger.info("dropped %d constant or all-missing column(s)", n_dropped)
+        return self._stack(cols, len(df)), np.array(cats, dtype=bool)
+
+    def transform(self, X) -> np.ndarray:
+        """Apply the fitted rules to new rows; returns ``(n, F')`` float32."""
+        df = to_frame(X)
+        if df.shape[1] != len(self.kinds_):
+            raise ValueError(f"X has {df.shape[1]} columns but the model was fitted on {len(self.kinds_)}")
+        cols = [self._column_values(df.iloc[:, j], j, fitting=False)[0]
+                for j in range(df.shape[1]) if self.kinds_[j] != "drop"]
+        return self._stack(cols, len(df))
+
+    @staticmethod
+    def _stack(cols: list, n: int) -> np.ndarray:
+        if not cols:  # nothing informative: one constant column keeps shapes valid
+            return np.zeros((n, 1), dtype=np.float32)
+        return np.stack(cols, axis=1).astype(np.float32)

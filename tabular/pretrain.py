@@ -1,0 +1,370 @@
+"""Pretrain TabICL on the synthetic prior: ``python -m tabular.pretrain --out runs/tabicl_small``.
+
+Each step draws ``--batch-size`` fresh tables from :class:`tabular.prior.TablePrior` (per process), with a
+curriculum over table sizes (see :func:`curriculum`), and minimises the cross-entropy of the test rows (logits of
+classes a table does not have are masked). AdamW, linear warm-up then constant learning rate (or cosine with
+``--cosine``), gradient-norm clipping. Every ``--ckpt-every`` steps a full-state checkpoint (model, optimizer,
+scheduler, step, tables seen, wall time, every RNG) is written atomically to ``OUT/last.pt``; ``--resume``
+continues from it exactly. Every ``--val-every`` steps the model is scored on a fixed held-out set of prior
+tables; the best one is written to ``OUT/best.safetensors`` (and to ``--export`` with a model card beside it).
+Metrics go to ``OUT/metrics.jsonl``.
+
+Runs under ``torchrun --nproc_per_node=K`` (DDP; gloo on CPU, NCCL on GPU): each process draws its own tables
+(seed + rank), gradients are averaged, rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tabular.model import CONFIGS, TabICL, TabICLConfig
+from tabular.prior import PriorConfig, TablePrior
+from tabular.weights_io import atomic_write_text, save_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_parser", "main", "curriculum", "masked_loss", "Trainer", "evaluate"]
+
+
+@dataclass(kw_only=True)
+class Stage:
+    """One curriculum stage: from ``start`` step on, tables have rows in [min_rows, max_rows]."""
+
+    start: int  # first step of the stage
+    min_rows: int  # fewest rows per table
+    max_rows: int  # most rows per table
+    max_features: int  # most features per table
+
+
+def curriculum(step: int, scale: float = 1.0) -> Stage:
+    """Table sizes for ``step``: small tables first, then longer and wider ones.
+
+    The published recipe trains at 1,024 rows and then up to 40K rows; on CPU we start lower. ``scale``
+    stretches the stage boundaries (e.g. ``scale=0.001`` in tests).
+    """
+    stages = [
+        Stage(start=0, min_rows=64, max_rows=256, max_features=20),
+        Stage(start=int(3000 * scale), min_rows=128, max_rows=512, max_features=40),
+        Stage(start=int(20000 * scale), min_rows=256, max_rows=1024, max_features=100),
+    ]
+    current = stages[0]
+    for s in stages:
+        if step >= s.start:
+            current = s
+    return current
+
+
+def masked_loss(logits: torch.Tensor, y: torch.Tensor, n_classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy and accuracy of test rows; logits of classes ``>= n_classes[b]`` are masked out.
+
+    Args:
+        logits: ``(B, T, C)``; y: ``(B, T)``; n_classes: ``(B,)``.
+    """
+    C = logits.shape[-1]
+    invalid = torch.arange(C, device=logits.device)[None, None, :] >= n_classes[:, None, None]
+    logits = logits.masked_fill(invalid, float("-inf"))
+    loss = F.cross_entropy(logits.reshape(-1, C), y.reshape(-1))
+    acc = (logits.argmax(-1) == y).float().mean()
+    return loss, acc
+
+
+def _draw_sizes(rng: random.Random, stage: Stage, max_classes: int) -> tuple[int, int, int]:
+    n_rows = rng.randint(stage.min_rows, stage.max_rows)
+    frac = rng.uniform(0.5, 0.9)
+    n_train = min(max(max_classes, int(n_rows * frac)), n_rows - 1)
+    n_features = rng.randint(min(2, stage.max_features), stage.max_features)
+    return n_rows, n_train, n_features
+
+
+def validation_set(n_tables: int = 64, seed: int = 1_000_003, max_classes: int = 10, max_rows: int = 1024) -> list:
+    """Fixed held-out prior tables (different seed from training): 8 batches of 128..1024 rows (capped)."""
+    prior = TablePrior(PriorConfig(max_classes=max_classes), seed=seed)
+    rng = random.Random(seed)
+    batches = []
+    per = max(1, n_tables // 8)
+    for i in range(8):
+        n_rows = max(2 * max_classes + 2, min(max_rows, [128, 256, 512, 1024][i % 4]))
+        n_train = n_rows // 2 + n_rows // 4
+        batches.append(prior.sample(per, n_rows, n_train, n_features=rng.randint(2, 40)))
+    return batches
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list, device: torch.device) -> dict[str, float]:
+    """Mean test-row loss and accuracy over the validation batches."""
+    was_training = model.training
+    model.eval()
+    losses, accs = [], []
+    for b in batches:
+        b = b.to(device)
+        logits = model(b.X, b.y[:, : b.n_train])
+        loss, acc = masked_loss(logits, b.y[:, b.n_train :], b.n_classes)
+        losses.append(loss.item())
+        accs.append(acc.item())
+    model.train(was_training)
+    return {"val_loss": float(np.mean(losses)), "val_acc": float(np.mean(accs))}
+
+
+class Trainer:
+    """Owns model, optimizer, prior and counters; ``train_step() -> dict`` and a full ``state_dict``."""
+
+    def __init__(self, args: argparse.Namespace, *, rank: int = 0, world: int = 1, device: torch.device | None = None) -> None:
+        self.args = args
+        self.rank, self.world = rank, world
+        self.device = device or torch.device("cpu")
+        self.model_config: TabICLConfig = CONFIGS[args.config]()
+        torch.manual_seed(args.seed)
+        self.model = TabICL(self.model_config).to(self.device)
+        self.ddp_model: torch.nn.Module = self.model
+        if world > 1:
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+        self.prior = TablePrior(PriorConfig(max_classes=self.model_config.max_classes), seed=args.seed * 1000 + rank,
+                                device=self.device)
+        self.size_rng = random.Random(args.seed)  # same on every rank: all ranks use one table size per step
+        self.step = 0
+        self.tables_seen = 0
+        self.wall_time = 0.0
+        self.best_val_loss = math.inf
+        self.best_step = -1
+
+    def _lr_factor(self, step: int) -> float:
+        warm = max(1, self.args.warmup)
+        f = min(1.0, (step + 1) / warm)
+        if self.args.cosine and self.args.steps > warm:
+            t = min(1.0, max(0.0, (step - warm) / (self.args.steps - warm)))
+            f *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        return f
+
+    def train_step(self) -> dict[str, float]:
+        stage = curriculum(self.step, self.args.curriculum_scale)
+        if self.args.max_rows is not None:
+            stage.max_rows = min(stage.max_rows, self.args.max_rows)
+            stage.min_rows = min(stage.min_rows, stage.max_rows)
+        if self.args.max_features is not None:
+            stage.max_features = min(stage.max_features, self.args.max_features)
+        n_rows, n_train, n_features = _draw_sizes(self.size_rng, stage, self.model_config.max_classes)
+        batch = self.prior.sample(self.args.batch_size, n_rows, n_train, n_features=n_features)
+        logits = self.ddp_model(batch.X, batch.y[:, :n_train])
+        loss, acc = masked_loss(logits, batch.y[:, n_train:], batch.n_classes)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.tables_seen += self.args.batch_size * self.world
+        return {"loss": loss.item(), "acc": acc.item(), "grad_norm": float(gnorm), "lr": self.sched.get_last_lr()[0],
+                "rows": n_rows, "features": n_features}
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "model_config": self.model_config.to_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "step": self.step,
+            "tables_seen": self.tables_seen,
+            "wall_time": self.wall_time,
+            "best_val_loss": self.best_val_loss,
+            "best_step": self.best_step,
+            "prior_rng": self.prior.get_state(),
+            "size_rng": self.size_rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "args": vars(self.args),
+            "world": self.world,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["model_config"] != self.model_config.to_dict():
+            raise ValueError(f"checkpoint config {state['model_config']} differs from --config {self.args.config!r}")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.tables_seen = state["tables_seen"]
+        self.wall_time = state["wall_time"]
+        self.best_val_loss = state["best_val_loss"]
+        self.best_step = state["best_step"]
+        if state.get("world", 1) == self.world:
+            self.prior.set_state(state["prior_rng"])  # per-rank streams differ; rank 0's state restores rank 0 exactly
+        self.size_rng.setstate(state["size_rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def _atomic_torch_save(obj: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
+    """The card written beside an exported checkpoint."""
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    return {
+        "model": f"TabICL ({trainer.args.config})",
+        "config": trainer.model_config.to_dict(),
+        "parameters": n_params,
+        "command": command,
+        "data": "synthetic tables from tabular.prior.TablePrior (70% MLP-SCM, 30% tree-SCM), fresh every step",
+        "step": trainer.step,
+        "tables_seen": trainer.tables_seen,
+        "wall_time_s": round(trainer.wall_time, 1),
+        "processes": trainer.world,
+        "validation_on_held_out_prior": val,
+        "validation_set": "tabular.pretrain.validation_set(): 64 tables, seed 1000003, 128-1024 rows, 2-40 features",
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tabular.pretrain", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
+    p.add_argument("--out", type=Path, default=Path("runs/tabicl_small"), help="run folder (checkpoints, metrics)")
+    p.add_argument("--steps", type=int, default=100_000, help="stop after this many optimizer steps")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time (this invocation)")
+    p.add_argument("--batch-size", type=int, default=8, help="tables per step per process")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--warmup", type=int, default=500, help="linear warm-up steps")
+    p.add_argument("--cosine", action="store_true", help="cosine decay to 10%% of the peak at --steps")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
+    p.add_argument("--seed", type=int, default=0, help="seed of model init, prior and sizes")
+    p.add_argument("--curriculum-scale", type=float, default=1.0, help="stretch factor of the curriculum stages")
+    p.add_argument("--max-rows", type=int, default=None, help="cap on rows per table (overrides the curriculum)")
+    p.add_argument("--max-features", type=int, default=None, help="cap on features per table")
+    p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")
+    p.add_argument("--val-every", type=int, default=500, help="steps between validations (and best exports)")
+    p.add_argument("--val-tables", type=int, default=64, help="held-out prior tables for validation")
+    p.add_argument("--export", type=Path, default=None, help="also write the best model here (.safetensors + card)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def _setup_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if device_arg:
+        device = torch.device(device_arg)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+#: Arguments that define the recipe; on --resume they are taken from the checkpoint.
+_RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", "seed", "curriculum_scale", "max_rows", "max_features")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world, device = _setup_distributed(args.device)
+    out: Path = args.out
+    trainer = Trainer(args, rank=rank, world=world, device=device)
+    last = out / "last.pt"
+    if args.resume:
+        if not last.is_file():
+            raise SystemExit(f"--resume given but {last} does not exist")
+        state = torch.load(last, map_location=device, weights_only=False)
+        # The run's recipe comes from the checkpoint, so a resumed run continues the same schedule.
+        for key in _RECIPE_KEYS:
+            old = state["args"].get(key)
+            if old is not None and old != getattr(args, key):
+                logger.warning("--%s %s ignored: the resumed run uses %s", key.replace("_", "-"), getattr(args, key), old)
+                setattr(args, key, old)
+        trainer.load_state_dict(state)
+        logger.info("resumed from %s at step %d (%d tables seen)", last, trainer.step, trainer.tables_seen)
+    elif last.exists() and rank == 0:
+        raise SystemExit(f"{last} exists: pass --resume to continue that run or choose another --out")
+    command = "python -m tabular.pretrain " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    val_batches = []
+    if rank == 0:
+        val_batches = validation_set(args.val_tables, max_classes=trainer.model_config.max_classes,
+                                     max_rows=args.max_rows or 1024)
+    metrics_path = out / "metrics.jsonl"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=trainer.step, desc="pretrain", dynamic_ncols=True)
+    t_start = time.time()
+    t_last = t_start
+    try:
+        while trainer.step < args.steps:
+            if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
+                logger.info("stopping after --max-minutes %.1f", args.max_minutes)
+                break
+            m = trainer.train_step()
+            now = time.time()
+            trainer.wall_time += now - t_last
+            t_last = now
+            if rank != 0:
+                continue
+            rec = {"step": trainer.step, "tables_seen": trainer.tables_seen, "wall_time_s": round(trainer.wall_time, 2), **m}
+            if trainer.step % args.val_every == 0 or trainer.step == args.steps:
+                val = evaluate(trainer.model, val_batches, device)
+                rec.update(val)
+                if val["val_loss"] < trainer.best_val_loss:
+                    trainer.best_val_loss, trainer.best_step = val["val_loss"], trainer.step
+                    card = model_card(trainer, val, command)
+                    save_model(trainer.model, out / "best.safetensors", extra=card)
+                    atomic_write_text(out / "best.json", json.dumps(card, indent=2) + "\n")
+                    if args.export is not None:
+                        save_model(trainer.model, args.export, extra=card)
+                        atomic_write_text(args.export.with_suffix(".json"), json.dumps(card, indent=2) + "\n")
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
+                _atomic_torch_save(trainer.state_dict(), last)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", rows=m["rows"])
+    finally:
+        if rank == 0:
+            _atomic_torch_save(trainer.state_dict(), last)
+        if bar is not None:
+            bar.close()
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

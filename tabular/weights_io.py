@@ -1,0 +1,84 @@
+"""Saving and loading TabICL weights as ``safetensors`` with the config in the file's metadata."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tabular.model import TabICL, TabICLConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["save_model", "load_model", "default_checkpoint", "atomic_write_text"]
+
+#: The shipped default checkpoint, inside the package.
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "tabicl_small.safetensors"
+
+
+def default_checkpoint() -> Path:
+    """Path of the shipped checkpoint (raises ``FileNotFoundError`` when the package holds none)."""
+    if not DEFAULT_WEIGHTS.is_file():
+        raise FileNotFoundError(
+            f"the default TabICL checkpoint {DEFAULT_WEIGHTS.name} is missing from the package; "
+            "pass checkpoint=PATH or pretrain one with `python -m tabular.pretrain`"
+        )
+    return DEFAULT_WEIGHTS
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def save_model(model: TabICL, path: str | os.PathLike, *, extra: dict | None = None) -> None:
+    """Write the model's weights (fp32) and config to a ``.safetensors`` file atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    meta = {"format": "tabicl", "config": json.dumps(model.config.to_dict())}
+    if extra:
+        meta["extra"] = json.dumps(extra)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> TabICL:
+    """Load a model written by :func:`save_model` (or a pretraining checkpoint ``.pt``), in eval mode."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"TabICL checkpoint {str(path)!r} does not exist (expected a .safetensors or .pt file)")
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != "tabicl" or "config" not in meta:
+            raise ValueError(f"{str(path)!r} is not a TabICL checkpoint (no 'tabicl' config in its metadata)")
+        config = TabICLConfig(**json.loads(meta["config"]))
+        state = load_file(str(path))
+    elif path.suffix == ".pt":
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+            raise ValueError(f"{str(path)!r} is not a TabICL pretraining checkpoint (keys 'model', 'model_config')")
+        config = TabICLConfig(**ckpt["model_config"])
+        state = ckpt["model"]
+    else:
+        raise ValueError(f"unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; use .safetensors or .pt")
+    model = TabICL(config)
+    model.load_state_dict(state)
+    return model.to(device).eval()

@@ -1,0 +1,94 @@
+"""TabICL model: shapes, test-row independence, train-only induction, cached inference, weights round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tabular.model import TabICL, TabICLConfig, tabicl_base, tabicl_small, tabicl_tiny
+from tabular.prior import PriorConfig, TablePrior
+from tabular.weights_io import load_model, save_model
+
+
+def _batch(B=2, N=60, n_train=36, F=5, seed=None):
+    seed = int(torch.randint(0, 10_000, (1,))) if seed is None else seed
+    return TablePrior(PriorConfig(max_width=16), seed=seed).sample(B, N, n_train, n_features=F)
+
+
+def test_output_shape_and_config_sizes():
+    m = TabICL(tabicl_tiny())
+    b = _batch()
+    out = m(b.X, b.y[:, : b.n_train])
+    assert out.shape == (2, 60 - 36, 10) and torch.isfinite(out).all()
+    n_small = sum(p.numel() for p in TabICL(tabicl_small()).parameters())
+    assert n_small * 4 < 20 * 2**20  # the shipped size fits the 20 MB limit in fp32
+    assert tabicl_base().icl_dim == 512 and tabicl_base().icl_blocks == 12
+
+
+def test_test_rows_are_independent_and_do_not_affect_train():
+    torch.manual_seed(int(torch.randint(0, 1000, (1,))))
+    m = TabICL(tabicl_tiny()).eval()
+    b = _batch(B=1)
+    n = b.n_train
+    with torch.no_grad():
+        base = m(b.X, b.y[:, :n])
+        X2 = b.X.clone()
+        X2[0, n + 5] = torch.randn(X2.shape[2]) * 3  # change one test row
+        changed = m(X2, b.y[:, :n])
+        X3 = b.X.clone()
+        X3[0, 2] = torch.randn(X3.shape[2]) * 3  # change one train row
+        changed_train = m(X3, b.y[:, :n])
+    diff = (base - changed).abs().amax(-1)[0]
+    assert diff[5] > 1e-4  # the changed row's prediction moves
+    assert torch.all(diff[torch.arange(diff.numel()) != 5] < 1e-5)  # no other test row moves
+    assert (base - changed_train).abs().amax() > 1e-4  # train rows are the context: they matter
+
+
+def test_cached_context_matches_full_forward():
+    m = TabICL(tabicl_tiny()).eval()
+    b = _batch(B=3, N=80, n_train=50, F=4)
+    with torch.no_grad():
+        full = m(b.X, b.y[:, :50])
+        ctx = m.build_context(b.X[:, :50], b.y[:, :50], chunk=7)
+        cached = m.predict_logits(b.X[:, 50:], ctx, chunk=11)
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)
+    assert ctx.nbytes() > 0
+
+
+def test_labels_are_used():
+    m = TabICL(tabicl_tiny()).eval()
+    b = _batch(B=1)
+    y = b.y[:, : b.n_train]
+    with torch.no_grad():
+        a = m(b.X, y)
+        c = m(b.X, (y + 1) % 10)
+    assert (a - c).abs().amax() > 1e-4
+
+
+def test_weights_round_trip(tmp_path):
+    m = TabICL(tabicl_tiny()).eval()
+    path = tmp_path / "m.safetensors"
+    save_model(m, path, extra={"note": "test"})
+    m2 = load_model(path)
+    b = _batch(B=1)
+    with torch.no_grad():
+        torch.testing.assert_close(m(b.X, b.y[:, : b.n_train]), m2(b.X, b.y[:, : b.n_train]))
+    assert m2.config == m.config
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "missing.safetensors")
+    (tmp_path / "x.bin").write_bytes(b"0")
+    with pytest.raises(ValueError, match="suffix"):
+        load_model(tmp_path / "x.bin")
+
+
+def test_config_and_input_validation():
+    with pytest.raises(ValueError, match="must divide embed_dim"):
+        TabICLConfig(embed_dim=30, col_heads=4)
+    with pytest.raises(ValueError, match="max_classes"):
+        TabICLConfig(max_classes=1)
+    m = TabICL(tabicl_tiny())
+    b = _batch(B=1)
+    with pytest.raises(ValueError, match="labels must lie"):
+        m(b.X, torch.full((1, b.n_train), 10))
+    with pytest.raises(ValueError, match="n_train"):
+        m(b.X, torch.zeros(1, b.X.shape[1], dtype=torch.long))
