@@ -36,10 +36,10 @@ from kernels.flash_attention import (
     _empty,
     _finish_rows,
     _load_tile,
-    _online_softmax_step,
     _precision,
     _store_tile,
     bwd_delta,
+    check_device,
     check_tensors,
     is_interpreted,
     padding_mask_u8,
@@ -85,6 +85,8 @@ def _bs_fwd(
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+    dmask_k = offs_d[None, :] < D
+    dmask_v = offs_dv[None, :] < DV
     causal_off = Sk - Sq
     last_visible = q_end - 1 + causal_off  # the largest key any row of this block may see (causal)
     for s in range(NSLOT):
@@ -96,10 +98,9 @@ def _bs_fwd(
         if run:
             offs_n = n0 + offs_r
             k_end = tl.minimum(Sk, n0 + BS)
-            k = _load_tile(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd,
-                           offs_n, k_end, offs_d, D, BLOCK_D, EVEN_N)  # fmt: skip
-            v = _load_tile(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd,
-                           offs_n, k_end, offs_dv, DV, BLOCK_DV, EVEN_N)  # fmt: skip
+            col_ok = offs_n[:, None] < k_end
+            k = tl.load(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, mask=col_ok & dmask_k, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, mask=col_ok & dmask_v, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if not EVEN_N:
                 qk = tl.where(offs_n[None, :] < k_end, qk, float("-inf"))
@@ -108,7 +109,15 @@ def _bs_fwd(
             if HAS_PAD:
                 pad = tl.load(KPM + b * s_pb + offs_n, mask=offs_n < k_end, other=1)
                 qk = tl.where(pad[None, :] == 0, qk, float("-inf"))
-            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, v, PRECISION)
+            # Online softmax step, inlined (see kernels.flash_attention._online_softmax_step).
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+            m_i = m_new
     out, lse = _finish_rows(acc, l_i, m_i)
     _store_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
                 out.to(O.dtype.element_ty), offs_m, q_end, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
@@ -158,6 +167,8 @@ def _bs_bwd_dq(
     v_base = V + b * s_vb + hk * s_vh
     idx_base = IDX + b * s_ib + h * s_ih + pid_q * s_iq
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dmask_k = offs_d[None, :] < D
+    dmask_v = offs_dv[None, :] < DV
     causal_off = Sk - Sq
     last_visible = q_end - 1 + causal_off
     for s in range(NSLOT):
@@ -169,10 +180,9 @@ def _bs_bwd_dq(
         if run:
             offs_n = n0 + offs_r
             k_end = tl.minimum(Sk, n0 + BS)
-            k = _load_tile(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd,
-                           offs_n, k_end, offs_d, D, BLOCK_D, EVEN_N)  # fmt: skip
-            v = _load_tile(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd,
-                           offs_n, k_end, offs_dv, DV, BLOCK_DV, EVEN_N)  # fmt: skip
+            col_ok = offs_n[:, None] < k_end
+            k = tl.load(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, mask=col_ok & dmask_k, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, mask=col_ok & dmask_v, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             p = tl.math.exp2(qk - lse[:, None])
             if not EVEN_N:
@@ -227,6 +237,8 @@ def _bs_bwd_dkdv(
     keep_n = offs_n < k_end
     if HAS_PAD:
         keep_n = keep_n & (tl.load(KPM + b * s_pb + offs_n, mask=offs_n < k_end, other=1) == 0)
+    dmask_k = offs_d[None, :] < D
+    dmask_v = offs_dv[None, :] < DV
     causal_off = Sk - Sq
     t_base = TIDX + b * s_tb + hk * s_th + pid_n * s_tn
     for s in range(NSLOT):
@@ -237,10 +249,11 @@ def _bs_bwd_dkdv(
             h = hk * GROUPS + g
             offs_m = m0 + offs_r
             q_end = tl.minimum(Sq, m0 + BS)
-            q = _load_tile(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd,
-                           offs_m, q_end, offs_d, D, BLOCK_D, EVEN_M)  # fmt: skip
-            do = _load_tile(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
-                            offs_m, q_end, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
+            row_ok = offs_m[:, None] < q_end
+            q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd,
+                        mask=row_ok & dmask_k, other=0.0)  # fmt: skip
+            do = tl.load(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
+                         mask=row_ok & dmask_v, other=0.0)  # fmt: skip
             row_base = (b * H + h) * Sq
             if EVEN_M:
                 lse = tl.load(LSE + row_base + offs_m)
@@ -435,6 +448,7 @@ def block_sparse_attention(
     nq, nk = math.ceil(Sq / block_size), math.ceil(Sk / block_size)
     idx32 = _check_block_index(block_index.to(q.device), B, Hq, nq, nk)
     kpm_u8 = padding_mask_u8(key_padding_mask, B, Sk, q.device)
+    check_device(q)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     return _BlockSparseAttention.apply(q, k, v, idx32, kpm_u8, block_size, bool(causal), float(scale))

@@ -152,10 +152,19 @@ def _fwd_inner(
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    dmask_k = offs_d[None, :] < D
+    dmask_v = offs_dv[None, :] < DV
+    # Helpers are inlined in the loops (device-function calls are costly in interpreter mode).
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)
-        v = _load_tile(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)
+        k_ptrs = k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd
+        v_ptrs = v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd
+        if EVEN_N:
+            k = tl.load(k_ptrs, mask=dmask_k, other=0.0)
+            v = tl.load(v_ptrs, mask=dmask_v, other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_n[:, None] < Sk) & dmask_k, other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < Sk) & dmask_v, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if not EVEN_N:
             qk = tl.where(offs_n[None, :] < Sk, qk, float("-inf"))
@@ -164,7 +173,15 @@ def _fwd_inner(
         if HAS_PAD:
             pad = tl.load(kpm_base + offs_n, mask=offs_n < Sk, other=1)
             qk = tl.where(pad[None, :] == 0, qk, float("-inf"))
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, v, PRECISION)
+        # Online softmax step (see _online_softmax_step).
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -261,6 +278,8 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     if HAS_PAD:
         keep_n = tl.load(KPM + b * s_pb + offs_n, mask=offs_n < Sk, other=1) == 0
+    dmask_k = offs_d[None, :] < D
+    dmask_v = offs_dv[None, :] < DV
     causal_off = Sk - Sq
     lo = 0
     if CAUSAL:
@@ -273,9 +292,9 @@ def _attn_bwd_dkdv(
         row_base = (b * H + h) * Sq
         for start_m in range(lo, Sq, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _load_tile(q_base + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd, offs_m, Sq, offs_d, D, BLOCK_D, EVEN_M)
-            do = _load_tile(do_base + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
-                            offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
+            row_ok = offs_m[:, None] < Sq
+            q = tl.load(q_base + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd, mask=row_ok & dmask_k, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod, mask=row_ok & dmask_v, other=0.0)
             if EVEN_M:
                 lse = tl.load(LSE + row_base + offs_m)
                 delta = tl.load(DELTA + row_base + offs_m)
@@ -336,14 +355,17 @@ def _attn_bwd_dq(
     k_base = K + b * s_kb + hk * s_kh
     v_base = V + b * s_vb + hk * s_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dmask_k = offs_d[None, :] < D
+    dmask_v = offs_dv[None, :] < DV
     causal_off = Sk - Sq
     hi = Sk
     if CAUSAL:
         hi = tl.maximum(tl.minimum(Sk, pid_m * BLOCK_M + BLOCK_M + causal_off), 0)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)
-        v = _load_tile(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)
+        col_ok = offs_n[:, None] < Sk
+        k = tl.load(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, mask=col_ok & dmask_k, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, mask=col_ok & dmask_v, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         if not EVEN_N:
@@ -402,7 +424,10 @@ def _bwd_config(d: int, dtype: torch.dtype) -> dict[str, int]:
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` naming what the kernels do not support (``core`` then falls back)."""
+    """Raise ``ValueError`` naming what the kernels do not support (``core`` then falls back).
+
+    The device is checked separately (:func:`check_device`), last.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, H, S, D), got {getattr(t, 'shape', type(t).__name__)}")
@@ -414,11 +439,6 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: 
         raise ValueError(f"dtype {q.dtype} is not supported by the Triton kernels; supported: {SUPPORTED_DTYPES}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type != "cuda" and not is_interpreted():
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors, got device {q.device} "
-            "(or set TRITON_INTERPRET=1 before importing kernels to run them on the CPU interpreter)"
-        )
     B, Hq, _, D = q.shape
     if k.shape[0] != B or v.shape[0] != B or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -430,6 +450,15 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: 
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"key/value heads ({Hkv}) must divide query heads ({Hq})")
+
+
+def check_device(q: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the kernels can run on ``q``'s device (checked after everything else)."""
+    if q.device.type != "cuda" and not is_interpreted():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got device {q.device} "
+            "(or set TRITON_INTERPRET=1 before triton is imported to run them on the CPU interpreter)"
+        )
 
 
 def padding_mask_u8(key_padding_mask: torch.Tensor | None, b: int, sk: int, device: torch.device) -> torch.Tensor | None:
@@ -561,6 +590,7 @@ def flash_attention(
     """
     check_tensors(q, k, v, attn_bias)
     kpm_u8 = padding_mask_u8(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    check_device(q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     return _FlashAttention.apply(q, k, v, kpm_u8, bool(causal), float(scale))

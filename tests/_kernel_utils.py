@@ -1,0 +1,132 @@
+"""Shared helpers of the Triton kernel tests (interpreter cases and GPU tests)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from core.attention import attention
+from core.blocksparse import block_index_to_mask
+
+
+def nan_empty(shape, *, like, dtype=None):
+    """Poisoned stand-in for the kernels' output allocator: unwritten elements stay NaN."""
+    return torch.full(shape, float("nan"), device=like.device, dtype=dtype or like.dtype)
+
+
+def inputs(B, Hq, Hkv, Sq, Sk, D, dtype, device="cpu", pad=False):
+    q = torch.randn(B, Hq, Sq, D, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, D, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, D, dtype=dtype, device=device, requires_grad=True)
+    kpm = None
+    if pad:
+        kpm = torch.rand(B, Sk, device=device) < 0.3
+        kpm[0, :] = True  # a batch row with every key padded: its outputs must be zeros
+    return q, k, v, kpm
+
+
+def fwd_bwd(fn, q, k, v, do):
+    """Output and (dq, dk, dv) of ``fn`` on leaf copies of q, k, v."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, do.to(out.dtype))
+    return out.detach(), grads
+
+
+def lowp_peer(q, k, v, *, causal, key_padding_mask, attn_bias=None):
+    """Plain PyTorch attention computed in the inputs' low precision: PyTorch's own rounding error."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(Hq // Hkv, dim=1)
+    v = v.repeat_interleave(Hq // Hkv, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D))
+    keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)[None, None]
+    if causal:
+        keep = keep & (torch.arange(Sk, device=q.device)[None, :] <= torch.arange(Sq, device=q.device)[:, None] + Sk - Sq)
+    if key_padding_mask is not None:
+        keep = keep & ~key_padding_mask[:, None, None, :]
+    if attn_bias is not None:
+        s = s + attn_bias.to(s.dtype)
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p))
+    return p @ v
+
+
+def assert_close_to_ref(got, ref, peer=None, *, what):
+    """fp32: tight tolerance; low precision: within 3x PyTorch's own low-precision error (plus a floor)."""
+    assert torch.isfinite(got).all(), f"{what}: non-finite values (an element was not written?)"
+    err = (got.float() - ref.float()).abs().max().item()
+    if peer is None:
+        tol = 2e-4 * max(1.0, ref.abs().max().item())
+    else:
+        tol = 3 * (peer.float() - ref.float()).abs().max().item() + 2e-3
+    assert err <= tol, f"{what}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+def check_dense(fa, B, Hq, Hkv, Sq, Sk, D, causal, pad, dtype, device="cpu"):
+    """``fa.flash_attention`` output and gradients against the fp32 reference (and the low-precision peer)."""
+    q, k, v, kpm = inputs(B, Hq, Hkv, Sq, Sk, D, dtype, device=device, pad=pad)
+    do = torch.randn(B, Hq, Sq, D, device=device)
+    out, grads = fwd_bwd(lambda a, b, c: fa.flash_attention(a, b, c, causal=causal, key_padding_mask=kpm), q, k, v, do)
+    ref, ref_grads = fwd_bwd(
+        lambda a, b, c: attention(
+            a.float(), b.float(), c.float(), causal=causal, key_padding_mask=kpm, backend="reference"
+        ),
+        q, k, v, do,
+    )  # fmt: skip
+    peer, peer_grads = (None, (None,) * 3)
+    if dtype != torch.float32:
+        peer, peer_grads = fwd_bwd(
+            lambda a, b, c: lowp_peer(a, b, c, causal=causal, key_padding_mask=kpm), q, k, v, do
+        )
+    assert out.dtype == dtype and out.shape == (B, Hq, Sq, D)
+    assert_close_to_ref(out, ref, peer, what="out")
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+        assert g.dtype == dtype
+        assert_close_to_ref(g, r, p, what=name)
+    if kpm is not None:  # batch row 0 has every key padded
+        assert (out[0] == 0).all() and (grads[0][0] == 0).all()
+
+
+def all_blocks(B, H, nq, nk):
+    return torch.arange(nk).expand(B, H, nq, nk).contiguous()
+
+
+def random_blocks(B, H, nq, nk, k):
+    """Random distinct ids per row, ascending, then -1 slots (some rows get fewer than k)."""
+    scores = torch.rand(B, H, nq, nk)
+    idx = scores.topk(k, dim=-1).indices
+    drop = torch.rand(B, H, nq, k) < 0.25
+    idx = torch.where(drop, nk, idx).sort(dim=-1).values
+    return torch.where(idx >= nk, -1, idx)
+
+
+def check_block_sparse(bs_mod, B, Hq, Hkv, Sq, Sk, D, block, causal, pad, dtype, index, device="cpu"):
+    q, k, v, kpm = inputs(B, Hq, Hkv, Sq, Sk, D, dtype, device=device, pad=pad)
+    nq, nk = math.ceil(Sq / block), math.ceil(Sk / block)
+    block_index = all_blocks(B, Hq, nq, nk) if index == "all" else random_blocks(B, Hq, nq, nk, index)
+    block_index = block_index.to(device)
+    keep = block_index_to_mask(block_index, block_size=block, sq=Sq, sk=Sk)  # (B, Hq, Sq, Sk)
+    bias = torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))
+    do = torch.randn(B, Hq, Sq, D, device=device)
+
+    def kernel(a, b, c):
+        return bs_mod.block_sparse_attention(a, b, c, block_index, block_size=block, causal=causal, key_padding_mask=kpm)
+
+    def reference(a, b, c):
+        return attention(
+            a.float(), b.float(), c.float(), causal=causal, key_padding_mask=kpm, attn_bias=bias, backend="reference"
+        )
+
+    out, grads = fwd_bwd(kernel, q, k, v, do)
+    ref, ref_grads = fwd_bwd(reference, q, k, v, do)
+    peer, peer_grads = None, (None,) * 3
+    if dtype != torch.float32:
+        peer, peer_grads = fwd_bwd(
+            lambda a, b, c: lowp_peer(a, b, c, causal=causal, key_padding_mask=kpm, attn_bias=bias), q, k, v, do
+        )
+    assert_close_to_ref(out, ref, peer, what="out")
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+        assert_close_to_ref(g, r, p, what=name)

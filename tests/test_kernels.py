@@ -1,0 +1,134 @@
+"""Triton kernels (``kernels/``) against the PyTorch references.
+
+* The numerical cases (fp32, fp16, small sizes) run in Triton's interpreter on the CPU, in a child
+  process started here with ``TRITON_INTERPRET=1`` (interpreter mode is fixed, process-wide, when triton
+  is imported, so it must not leak into this process): ``tests/_kernel_cases.py``.
+* Argument checking and the block-index transpose run here, with the kernel modules in their normal mode.
+* bf16 and large sizes need a CUDA device (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._kernel_utils import all_blocks, check_block_sparse, check_dense, random_blocks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_match_references_under_triton_interpreter(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "pytest", "tests/_kernel_cases.py", "-q", "-p", "no:cacheprovider", "--durations=5"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"interpreter cases failed ({' '.join(cmd)}):\n{tail}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], tail
+
+
+def _fa():
+    import kernels.flash_attention as fa
+
+    return fa
+
+
+def _bs():
+    import kernels.block_sparse as bs
+
+    return bs
+
+
+def test_flash_attention_rejects_what_it_does_not_support():
+    fa = _fa()
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="attn_bias"):
+        fa.flash_attention(q, q, q, attn_bias=torch.zeros(1, 1, 8, 8))
+    with pytest.raises(ValueError, match="head dim 8 "):
+        fa.flash_attention(q[..., :8], q[..., :8], q[..., :8])
+    big = torch.randn(1, 1, 4, 256)
+    with pytest.raises(ValueError, match="head dim 256 "):
+        fa.flash_attention(big, big, big)
+    with pytest.raises(ValueError, match="float64"):
+        fa.flash_attention(q.double(), q.double(), q.double())
+    with pytest.raises(ValueError, match=r"key/value heads \(2\) must divide query heads \(3\)"):
+        fa.flash_attention(torch.randn(1, 3, 8, 32), q, q)
+    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+        fa.flash_attention(q, q, q, key_padding_mask=torch.zeros(1, 8))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 set for the whole run")
+def test_kernels_refuse_cpu_tensors_outside_interpreter():
+    """Compiled kernels need CUDA tensors and say so (core then falls back to another backend)."""
+    fa, bs = _fa(), _bs()
+    assert not fa.is_interpreted()
+    q = torch.randn(1, 1, 32, 32)
+    with pytest.raises(ValueError, match="CUDA tensors, got device cpu"):
+        fa.flash_attention(q, q, q)
+    with pytest.raises(ValueError, match="CUDA tensors, got device cpu"):
+        bs.block_sparse_attention(q, q, q, all_blocks(1, 1, 2, 2), block_size=16)
+
+
+def test_block_sparse_rejects_bad_index_and_block_size():
+    bs = _bs()
+    q = torch.randn(1, 2, 40, 32)
+    good = all_blocks(1, 2, 3, 3)
+    with pytest.raises(ValueError, match="block_size must be an int in 1..128"):
+        bs.block_sparse_attention(q, q, q, good, block_size=256)
+    with pytest.raises(ValueError, match=r"shape \(B, H_q, NQ, K\) = \(1, 2, 3, K\)"):
+        bs.block_sparse_attention(q, q, q, good[:, :, :2], block_size=16)
+    with pytest.raises(ValueError, match=r"lie in \[-1, 2\]"):
+        bs.block_sparse_attention(q, q, q, good + 1, block_size=16)
+    dup = good.clone()
+    dup[0, 0, 0, 1] = 0
+    with pytest.raises(ValueError, match="duplicated"):
+        bs.block_sparse_attention(q, q, q, dup, block_size=16)
+    with pytest.raises(ValueError, match="integer"):
+        bs.block_sparse_attention(q, q, q, good.float(), block_size=16)
+    with pytest.raises(ValueError, match="head dim 8 "):
+        bs.block_sparse_attention(q[..., :8], q[..., :8], q[..., :8], good, block_size=16)
+
+
+def test_transpose_block_index_lists_every_selection():
+    bs = _bs()
+    B, Hq, groups, nq, nk = 2, 4, 2, 5, 7
+    idx = random_blocks(B, Hq, nq, nk, 3)
+    t = bs.transpose_block_index(idx, nk=nk, groups=groups)  # (B, Hkv, NK, Kt)
+    assert t.shape[:3] == (B, Hq // groups, nk)
+    expected = {
+        (b, h // groups, int(idx[b, h, qb, s]), (h % groups) * nq + qb) for b, h, qb, s in (idx >= 0).nonzero().tolist()
+    }
+    got = {(b, hk, n, int(t[b, hk, n, s])) for b, hk, n, s in (t >= 0).nonzero().tolist()}
+    assert got == expected
+    assert t.shape[3] == max(sum(1 for e in expected if e[:3] == (b, hk, n)) for b, hk, n, _ in expected)
+    valid = torch.where(t >= 0, t, torch.iinfo(torch.int32).max)
+    assert (valid[..., 1:] >= valid[..., :-1]).all()  # ascending, -1 only at the end
+
+
+# ------------------------------------------------------------------------------------------ GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,Sq,Sk,D,causal,pad",
+    [
+        (2, 8, 2, 1023, 1023, 128, True, True),
+        (1, 4, 4, 513, 2048, 64, False, False),
+        (2, 4, 1, 2048, 300, 96, True, False),
+        (1, 2, 2, 4096, 4096, 128, True, False),
+    ],
+)
+def test_flash_attention_gpu(B, Hq, Hkv, Sq, Sk, D, causal, pad, dtype):
+    check_dense(_fa(), B, Hq, Hkv, Sq, Sk, D, causal, pad, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block", [64, 128])
+def test_block_sparse_gpu(dtype, block):
+    check_block_sparse(_bs(), 2, 8, 2, 1000, 1500, 64, block, True, True, dtype, 6, device="cuda")
