@@ -1,0 +1,183 @@
+"""Roll out a trained Decision Transformer / Mixer in its environment and report normalized scores.
+
+    python -m rl.evaluate --checkpoint runs/dm-hopper --episodes 10 [--target-return 3600]
+
+Episodes run in lockstep in a synchronous vector environment (one batched model call per step); episode
+``i`` resets with seed ``seed + i``. Scores are D4RL-normalized (see :mod:`rl.references`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rl.envs import make_env, make_vector_env
+from rl.references import normalized_score
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EpisodeResult", "rollout", "evaluate_returns", "load_policy", "build_parser", "main"]
+
+
+@dataclass
+class EpisodeResult:
+    """One or more episodes run together."""
+
+    returns: np.ndarray  # (E,) undiscounted returns
+    lengths: np.ndarray  # (E,) steps until terminal or time limit
+    rewards: list[np.ndarray] = field(default_factory=list)  # per episode, (length,)
+    routed: np.ndarray | None = None  # (E, steps, L, 2) bool: was the newest return/state token routed, per routed layer
+    frames: list[np.ndarray] = field(default_factory=list)  # rgb frames of episode 0 (if rendered)
+
+
+@torch.no_grad()
+def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed: int = 0,
+            max_steps: int | None = None, render: bool = False, render_every: int = 1,
+            width: int = 320, height: int = 240, progress=None) -> EpisodeResult:
+    """Run ``episodes`` episodes with ``model`` conditioned on ``target_return``.
+
+    With ``render=True`` only one episode may run; frames come from MuJoCo's offscreen renderer
+    (``MUJOCO_GL=egl`` on a machine without a display).
+    """
+    model.eval()
+    cfg = model.config
+    K = cfg.context
+    max_steps = max_steps or cfg.max_ep_len
+    if episodes <= 0:
+        raise ValueError(f"episodes must be positive, got {episodes}")
+    if render:
+        if episodes != 1:
+            raise ValueError(f"render=True runs one episode, got episodes={episodes}")
+        env = make_env(env_id, render_mode="rgb_array", width=width, height=height)
+        obs, _ = env.reset(seed=seed)
+        obs = obs[None]
+        envs = None
+    else:
+        envs = make_vector_env(env_id, episodes)
+        obs, _ = envs.reset(seed=[seed + i for i in range(episodes)])
+    E = episodes
+    S, A = cfg.state_dim, cfg.act_dim
+    states = torch.zeros(E, 0, S)
+    actions = torch.zeros(E, 0, A)
+    rtg = torch.zeros(E, 0, 1)
+    times = torch.zeros(E, 0, dtype=torch.long)
+    cur_rtg = torch.full((E, 1), float(target_return))
+    done = np.zeros(E, dtype=bool)
+    returns, lengths = np.zeros(E), np.zeros(E, dtype=np.int64)
+    rewards = [[] for _ in range(E)]
+    routed_steps, frames = [], []
+    if render:
+        frames.append(env.render())
+    for t in range(max_steps):
+        states = torch.cat([states, torch.as_tensor(obs, dtype=torch.float32)[:, None]], 1)[:, -K:]
+        actions = torch.cat([actions, torch.zeros(E, 1, A)], 1)[:, -K:]
+        rtg = torch.cat([rtg, cur_rtg[:, None]], 1)[:, -K:]
+        times = torch.cat([times, torch.full((E, 1), t, dtype=torch.long)], 1)[:, -K:]
+        pred, infos = model(states, actions, rtg, times, mode="aux")
+        a = pred[:, -1]
+        if infos:
+            # newest return and state tokens sit at positions -3 and -2 of the 3T sequence
+            routed_steps.append(torch.stack([i.mask[:, -3:-1] for i in infos], 1).numpy())  # (E, L, 2)
+        actions[:, -1] = a
+        a_np = a.numpy()
+        if render:
+            o, r, term, trunc, _ = env.step(a_np[0])
+            obs, r, term, trunc = o[None], np.array([r]), np.array([term]), np.array([trunc])
+            if t % render_every == 0 or term or trunc:
+                frames.append(env.render())
+        else:
+            obs, r, term, trunc, _ = envs.step(a_np)
+        for i in range(E):
+            if not done[i]:
+                returns[i] += float(r[i])
+                lengths[i] += 1
+                rewards[i].append(float(r[i]))
+        done |= np.asarray(term) | np.asarray(trunc)
+        cur_rtg = cur_rtg - torch.as_tensor(np.asarray(r, dtype=np.float32))[:, None]
+        if progress is not None:
+            progress(t + 1, max_steps)
+        if done.all():
+            break
+    (env if render else envs).close()
+    routed = None
+    if routed_steps:
+        routed = np.stack(routed_steps, 1)  # (E, steps, L, 2)
+    return EpisodeResult(returns=returns, lengths=lengths, rewards=[np.array(r) for r in rewards],
+                         routed=routed, frames=frames)
+
+
+def evaluate_returns(model, env_id: str, *, target_return: float, episodes: int, seed: int = 0,
+                     batch: int = 10) -> np.ndarray:
+    """Returns of ``episodes`` episodes, run ``batch`` at a time."""
+    out = []
+    for start in range(0, episodes, batch):
+        n = min(batch, episodes - start)
+        out.append(rollout(model, env_id, target_return=target_return, episodes=n, seed=seed + start).returns)
+    return np.concatenate(out)
+
+
+def load_policy(checkpoint: str | os.PathLike):
+    """Load ``model.safetensors`` + ``config.json`` from a training directory (or those two files' folder).
+
+    Returns ``(model, info)`` with ``info`` the JSON (algo, env, model config, target returns).
+    """
+    from safetensors.torch import load_file
+
+    from rl.models import build_model, config_from_dict
+
+    d = Path(checkpoint)
+    if d.is_file():
+        d = d.parent
+    cfg_path, w_path = d / "config.json", d / "model.safetensors"
+    if not cfg_path.exists() or not w_path.exists():
+        raise FileNotFoundError(f"{str(d)!r} holds no trained policy (needs config.json and model.safetensors; "
+                                f"train one with `python -m rl.train`)")
+    info = json.loads(cfg_path.read_text())
+    model = build_model(info["algo"], config_from_dict(info["algo"], info["model"]))
+    model.load_state_dict(load_file(str(w_path)))
+    return model.eval(), info
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rl.evaluate", description="Evaluate a trained policy (normalized score).")
+    p.add_argument("--checkpoint", required=True, help="training output directory (config.json + model.safetensors)")
+    p.add_argument("--episodes", type=int, default=10)
+    p.add_argument("--target-return", type=float, action="append", default=None,
+                   help="return to condition on (repeatable; default: the ones used in training)")
+    p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=10, help="environments stepped together")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--threads", type=int, default=1)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    model, info = load_policy(args.checkpoint)
+    env_id = info["env"]
+    targets = args.target_return or info.get("eval_targets") or [3600.0]
+    results = []
+    for tr in targets:
+        rets = evaluate_returns(model, env_id, target_return=tr, episodes=args.episodes, seed=args.seed, batch=args.batch)
+        scores = normalized_score(env_id, rets)
+        results.append({"target_return": tr, "returns": rets.tolist(), "return_mean": float(rets.mean()),
+                        "score_mean": float(scores.mean()), "score_std": float(scores.std())})
+        print(f"{env_id} target {tr:g}: return {rets.mean():.1f} ± {rets.std():.1f}, "
+              f"normalized score {scores.mean():.1f} ± {scores.std():.1f} over {len(rets)} episodes")
+    if args.json:
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps({"checkpoint": str(args.checkpoint), "env": env_id, "results": results}, indent=1))
+        os.replace(tmp, args.json)
+
+
+if __name__ == "__main__":
+    main()
