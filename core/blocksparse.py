@@ -106,12 +106,13 @@ def block_summaries(
     _check_block_size(block_size)
     B, H, Sk, D = k.shape
     kpm = _check_padding(key_padding_mask, B, Sk, k.device)
-    valid_BS = torch.ones(B, Sk, dtype=torch.bool, device=k.device) if kpm is None else ~kpm
     nk = math.ceil(Sk / block_size)
-    pad = nk * block_size - Sk
-    valid_BS = torch.nn.functional.pad(valid_BS, (0, pad), value=False)
-    valid = valid_BS.view(B, 1, nk, block_size, 1)  # (B, 1, NK, bs, 1)
     kb = _pad_to_blocks(k.detach().float(), block_size)  # (B, H, NK, bs, D)
+    if kpm is None and nk * block_size == Sk:  # every row of every block is a valid key
+        return kb.amin(dim=3), kb.amax(dim=3), kb.mean(dim=3)
+    valid_BS = torch.ones(B, Sk, dtype=torch.bool, device=k.device) if kpm is None else ~kpm
+    valid_BS = torch.nn.functional.pad(valid_BS, (0, nk * block_size - Sk), value=False)
+    valid = valid_BS.view(B, 1, nk, block_size, 1)  # (B, 1, NK, bs, 1)
     inf = torch.tensor(float("inf"), device=k.device)
     kmin = torch.where(valid, kb, inf).amin(dim=3)
     kmax = torch.where(valid, kb, -inf).amax(dim=3)
@@ -153,11 +154,16 @@ def block_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
     kmin = _expand_heads(kmin.float(), hq, "kmin")
     kmax = _expand_heads(kmax.float(), hq, "kmax")
     empty = torch.isinf(kmax).all(dim=-1)  # (B, Hq, NK): no valid key
-    kmin = torch.where(empty[..., None], 0.0, kmin)
-    kmax = torch.where(empty[..., None], 0.0, kmax)
+    any_empty = bool(empty.any())
+    if any_empty:
+        kmin = torch.where(empty[..., None], 0.0, kmin)
+        kmax = torch.where(empty[..., None], 0.0, kmax)
     qf = q.detach().float()
-    bound = qf.clamp(min=0) @ kmax.transpose(-1, -2) + qf.clamp(max=0) @ kmin.transpose(-1, -2)
-    return bound.masked_fill(empty[:, :, None, :], float("-inf"))
+    # Σ_i max(q_i·min_i, q_i·max_i) = q⁺·max + q⁻·min, as one matmul over the concatenated dims.
+    q_pm = torch.cat([qf.clamp(min=0), qf.clamp(max=0)], dim=-1)  # (B, Hq, Sq, 2D)
+    k_pm = torch.cat([kmax, kmin], dim=-1)  # (B, Hq, NK, 2D)
+    bound = q_pm @ k_pm.transpose(-1, -2)  # (B, Hq, Sq, NK)
+    return bound.masked_fill(empty[:, :, None, :], float("-inf")) if any_empty else bound
 
 
 def query_block_upper_bound(
@@ -331,43 +337,55 @@ def block_density(block_index: torch.Tensor, nk: int) -> float:
 
 def _group_attention(
     q_blocks: torch.Tensor,
-    k_blocks: torch.Tensor,
-    v_blocks: torch.Tensor,
-    kvalid_blocks: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    kvalid_flat: torch.Tensor | None,
     idx: torch.Tensor,
-    head_map: torch.Tensor,
+    row_base: torch.Tensor,
     q_pos: torch.Tensor,
     causal_off: int | None,
     scale: float,
     block_size: int,
+    needs_mask: bool,
 ) -> torch.Tensor:
     """Attention of a group of query blocks over their gathered key blocks.
 
-    q_blocks (B, Hq, G, bs, D); k_blocks (B, Hkv, NK, bs, D); v_blocks (B, Hkv, NK, bs, Dv);
-    kvalid_blocks (B, 1, NK, bs) bool; idx (B, Hq, G, K) with -1 slots; head_map (Hq,) kv head of each q head;
-    q_pos (G, bs) query positions. Returns (B, Hq, G, bs, Dv).
+    q_blocks (B, Hq, G, bs, D); k_flat (B·Hkv·NK, bs·D) and v_flat (B·Hkv·NK, bs·Dv): key/value blocks, one
+    row each; kvalid_flat (B·NK, bs) bool or None when every key is valid; idx (B, Hq, G, K) with -1 slots;
+    row_base (B, Hq, 1, 1): row of block 0 of each query head's kv head in k_flat; q_pos (G, bs) query
+    positions; needs_mask False when no key of any gathered block is masked. Returns (B, Hq, G, bs, Dv).
     """
     B, Hq, G, bs, D = q_blocks.shape
     K = idx.shape[-1]
-    slot_ok = idx >= 0
+    Dv = v_flat.shape[-1] // bs
+    nk = kvalid_flat.shape[0] // B if kvalid_flat is not None else None
+    slot_ok = idx >= 0  # (B, Hq, G, K)
     safe = idx.clamp(min=0)
-    b_ix = torch.arange(B, device=idx.device).view(B, 1, 1, 1)
-    h_ix = head_map.view(1, Hq, 1, 1)
-    k_sel = k_blocks[b_ix, h_ix, safe].reshape(B, Hq, G, K * bs, D)  # (B, Hq, G, K·bs, D)
-    v_sel = v_blocks[b_ix, h_ix, safe].reshape(B, Hq, G, K * bs, v_blocks.shape[-1])
-    keep = kvalid_blocks[b_ix, torch.zeros_like(h_ix), safe] & slot_ok[..., None]  # (B, Hq, G, K, bs)
+    rows = (row_base + safe).reshape(-1)  # (B·Hq·G·K,)
+    k_sel = k_flat.index_select(0, rows).view(B * Hq * G, 1, K * bs, D)  # (N, 1, K·bs, D)
+    v_sel = v_flat.index_select(0, rows).view(B * Hq * G, 1, K * bs, Dv)
+    q_sel = q_blocks.reshape(B * Hq * G, 1, bs, D)  # (N, 1, bs, D)
+    if not needs_mask:  # every slot valid, no padding, no causal: plain attention over the gathered keys
+        out = torch.nn.functional.scaled_dot_product_attention(q_sel, k_sel, v_sel, scale=scale)
+        return out.view(B, Hq, G, bs, Dv)
+    keep = slot_ok[..., None].expand(B, Hq, G, K, bs)
+    if kvalid_flat is not None:
+        b_rows = (torch.arange(B, device=idx.device).view(B, 1, 1, 1) * nk + safe).reshape(-1)
+        keep = keep & kvalid_flat.index_select(0, b_rows).view(B, Hq, G, K, bs)
     keep = keep.reshape(B, Hq, G, 1, K * bs)
     if causal_off is not None:
         k_pos = (safe[..., None] * block_size + torch.arange(bs, device=idx.device)).reshape(B, Hq, G, 1, K * bs)
         keep = keep & (k_pos <= (q_pos + causal_off)[None, None, :, :, None])  # (B, Hq, G, bs, K·bs)
-    scores = (q_blocks @ k_sel.transpose(-1, -2)).float() * scale  # (B, Hq, G, bs, K·bs)
-    scores = scores.masked_fill(~keep, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - row_max)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return p.to(v_sel.dtype) @ v_sel  # (B, Hq, G, bs, Dv)
+    any_key = keep.any(dim=-1, keepdim=True)  # (B, Hq, G, bs|1, 1)
+    all_rows_see_a_key = bool(any_key.all())
+    if not all_rows_see_a_key:
+        # Rows that see no key attend to everything (finite: no NaN in forward or backward), zeroed below.
+        keep = keep | ~any_key
+    zero = torch.zeros((), dtype=q_blocks.dtype, device=idx.device)
+    mask = torch.where(keep, zero, float("-inf")).reshape(B * Hq * G, 1, keep.shape[3], K * bs)
+    out = torch.nn.functional.scaled_dot_product_attention(q_sel, k_sel, v_sel, attn_mask=mask, scale=scale)
+    out = out.view(B, Hq, G, bs, Dv)
+    return out if all_rows_see_a_key else torch.where(any_key, out, zero)
 
 
 def _torch_block_sparse(
@@ -389,28 +407,37 @@ def _torch_block_sparse(
     if K == 0 or nk == 0 or Sq == 0:
         return torch.zeros(B, Hq, Sq, Dv, dtype=out_dtype, device=q.device) + 0 * q.sum() + 0 * v.sum()
     q_blocks = _pad_to_blocks(q, block_size)  # (B, Hq, NQ, bs, D)
-    k_blocks = _pad_to_blocks(k, block_size)  # (B, Hkv, NK, bs, D)
-    v_blocks = _pad_to_blocks(v, block_size)  # (B, Hkv, NK, bs, Dv)
-    kvalid = torch.ones(B, Sk, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
-    kvalid = torch.nn.functional.pad(kvalid, (0, nk * block_size - Sk), value=False).view(B, 1, nk, block_size)
-    head_map = torch.arange(Hq, device=q.device) // (Hq // Hkv)
+    k_flat = _pad_to_blocks(k, block_size).reshape(B * Hkv * nk, block_size * D)  # one key block per row
+    v_flat = _pad_to_blocks(v, block_size).reshape(B * Hkv * nk, block_size * Dv)
+    kvalid = None
+    if key_padding_mask is not None or nk * block_size != Sk:
+        kvalid = torch.ones(B, Sk, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+        kvalid = torch.nn.functional.pad(kvalid, (0, nk * block_size - Sk), value=False).view(B * nk, block_size)
+    kv_head = torch.arange(Hq, device=q.device) // (Hq // Hkv)  # kv head read by each query head
+    row_base = ((torch.arange(B, device=q.device)[:, None] * Hkv + kv_head[None, :]) * nk).view(B, Hq, 1, 1)
     q_pos = torch.arange(nq * block_size, device=q.device).view(nq, block_size)
     causal_off = (Sk - Sq) if causal else None
-    # Query blocks per group: the gathered K/V and the scores of a group stay under _GROUP_BYTES.
-    per_block = B * Hq * K * block_size * (D + Dv + 3 * block_size) * 4
+    # Query blocks per group: the gathered K/V, mask and scores of a group stay under _GROUP_BYTES.
+    per_block = B * Hq * K * block_size * (D + Dv + 3 * block_size) * q.element_size()
     group = max(1, _GROUP_BYTES // max(1, per_block))
+    needs_mask = causal or kvalid is not None or bool((idx < 0).any())
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     outs = []
+    out = None if grad else torch.empty(B, Hq, nq, block_size, Dv, dtype=q.dtype, device=q.device)
     for g0 in range(0, nq, group):
         g1 = min(nq, g0 + group)
-        args = (q_blocks[:, :, g0:g1], k_blocks, v_blocks, kvalid, idx[:, :, g0:g1], head_map, q_pos[g0:g1])
-        if grad and g1 - g0 < nq:
+        args = (q_blocks[:, :, g0:g1], k_flat, v_flat, kvalid, idx[:, :, g0:g1], row_base, q_pos[g0:g1])
+        rest = (causal_off, scale, block_size, needs_mask)
+        if not grad:
+            out[:, :, g0:g1] = _group_attention(*args, *rest)
+        elif g1 - g0 < nq:
             # Recompute each group in backward: saved activations stay one group's worth.
-            o = checkpoint(_group_attention, *args, causal_off, scale, block_size, use_reentrant=False)
+            outs.append(checkpoint(_group_attention, *args, *rest, use_reentrant=False))
         else:
-            o = _group_attention(*args, causal_off, scale, block_size)
-        outs.append(o)
-    out = torch.cat(outs, dim=2).reshape(B, Hq, nq * block_size, Dv)[:, :, :Sq]  # (B, Hq, Sq, Dv)
+            outs.append(_group_attention(*args, *rest))
+    if grad:
+        out = torch.cat(outs, dim=2)  # (B, Hq, NQ, bs, Dv)
+    out = out.reshape(B, Hq, nq * block_size, Dv)[:, :, :Sq]  # (B, Hq, Sq, Dv)
     return out.to(out_dtype)
 
 
