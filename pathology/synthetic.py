@@ -41,7 +41,7 @@ __all__ = [
     "main",
 ]
 
-# Layout classes. The values are stored in the ``*_truth.png`` maps written beside each slide.
+# Layout classes. The values are stored in the ``truth/*.png`` maps written beside each slide.
 CLASSES = {"background": 0, "tissue": 1, "lesion": 2, "pattern_a": 3, "pattern_b": 4}
 TILE = 256
 LAYOUT_SCALE = 16  # one layout cell covers 16×16 level-0 pixels
@@ -314,8 +314,8 @@ def write_slide(spec: SlideSpec, path: str | os.PathLike, *, quality: int = 85) 
     """Render ``spec`` into a pyramidal tiled JPEG BigTIFF at ``path`` (atomically) and fill its survival fields.
 
     Level 0 is streamed tile by tile; level 1 (4× down) is accumulated from the level-0 tiles, and further
-    levels (4× each) come from it, until a level fits in one tile. Writes ``<stem>_truth.png`` (the layout
-    class map) beside the slide. Returns the spec with ``burden``, ``time`` and ``event`` set.
+    levels (4× each) come from it, until a level fits in one tile. Writes ``truth/<stem>.png`` (the layout
+    class map, one pixel per 16×16 level-0 pixels) beside the slide. Returns the spec with ``burden``, ``time`` and ``event`` set.
     """
     import tifffile
     from PIL import Image
@@ -345,7 +345,9 @@ def write_slide(spec: SlideSpec, path: str | os.PathLike, *, quality: int = 85) 
             level = _downsample(level, down)
             scale *= down
     os.replace(tmp, path)
-    truth = os.path.splitext(path)[0] + "_truth.png"
+    truth_dir = os.path.join(os.path.dirname(path) or ".", "truth")
+    os.makedirs(truth_dir, exist_ok=True)
+    truth = os.path.join(truth_dir, os.path.splitext(os.path.basename(path))[0] + ".png")
     Image.fromarray(classes).save(truth + ".tmp.png")
     os.replace(truth + ".tmp.png", truth)
     return spec
