@@ -417,7 +417,7 @@ def _fwd_config(d: int, dtype: torch.dtype) -> dict[str, int]:
 def _bwd_config(d: int, dtype: torch.dtype) -> dict[str, int]:
     """Backward tile sizes (dK/dV kernel: BLOCK_N keys x BLOCK_M queries; dQ kernel the same tiles)."""
     if is_interpreted():
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 1, "num_stages": 1}
     if dtype == torch.float32 or d > 64:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
