@@ -1,0 +1,292 @@
+"""Querent: query-aware region attention over the patches of a whole-slide image.
+
+Patches are grouped into spatial *regions* of ``R×R`` patch cells (from their grid coordinates). The
+sequence is laid out region by region, each region padded to ``R²`` slots, so region ``n`` is block ``n``
+of ``block_size = R²`` rows in the block-sparse format of :mod:`core.blocksparse`. In every layer:
+
+1. keys of each region are summarised by their per-dimension min and max (``core.blocksparse.block_summaries``);
+2. each region's queries score every region by the upper bound ``Σ_i max(q_i·min_i, q_i·max_i)``
+   (max over the region's queries, ``core.blocksparse.query_block_upper_bound``);
+3. the region attends to its own 3×3 neighbourhood of regions plus the ``topk`` best-scoring other
+   regions, exactly (``core.blocksparse.block_sparse_attention``).
+
+Cost per layer: ``O(N · (9 + topk) · R²)`` instead of ``O(N²)``. Attention pooling (gated, ABMIL-style)
+turns the tokens into a slide embedding; a head gives class logits or a survival risk. The pooling
+weights are the per-patch attention used for heatmaps.
+
+Usage::
+
+    model = Querent(QuerentConfig(in_dim=256, num_classes=2))
+    out = model(features_ND, coords_N2, patch_size_level0=256)
+    out.logits, out.attention  # (1, C), (N,)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from core.blocksparse import block_sparse_attention, block_summaries, query_block_upper_bound
+from core.layers import MLP, MultiHeadAttention
+
+__all__ = ["QuerentConfig", "Querent", "RegionLayout", "build_regions", "MILOutput", "GatedAttentionPool",
+           "sincos_2d", "querent_small"]
+
+
+@dataclass(kw_only=True)
+class QuerentConfig:
+    """Hyperparameters of :class:`Querent`."""
+
+    in_dim: int  # patch feature size (encoder output)
+    dim: int = 256  # token width inside the model
+    depth: int = 2  # Querent layers
+    num_heads: int = 4  # attention heads; must divide dim
+    region_size: int = 8  # R: a region is R×R patch cells; block size R² (64 at R=8)
+    topk: int = 8  # regions chosen by the upper-bound score per query region, beyond its neighbourhood
+    neighbourhood: int = 1  # own region plus regions within this Chebyshev distance are always attended (1 = 3×3)
+    mlp_ratio: float = 2.0  # MLP hidden size / dim
+    dropout: float = 0.1  # dropout on the input projection, attention output and MLP
+    num_classes: int = 2  # classification outputs; 1 with task="survival" (a risk score)
+    task: str = "cls"  # "cls" (logits) or "survival" (risk: higher = earlier event)
+    pool_hidden: int = 128  # hidden size of the gated attention pooling
+    backend: str = "auto"  # block-sparse backend: "auto" (Triton on CUDA when available), "torch", "triton"
+
+    def __post_init__(self) -> None:
+        if self.in_dim < 1 or self.dim < 1:
+            raise ValueError(f"in_dim ({self.in_dim}) and dim ({self.dim}) must be >= 1")
+        if self.dim % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide dim ({self.dim})")
+        if self.depth < 0:
+            raise ValueError(f"depth ({self.depth}) must be >= 0")
+        if self.region_size < 1:
+            raise ValueError(f"region_size ({self.region_size}) must be >= 1")
+        if self.topk < 0 or self.neighbourhood < 0:
+            raise ValueError(f"topk ({self.topk}) and neighbourhood ({self.neighbourhood}) must be >= 0")
+        if self.task not in ("cls", "survival"):
+            raise ValueError(f"task ({self.task!r}) must be 'cls' or 'survival'")
+        if self.task == "survival":
+            self.num_classes = 1
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes ({self.num_classes}) must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout ({self.dropout}) must be in [0, 1)")
+
+    @property
+    def block_size(self) -> int:
+        return self.region_size * self.region_size
+
+
+def querent_small(in_dim: int, **kw) -> QuerentConfig:
+    """The size used in this project's benchmarks: width 256, 2 layers, 4 heads, 8×8 regions, top-8."""
+    return QuerentConfig(in_dim=in_dim, **kw)
+
+
+@dataclass
+class MILOutput:
+    """What a slide model returns."""
+
+    logits: torch.Tensor  # (1, C) class logits, or (1, 1) risk for survival
+    attention: torch.Tensor  # (N,) pooling weight of each patch (sums to 1)
+    embedding: torch.Tensor  # (1, dim) slide embedding
+    block_index: list[torch.Tensor] | None = None  # per layer (H, NR, K) region ids chosen per query region
+    layout: RegionLayout | None = None
+
+
+# ----------------------------------------------------------------------------------------------- regions
+
+
+@dataclass
+class RegionLayout:
+    """Where each patch sits in the region-padded sequence."""
+
+    slot: torch.Tensor  # (N,) int64 position of each patch in the padded sequence (length NR·R²)
+    padded_len: int  # NR·R²
+    region_xy: torch.Tensor  # (NR, 2) int64 region column/row on the region grid
+    grid_xy: torch.Tensor  # (N, 2) int64 patch column/row on the patch grid
+    neighbours: torch.Tensor  # (NR, M) int64 region ids always attended (own first), -1 padded
+    region_size: int
+
+    @property
+    def num_regions(self) -> int:
+        return int(self.region_xy.shape[0])
+
+    def region_of_patch(self) -> torch.Tensor:
+        return self.slot // (self.region_size * self.region_size)
+
+
+def build_regions(coords_N2: torch.Tensor, patch_size_level0: float, region_size: int, neighbourhood: int = 1) -> RegionLayout:
+    """Group patches into R×R-cell regions and lay them out region by region.
+
+    Args:
+        coords_N2: level-0 (x, y) of each patch's top-left corner.
+        patch_size_level0: patch side (stride of the grid) in level-0 pixels.
+        region_size: R.
+        neighbourhood: regions within this Chebyshev distance (on the region grid) are neighbours.
+    """
+    if coords_N2.dim() != 2 or coords_N2.shape[1] != 2:
+        raise ValueError(f"coords must be (N, 2), got {tuple(coords_N2.shape)}")
+    if not patch_size_level0 > 0:
+        raise ValueError(f"patch_size_level0 ({patch_size_level0}) must be > 0")
+    dev = coords_N2.device
+    c = coords_N2.to(torch.float64)
+    grid = torch.round((c - c.min(dim=0).values) / float(patch_size_level0)).long() if len(c) else c.long()  # (N, 2)
+    R = region_size
+    reg = grid // R  # (N, 2) region column/row
+    inner = (grid % R)[:, 1] * R + (grid % R)[:, 0]  # (N,) slot inside the region
+    width = int(reg[:, 0].max().item()) + 1 if len(reg) else 1
+    key = reg[:, 1] * width + reg[:, 0]  # (N,) region key, row-major
+    uniq, region_id = torch.unique(key, return_inverse=True)  # regions sorted row-major
+    slot = region_id * (R * R) + inner
+    if len(slot) and torch.unique(slot).numel() != slot.numel():
+        raise ValueError("two patches fall into the same grid cell: coords must lie on a grid of step patch_size_level0")
+    region_xy = torch.stack([uniq % width, uniq // width], dim=1)  # (NR, 2)
+    nr = region_xy.shape[0]
+    # Neighbours: look up every offset in a dense region-grid table (cheap: the region grid is small).
+    if nr:
+        height = int(region_xy[:, 1].max().item()) + 1
+        table = torch.full((height + 2 * neighbourhood, width + 2 * neighbourhood), -1, dtype=torch.long, device=dev)
+        table[region_xy[:, 1] + neighbourhood, region_xy[:, 0] + neighbourhood] = torch.arange(nr, device=dev)
+        offs = [(0, 0)] + [(dy, dx) for dy in range(-neighbourhood, neighbourhood + 1)
+                           for dx in range(-neighbourhood, neighbourhood + 1) if (dy, dx) != (0, 0)]
+        neigh = torch.stack([table[region_xy[:, 1] + neighbourhood + dy, region_xy[:, 0] + neighbourhood + dx]
+                             for dy, dx in offs], dim=1)  # (NR, M)
+    else:
+        neigh = torch.zeros(0, 1, dtype=torch.long, device=dev)
+    return RegionLayout(slot=slot, padded_len=nr * R * R, region_xy=region_xy, grid_xy=grid, neighbours=neigh,
+                        region_size=R)
+
+
+def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLayout, topk: int,
+                   key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """Region ids per query region: the neighbourhood plus the ``topk`` best other regions by the Quest bound.
+
+    Returns:
+        int64 (B, H, NR, K) in the :mod:`core.blocksparse` format (ascending ids, then -1).
+    """
+    bs = layout.region_size**2
+    B, H = q_BHSD.shape[:2]
+    nr = layout.num_regions
+    kmin, kmax, _ = block_summaries(k_BHSD, bs, key_padding_mask=key_padding_mask)  # (B, H, NR, D)
+    scores = query_block_upper_bound(q_BHSD, kmin, kmax, bs)  # (B, H, NR, NR)
+    neigh = layout.neighbours  # (NR, M)
+    forced = torch.zeros(nr, nr + 1, dtype=torch.bool, device=scores.device)
+    forced.scatter_(1, torch.where(neigh < 0, nr, neigh), True)
+    forced = forced[:, :nr]  # (NR, NR)
+    scores = scores.masked_fill(forced[None, None], float("inf"))
+    n_slots = min(nr, topk + int(forced.sum(dim=1).max().item()))
+    top = scores.topk(n_slots, dim=-1)
+    idx = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
+    idx = idx.sort(dim=-1).values
+    return torch.where(idx >= nr, -1, idx)
+
+
+# ------------------------------------------------------------------------------------------------ layers
+
+
+def sincos_2d(grid_xy_N2: torch.Tensor, dim: int, scale: float = 1.0) -> torch.Tensor:
+    """Fixed 2D sine-cosine position embedding (N, dim) of grid positions (half the channels per axis)."""
+    if dim % 4:
+        raise ValueError(f"dim ({dim}) must be divisible by 4 for the 2D position embedding")
+    n = dim // 4
+    freq = torch.exp(-math.log(10000.0) * torch.arange(n, device=grid_xy_N2.device, dtype=torch.float32) / n)
+    parts = []
+    for a in range(2):
+        ang = grid_xy_N2[:, a : a + 1].float() * scale * freq[None]  # (N, n)
+        parts += [ang.sin(), ang.cos()]
+    return torch.cat(parts, dim=1)
+
+
+class GatedAttentionPool(nn.Module):
+    """Gated attention pooling (Ilse et al.): ``a_i ∝ exp(w·(tanh(V h_i) ⊙ σ(U h_i)))``; returns Σ a_i h_i and a."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
+        super().__init__()
+        self.v = nn.Linear(dim, hidden)
+        self.u = nn.Linear(dim, hidden)
+        self.w = nn.Linear(hidden, 1)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, h_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.w(self.drop(torch.tanh(self.v(h_ND)) * torch.sigmoid(self.u(h_ND)))).squeeze(-1)  # (N,)
+        a = torch.softmax(s, dim=0)
+        return (a[:, None] * h_ND).sum(0, keepdim=True), a  # (1, D), (N,)
+
+
+class QuerentLayer(nn.Module):
+    """Pre-norm block: region-selective self-attention, then an MLP, each with a residual."""
+
+    def __init__(self, cfg: QuerentConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.attn = MultiHeadAttention(cfg.dim, cfg.num_heads, dropout=cfg.dropout)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg.dim, int(cfg.dim * cfg.mlp_ratio), dropout=cfg.dropout)
+
+    def forward(self, x_BSD: torch.Tensor, layout: RegionLayout, pad_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm1(x_BSD)
+        q = self.attn.project_q(h)  # (B, H, S, hd)
+        k, v = self.attn.project_kv(h)  # (B, H, S, hd) each
+        idx = select_regions(q, k, layout, self.cfg.topk, pad_BS)  # (B, H, NR, K)
+        o = block_sparse_attention(q, k, v, idx, block_size=self.cfg.block_size, key_padding_mask=pad_BS,
+                                   backend=self.cfg.backend)
+        x_BSD = x_BSD + self.attn.merge(o)
+        return x_BSD + self.mlp(self.norm2(x_BSD)), idx
+
+
+class Querent(nn.Module):
+    """The Querent slide model (see module docstring). One slide per call (bags differ in size)."""
+
+    def __init__(self, cfg: QuerentConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Sequential(nn.Linear(cfg.in_dim, cfg.dim), nn.GELU(), nn.Dropout(cfg.dropout))
+        self.layers = nn.ModuleList([QuerentLayer(cfg) for _ in range(cfg.depth)])
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.pool = GatedAttentionPool(cfg.dim, cfg.pool_hidden, cfg.dropout)
+        self.head = nn.Linear(cfg.dim, cfg.num_classes)
+
+    def forward(self, features_ND: torch.Tensor, coords_N2: torch.Tensor, *, patch_size_level0: float,
+                return_index: bool = False) -> MILOutput:
+        """Args:
+            features_ND: patch features (N, in_dim).
+            coords_N2: level-0 (x, y) of each patch's top-left corner, on a grid of step ``patch_size_level0``.
+            patch_size_level0: grid step in level-0 pixels.
+            return_index: also return each layer's chosen regions per query region.
+        """
+        if features_ND.dim() != 2 or features_ND.shape[1] != self.cfg.in_dim:
+            raise ValueError(f"features must be (N, {self.cfg.in_dim}), got {tuple(features_ND.shape)}")
+        N = features_ND.shape[0]
+        if N == 0:
+            raise ValueError("empty bag: the slide has no patches (no tissue found)")
+        if coords_N2.shape != (N, 2):
+            raise ValueError(f"coords must be ({N}, 2), got {tuple(coords_N2.shape)}")
+        layout = build_regions(coords_N2.to(features_ND.device), patch_size_level0, self.cfg.region_size,
+                               self.cfg.neighbourhood)
+        h = self.embed(features_ND) + sincos_2d(layout.grid_xy, self.cfg.dim, scale=0.25).to(features_ND.dtype)
+        S = layout.padded_len
+        x = h.new_zeros(1, S, self.cfg.dim)
+        x[0, layout.slot] = h  # (1, S, dim) region-padded sequence
+        pad = torch.ones(1, S, dtype=torch.bool, device=h.device)
+        pad[0, layout.slot] = False
+        indices = []
+        for layer in self.layers:
+            x, idx = layer(x, layout, pad)
+            if return_index:
+                indices.append(idx[0].detach())
+        tok = self.norm(x[0, layout.slot])  # (N, dim) back in the input order
+        emb, a = self.pool(tok)
+        return MILOutput(self.head(emb), a, emb, indices if return_index else None, layout)
+
+    @torch.no_grad()
+    def regions_for_patch(self, out: MILOutput, patch: int, layer: int = -1, head: int | None = None) -> torch.Tensor:
+        """Region ids that ``patch``'s region attended to in ``layer`` (union over heads unless ``head``)."""
+        if out.block_index is None or out.layout is None:
+            raise ValueError("call forward(..., return_index=True) first")
+        r = int(out.layout.region_of_patch()[patch])
+        idx = out.block_index[layer][:, r] if head is None else out.block_index[layer][head : head + 1, r]
+        ids = torch.unique(idx[idx >= 0])
+        return ids
