@@ -246,10 +246,12 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
         torch.set_rng_state(rng)
         return rec
 
+    acc: dict[str, list[float]] = {}
+    if resume and ckpt_path.exists():
+        acc = st.get("pending_metrics", {})  # training metrics of steps since the last log record
     records = []
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=not progress, desc=f"{cfg.algo} {env_id}")
     t_last = time.perf_counter()
-    acc: dict[str, list[float]] = {}
     with open(metrics_path, "a") as mf:
         def write(rec):
             records.append(rec)
@@ -275,7 +277,8 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
                 logger.info("step %d eval %s", s, {k: round(v, 1) for k, v in rec.items() if k.startswith("score@")})
                 t_last = time.perf_counter()
             if s % cfg.checkpoint_every == 0 or s == cfg.steps:
-                st = {"trainer": trainer.state_dict(), "train_config": asdict(cfg), "model_config": config_to_dict(mcfg)}
+                st = {"trainer": trainer.state_dict(), "train_config": asdict(cfg), "model_config": config_to_dict(mcfg),
+                      "pending_metrics": acc}
                 _atomic(ckpt_path, lambda p: torch.save(st, p))
                 _export(out, trainer, info)
     bar.close()

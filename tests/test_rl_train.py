@@ -1,0 +1,104 @@
+"""rl.train: loss goes down on a tiny dataset, resume equals an uninterrupted run, bad datasets stop early."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl.data import OfflineDataset, save_dataset
+from rl.train import SegmentSampler, Trainer, TrainConfig, train
+
+TINY = dict(context=6, embed_dim=32, num_heads=2, num_layers=2, dropout=0.1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _hopper_like(rng, n=400, episodes=5):
+    """Actions are a fixed function of the state, so a policy can learn them."""
+    obs = rng.normal(size=(n, 11)).astype(np.float32)
+    W = rng.normal(size=(11, 3)).astype(np.float32)
+    act = np.tanh(obs @ W * 0.5).astype(np.float32)
+    terminals = np.zeros(n, bool)
+    terminals[np.sort(rng.choice(np.arange(10, n - 1), episodes - 1, replace=False))] = True
+    timeouts = np.zeros(n, bool)
+    timeouts[-1] = True
+    return OfflineDataset(observations=obs, actions=act, rewards=rng.uniform(0, 3, n).astype(np.float32),
+                          terminals=terminals, timeouts=timeouts, metadata={"env": "Hopper-v5", "quality": "synthetic"})
+
+
+@pytest.mark.parametrize("algo", ["dm", "dt"])
+def test_a_few_steps_reduce_the_loss(algo):
+    from rl.models import DMConfig, DTConfig, build_model
+
+    rng = np.random.default_rng()
+    ds = _hopper_like(rng)
+    cfg_cls = DMConfig if algo == "dm" else DTConfig
+    extra = {"routed_layers": (1,)} if algo == "dm" else {}
+    model = build_model(algo, cfg_cls(state_dim=11, act_dim=3, **dict(TINY, dropout=0.0), **extra))
+    model.set_state_normalization(ds.observations.mean(0), ds.observations.std(0))
+    tr = Trainer(model, TrainConfig(algo=algo, lr=3e-3, warmup_steps=1, grad_clip=1.0), SegmentSampler(ds, 6, seed=1))
+    fixed = SegmentSampler(ds, 6, seed=2).sample(64)
+    with torch.no_grad():
+        model.train()
+        before = tr.loss(fixed)[1]["action_mse"]
+    for _ in range(40):
+        m = tr.train_step(tr.sampler.sample(32))
+    with torch.no_grad():
+        after = tr.loss(fixed)[1]["action_mse"]
+    assert after < 0.6 * before
+    if algo == "dm":
+        assert 0.0 < m["routed_fraction"] <= 1.0 and "aux_loss" in m
+
+
+@pytest.mark.parametrize("algo", ["dm", "dt"])
+def test_resume_equals_uninterrupted(tmp_path, algo):
+    rng = np.random.default_rng()
+    path = save_dataset(tmp_path / "d.npz", _hopper_like(rng))
+    seed = int(rng.integers(0, 1000))
+    overrides = dict(TINY, routed_layers=(1,)) if algo == "dm" else TINY
+    common = dict(algo=algo, seed=seed, batch_size=8, log_every=2, eval_episodes=0, checkpoint_every=3, warmup_steps=2)
+    train(TrainConfig(steps=6, **common), path, tmp_path / "full", model_overrides=overrides, progress=False)
+    train(TrainConfig(steps=3, **common), path, tmp_path / "split", model_overrides=overrides, progress=False)
+    mid = load_file(str(tmp_path / "split" / "model.safetensors"))
+    train(TrainConfig(steps=6, **common), path, tmp_path / "split", model_overrides=overrides, resume=True,
+          progress=False)
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    assert any(not torch.equal(mid[k], b[k]) for k in a)  # training did continue
+    la = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in la] == [r["step"] for r in lb] == [2, 4, 6]
+    assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], rel=1e-6)
+    with pytest.raises(ValueError, match="--resume"):
+        train(TrainConfig(steps=6, **common), path, tmp_path / "full", model_overrides=overrides, progress=False)
+
+
+def test_bad_dataset_stops_before_training(tmp_path):
+    rng = np.random.default_rng()
+    ds = _hopper_like(rng)
+    wrong = OfflineDataset(observations=rng.normal(size=(len(ds), 17)).astype(np.float32), actions=ds.actions,
+                           rewards=ds.rewards, terminals=ds.terminals, timeouts=ds.timeouts,
+                           metadata={"env": "Hopper-v5"})
+    path = save_dataset(tmp_path / "w.npz", wrong)
+    with pytest.raises(ValueError, match="observations have dim 17"):
+        train(TrainConfig(steps=2), path, tmp_path / "out", model_overrides=TINY, progress=False)
+    assert not (tmp_path / "out").exists()
+    unknown = save_dataset(tmp_path / "u.npz", OfflineDataset(**ds.arrays(), metadata={"env": "Pong-v5"}))
+    with pytest.raises(ValueError, match="names env 'Pong-v5'"):
+        train(TrainConfig(steps=2), unknown, tmp_path / "out2", model_overrides=TINY, progress=False)
+    np.savez(tmp_path / "nan.npz", **dict(ds.arrays(), rewards=np.full(len(ds), np.nan, np.float32)))
+    with pytest.raises(ValueError, match="rewards contains"):
+        train(TrainConfig(steps=2), tmp_path / "nan.npz", tmp_path / "out3", model_overrides=TINY, progress=False)
