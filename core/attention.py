@@ -55,6 +55,7 @@ __all__ = [
     "choose_backend",
     "prepare_inputs",
     "dense_score_bytes",
+    "auto_rule",
     "DEFAULT_MEMORY_BUDGET",
 ]
 
@@ -280,35 +281,64 @@ def dense_score_bytes(a: AttentionInputs) -> int:
     return B * Hq * Sq * a.k.shape[2] * 4
 
 
-def _triton_eligible(a: AttentionInputs) -> bool:
+def auto_rule(
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    value_dim: int,
+    has_bias: bool,
+    score_bytes: int,
+    memory_budget: int | None = None,
+    triton_ok: bool = True,
+) -> str:
+    """The ``auto`` rule as a plain function of the facts it looks at (see module docs).
+
+    Args:
+        device_type: ``q.device.type``.
+        dtype: input dtype.
+        head_dim: ``D`` of q/k; value_dim: ``D_v`` of v.
+        has_bias: whether an ``attn_bias`` is given.
+        score_bytes: bytes of the dense fp32 score matrix (:func:`dense_score_bytes`).
+        memory_budget: bytes allowed for that matrix; default ``DEFAULT_MEMORY_BUDGET``.
+        triton_ok: whether Triton is installed.
+    """
     lo, hi = TRITON_HEAD_DIMS
-    D, Dv = a.q.shape[3], a.v.shape[3]
-    return (
-        a.q.device.type == "cuda"
-        and a.q.dtype in (torch.float16, torch.bfloat16)
-        and lo <= D <= hi
-        and Dv == D
-        and a.attn_bias is None
-        and triton_installed()
+    if (
+        device_type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and lo <= head_dim <= hi
+        and value_dim == head_dim
+        and not has_bias
+        and triton_ok
+    ):
+        return "triton"
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    return "sdpa" if score_bytes <= budget else "chunked"
+
+
+def choose_backend(a: AttentionInputs, *, memory_budget: int | None = None, allow_triton: bool = True) -> str:
+    """The ``auto`` rule (module docs): ``triton`` on eligible CUDA inputs, else ``sdpa`` when the dense
+    score matrix fits ``memory_budget`` bytes (default ``DEFAULT_MEMORY_BUDGET``), else ``chunked``.
+    ``allow_triton=False`` applies the rule without its first step."""
+    _check_budget(memory_budget)
+    return auto_rule(
+        device_type=a.q.device.type,
+        dtype=a.q.dtype,
+        head_dim=a.q.shape[3],
+        value_dim=a.v.shape[3],
+        has_bias=a.attn_bias is not None,
+        score_bytes=dense_score_bytes(a),
+        memory_budget=memory_budget,
+        triton_ok=allow_triton and a.q.device.type == "cuda" and triton_installed(),
     )
 
 
-def _memory_rule(a: AttentionInputs, memory_budget: int | None) -> str:
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    return "sdpa" if dense_score_bytes(a) <= budget else "chunked"
-
-
-def choose_backend(a: AttentionInputs, *, memory_budget: int | None = None) -> str:
-    """The ``auto`` rule (module docs): ``triton`` on eligible CUDA inputs, else ``sdpa`` when the dense
-    score matrix fits ``memory_budget`` bytes (default ``DEFAULT_MEMORY_BUDGET``), else ``chunked``."""
-    _check_budget(memory_budget)
-    if _triton_eligible(a):
-        return "triton"
-    return _memory_rule(a, memory_budget)
-
-
 def _check_budget(memory_budget: int | None) -> None:
-    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0):
+    bad = memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0
+    )
+    if bad:
         raise ValueError(f"memory_budget must be a non-negative int (bytes) or None, got {memory_budget!r}")
 
 
@@ -345,6 +375,7 @@ def attention(
     Returns:
         ``(B, H_q, S_q, D_v)`` in the dtype of ``q``.
     """
+    _check_budget(memory_budget)
     a = prepare_inputs(
         q,
         k,
@@ -362,7 +393,7 @@ def attention(
             try:
                 return _triton(a)
             except ValueError as err:  # the kernel declined this input: fall back to the memory rule
-                name = _memory_rule(a, memory_budget)
+                name = choose_backend(a, memory_budget=memory_budget, allow_triton=False)
                 logger.debug("triton kernel declined the input (%s); using %s", err, name)
         return BACKENDS[name](a)
     if backend not in BACKENDS:
