@@ -137,7 +137,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         if not isinstance(X, pd.DataFrame):
             arr = np.asarray(X)
             if arr.dtype.kind in "cV":
-                raise ValueError(f"complex or structured data is not supported (dtype {arr.dtype})")
+                raise ValueError(f"Complex data not supported (got dtype {arr.dtype}); pass real numbers or strings")
             if arr.ndim != 2:
                 raise ValueError(
                     f"Expected 2D array, got {'scalar' if arr.ndim == 0 else f'{arr.ndim}D'} array instead: "
@@ -162,7 +162,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self._check_params()
         df = self._validate_X(X, reset=True)
         if y is None:
-            raise ValueError("y is None; a classifier needs labels")
+            raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
         y = column_or_1d(np.asarray(y) if not hasattr(y, "to_numpy") else y.to_numpy(), warn=True)
         if len(y) != len(df):
             raise ValueError(f"X has {len(df)} rows but y has {len(y)} labels")

@@ -162,6 +162,7 @@ class Trainer:
             stage.max_features = min(stage.max_features, self.args.max_features)
         n_rows, n_train, n_features = _draw_sizes(self.size_rng, stage, self.model_config.max_classes)
         batch = self.prior.sample(self.args.batch_size, n_rows, n_train, n_features=n_features)
+        n_rows, n_train, n_features = batch.X.shape[1], batch.n_train, batch.X.shape[2]
         logits = self.ddp_model(batch.X, batch.y[:, :n_train])
         loss, acc = masked_loss(logits, batch.y[:, n_train:], batch.n_classes)
         self.opt.zero_grad(set_to_none=True)
@@ -280,7 +281,7 @@ def _setup_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
 
 
 #: Arguments that define the recipe; on --resume they are taken from the checkpoint.
-_RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", "seed", "curriculum_scale", "max_rows", "max_features")
+_RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", "seed", "curriculum_scale")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,15 @@ from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import load_model, save_model
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one thread is faster than several on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _batch(B=2, N=60, n_train=36, F=5, seed=None):
     seed = int(torch.randint(0, 10_000, (1,))) if seed is None else seed
     return TablePrior(PriorConfig(max_width=16), seed=seed).sample(B, N, n_train, n_features=F)

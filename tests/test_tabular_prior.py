@@ -8,6 +8,15 @@ import torch
 from tabular.prior import PriorConfig, TablePrior
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one thread is faster than several on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("n_features", [2, 17, 100])
 def test_prior_shapes_types_and_classes(n_features):
     seed = int(torch.randint(0, 10_000, (1,)))

@@ -1,0 +1,90 @@
+"""Pretraining: loss goes down, checkpoints resume exactly, 2-process DDP (gloo) runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tabular import pretrain
+from tabular.prior import PriorConfig, TablePrior
+from tabular.weights_io import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", "tiny", "--batch-size", "2", "--max-rows", "48", "--max-features", "4", "--val-tables", "8",
+        "--threads", "1", "--no-progress", "--warmup", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one thread is faster than several on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_training_steps_reduce_loss():
+    args = pretrain.build_parser().parse_args(["--config", "tiny", "--lr", "3e-3", "--warmup", "1", "--batch-size", "4"])
+    args.max_rows, args.max_features = None, None
+    trainer = pretrain.Trainer(args)
+    batch = TablePrior(PriorConfig(max_width=16), seed=int(torch.randint(0, 1000, (1,)))).sample(4, 64, 40, n_features=4)
+    trainer.prior.sample = lambda *a, **k: batch  # one fixed batch: its loss must fall
+
+    def loss_now():
+        with torch.no_grad():
+            logits = trainer.model(batch.X, batch.y[:, : batch.n_train])
+            return pretrain.masked_loss(logits, batch.y[:, batch.n_train :], batch.n_classes)[0].item()
+
+    before = loss_now()
+    for _ in range(25):
+        m = trainer.train_step()
+        assert m["grad_norm"] >= 0 and m["lr"] > 0
+    assert loss_now() < before - 0.05
+    assert trainer.step == 25 and trainer.tables_seen == 100
+
+
+def test_masked_loss_ignores_absent_classes():
+    logits = torch.randn(2, 5, 10)
+    y = torch.randint(0, 2, (2, 5))
+    n_classes = torch.tensor([2, 2])
+    big = logits.clone()
+    big[..., 2:] = 50.0  # huge logits for classes the tables do not have
+    torch.testing.assert_close(pretrain.masked_loss(logits, y, n_classes)[0], pretrain.masked_loss(big, y, n_classes)[0])
+
+
+def test_resume_is_exact(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert pretrain.main([*TINY, "--out", str(a), "--steps", "4", "--val-every", "2", "--ckpt-every", "2"]) == 0
+    assert pretrain.main([*TINY, "--out", str(b), "--steps", "2", "--val-every", "2", "--ckpt-every", "2"]) == 0
+    assert pretrain.main([*TINY, "--out", str(b), "--steps", "4", "--val-every", "2", "--ckpt-every", "2", "--resume"]) == 0
+    sa = torch.load(a / "last.pt", weights_only=False)
+    sb = torch.load(b / "last.pt", weights_only=False)
+    assert sa["step"] == sb["step"] == 4 and sa["tables_seen"] == sb["tables_seen"] == 8
+    for k in sa["model"]:
+        torch.testing.assert_close(sa["model"][k], sb["model"][k], rtol=0, atol=0)
+    rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "val_loss" in rows[-1]
+    model = load_model(b / "best.safetensors")
+    assert model.config.embed_dim == 16
+    with pytest.raises(SystemExit, match="--resume"):
+        pretrain.main([*TINY, "--out", str(a), "--steps", "5"])
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_gloo(tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tabular.pretrain",
+           *TINY, "--out", str(out), "--steps", "3", "--val-every", "3", "--device", "cpu"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = torch.load(out / "last.pt", weights_only=False)
+    assert state["step"] == 3 and state["world"] == 2 and state["tables_seen"] == 3 * 2 * 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3  # only rank 0 writes
