@@ -42,6 +42,7 @@ from kernels.flash_attention import (
     check_device,
     check_tensors,
     is_interpreted,
+    launch,
     padding_mask_u8,
 )
 
@@ -334,7 +335,8 @@ def _tile(block_size: int) -> int:
 def _launch_opts(block: int, d: int) -> dict[str, int]:
     if is_interpreted():
         return {"num_warps": 1, "num_stages": 1}
-    return {"num_warps": 8 if block * d >= 128 * 128 else 4, "num_stages": 2}
+    big = block * d >= 128 * 128
+    return {"num_warps": 8 if big else 4, "num_stages": 1 if big else 2}
 
 
 def _common(q, k, v, kpm_u8, block_size: int, causal: bool) -> dict:
@@ -358,8 +360,8 @@ def _bs_forward(q, k, v, idx32, kpm_u8, block_size: int, causal: bool, scale: fl
         return o, lse
     kpm = kpm_u8 if kpm_u8 is not None else q
     nq = idx32.shape[2]
-    _bs_fwd[(nq, B * Hq)](
-        q, k, v, o, lse, kpm, idx32,
+    launch(
+        _bs_fwd, (nq, B * Hq), q, k, v, o, lse, kpm, idx32,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         kpm.stride(0) if kpm_u8 is not None else 0, *idx32.stride(),
         Hq, Hq // Hkv, Sq, Sk, block_size, idx32.shape[3], scale * LOG2E,
@@ -381,13 +383,13 @@ def _bs_backward(q, k, v, o, lse, do, idx32, kpm_u8, block_size: int, causal: bo
     kpm = kpm_u8 if kpm_u8 is not None else q
     s_pb = kpm.stride(0) if kpm_u8 is not None else 0
     common = _common(q, k, v, kpm_u8, block_size, causal)
-    _bs_bwd_dq[(nq, B * Hq)](
-        q, k, v, do, lse, delta, kpm, idx32, dq,
+    launch(
+        _bs_bwd_dq, (nq, B * Hq), q, k, v, do, lse, delta, kpm, idx32, dq,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), s_pb, *idx32.stride(),
         Hq, groups, Sq, Sk, block_size, idx32.shape[3], scale * LOG2E, scale, **common,
     )  # fmt: skip
-    _bs_bwd_dkdv[(nk, B * Hkv)](
-        q, k, v, do, lse, delta, kpm, tidx, dk, dv,
+    launch(
+        _bs_bwd_dkdv, (nk, B * Hkv), q, k, v, do, lse, delta, kpm, tidx, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), s_pb, *tidx.stride(),
         Hq, groups, Sq, Sk, block_size, nq, tidx.shape[3], scale * LOG2E, scale, **common,
     )  # fmt: skip

@@ -472,6 +472,17 @@ def padding_mask_u8(key_padding_mask: torch.Tensor | None, b: int, sk: int, devi
     return key_padding_mask.to(device=device, dtype=torch.uint8).contiguous()
 
 
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """Launch ``kernel[grid](*args, **kwargs)``; a tile configuration the GPU cannot hold (shared memory,
+    registers) becomes a ``ValueError`` naming it, so that ``core`` falls back instead of crashing."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except triton.runtime.errors.OutOfResources as e:
+        name = getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+        tiles = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k.startswith("num_")}
+        raise ValueError(f"Triton {name} with {tiles} does not fit this GPU: {e}") from e
+
+
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
@@ -487,8 +498,8 @@ def _flash_forward(q, k, v, kpm_u8, causal: bool, scale: float) -> tuple[torch.T
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kpm = kpm_u8 if kpm_u8 is not None else q
     grid = (triton.cdiv(Sq, bm), B * Hq)
-    _attn_fwd[grid](
-        q, k, v, o, lse, kpm,
+    launch(
+        _attn_fwd, grid, q, k, v, o, lse, kpm,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         kpm.stride(0) if kpm_u8 is not None else 0,
         Hq, Hq // Hkv, Sq, Sk, scale * LOG2E,
@@ -506,8 +517,8 @@ def bwd_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     if delta.numel() == 0:
         return delta
     bm = 16 if is_interpreted() else 64
-    _attn_bwd_preprocess[(triton.cdiv(S, bm), B * H)](
-        o, do, delta, *_strides(o), *_strides(do), H, S,
+    launch(
+        _attn_bwd_preprocess, (triton.cdiv(S, bm), B * H), o, do, delta, *_strides(o), *_strides(do), H, S,
         DV=Dv, BLOCK_DV=_block_d(Dv), BLOCK_M=bm, EVEN_M=S % bm == 0,
     )  # fmt: skip
     return delta
@@ -531,13 +542,13 @@ def _flash_backward(q, k, v, o, lse, do, kpm_u8, causal: bool, scale: float):
         PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     s_pb = kpm.stride(0) if kpm_u8 is not None else 0
-    _attn_bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](
-        q, k, v, do, lse, delta, kpm, dk, dv,
+    launch(
+        _attn_bwd_dkdv, (triton.cdiv(Sk, bn), B * Hkv), q, k, v, do, lse, delta, kpm, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), s_pb,
         Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **common,
     )  # fmt: skip
-    _attn_bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](
-        q, k, v, do, lse, delta, kpm, dq,
+    launch(
+        _attn_bwd_dq, (triton.cdiv(Sq, bm), B * Hq), q, k, v, do, lse, delta, kpm, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), s_pb,
         Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **common,
     )  # fmt: skip

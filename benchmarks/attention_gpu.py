@@ -1,0 +1,364 @@
+"""GPU benchmark of the Triton attention kernels against SDPA's flash backend and ``flex_attention``.
+
+Run on a CUDA machine (exits 0 with a message where there is none)::
+
+    python -m benchmarks.attention_gpu                  # full sweep, JSON to benchmarks/results/attention_gpu.json
+    python -m benchmarks.attention_gpu --quick          # S in {1K, 4K}, a few minutes
+
+Order of work: correctness checks first (Triton dense and block-sparse against fp32 SDPA math, outputs and
+gradients, odd lengths, GQA, padding); then timing.
+
+FLOP formula (matmul FLOPs only, the FlashAttention convention):
+    forward          = 4 · B · H · S_q · S_k · D      (QKᵀ and PV, 2 FLOPs per multiply-add)
+                       × 0.5 with ``causal`` (S_q = S_k)
+    forward+backward = 3.5 × forward                  (backward = 2.5 × forward: 5 matmuls vs 2)
+    block-sparse     = the same with S_k replaced by the selected keys: 4 · B · H · Σ_blocks(bq · bk) · D
+TFLOP/s = FLOPs / median time. Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed).
+Sizes keep B·S = ``--tokens`` (default 16K) and H·D = 2048, so every row moves the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import env_info, format_table, parse_size, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "attention_gpu.json"
+DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", nargs="+", default=["1K", "2K", "4K", "8K", "16K", "32K"], help="sequence lengths (1K = 1024)")
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help="head dims")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "bf16"], help="dtypes")
+    p.add_argument("--tokens", default="16K", help="B · S kept constant (B = max(1, tokens // S))")
+    p.add_argument("--hidden", type=int, default=2048, help="H · D kept constant (H = hidden // D)")
+    p.add_argument("--no-flex", action="store_true", help="skip the compiled flex_attention peer")
+    p.add_argument("--sparse-seq-lens", nargs="+", default=["4K", "16K", "32K"], help="lengths of the block-sparse rows")
+    p.add_argument("--block-size", type=int, default=64, help="block size of the block-sparse rows")
+    p.add_argument("--densities", nargs="+", type=float, default=[0.10, 0.25], help="fractions of key blocks selected")
+    p.add_argument("--quick", action="store_true", help="S in {1K, 4K}, sparse S = 4K: a smoke run")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSON output path (written atomically)")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+
+def attention_flops(B: int, H: int, sq: int, sk: int, d: int, *, causal: bool, mode: str) -> float:
+    """Matmul FLOPs of dense attention (module docs)."""
+    fwd = 4.0 * B * H * sq * sk * d * (0.5 if causal else 1.0)
+    return fwd if mode == "fwd" else 3.5 * fwd
+
+
+def block_sparse_flops(block_index, *, block_size: int, sq: int, sk: int, d: int, mode: str) -> float:
+    """Matmul FLOPs of the selected (query block, key block) tiles, short last blocks counted exactly."""
+    import torch
+
+    nq = block_index.shape[2]
+    q_rows = torch.full((nq,), block_size, dtype=torch.float64)
+    q_rows[-1] = sq - (nq - 1) * block_size
+    nk = math.ceil(sk / block_size)
+    k_rows = torch.full((nk + 1,), block_size, dtype=torch.float64)
+    k_rows[nk - 1] = sk - (nk - 1) * block_size
+    k_rows[nk] = 0.0  # the -1 slots
+    ids = torch.where(block_index < 0, nk, block_index).cpu()
+    pairs = (q_rows.view(1, 1, nq, 1) * k_rows[ids]).sum().item()
+    fwd = 4.0 * pairs * d
+    return fwd if mode == "fwd" else 3.5 * fwd
+
+
+# ---------------------------------------------------------------------------------------------- runners
+
+
+def _bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _sdpa_flash(q, k, v, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+class _Flex:
+    """Compiled ``flex_attention`` with a causal block mask built once per length."""
+
+    def __init__(self) -> None:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        for name in ("recompile_limit", "cache_size_limit"):  # one compile per shape, no eager fallback
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 1024)
+        self._create_block_mask = create_block_mask
+        self._fn = torch.compile(flex_attention, dynamic=False)
+        self._masks: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, q, k, v, causal):
+        mask = None
+        if causal:
+            sq, sk = q.shape[2], k.shape[2]
+            if (sq, sk) not in self._masks:
+                off = sk - sq
+
+                def causal_mod(b, h, qi, kj):
+                    return kj <= qi + off
+
+                self._masks[(sq, sk)] = self._create_block_mask(causal_mod, None, None, sq, sk, device=q.device)
+            mask = self._masks[(sq, sk)]
+        return self._fn(q, k, v, block_mask=mask)
+
+
+def _timed(name: str, fn, q, k, v, causal: bool, mode: str) -> float | str:
+    """Median ms of ``fn`` (forward, or forward+backward), ``"oom"`` or ``"error: ..."``."""
+    import torch
+
+    try:
+        if mode == "fwd":
+            with torch.no_grad():
+                return _bench_ms(lambda: fn(q, k, v, causal))
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        do = torch.randn_like(q)
+
+        def step():
+            qg.grad = kg.grad = vg.grad = None
+            fn(qg, kg, vg, causal).backward(do)
+
+        return _bench_ms(step)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return "oom"
+    except Exception as e:  # a peer that does not support a shape must not end the sweep
+        logger.warning("%s failed: %s", name, e)
+        return f"error: {type(e).__name__}: {str(e)[:120]}"
+
+
+# ---------------------------------------------------------------------------------------------- correctness
+
+
+def _math_attention(q, k, v, *, causal: bool, kpm=None, keep=None, upcast: bool):
+    """Plain attention math (GQA expanded, bottom-right causal, padding, extra keep mask; empty rows -> 0).
+
+    ``upcast=True``: fp32, the reference; ``False``: in the inputs' dtype, PyTorch's own rounding error.
+    """
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    dt = torch.float32 if upcast else q.dtype
+    qf, kf, vf = q.to(dt), k.to(dt).repeat_interleave(g, 1), v.to(dt).repeat_interleave(g, 1)
+    sq, sk = q.shape[2], k.shape[2]
+    allow = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        allow = allow & (torch.arange(sk, device=q.device) <= torch.arange(sq, device=q.device)[:, None] + sk - sq)
+    if kpm is not None:
+        allow = allow & ~kpm[:, None, None, :]
+    if keep is not None:
+        allow = allow & keep
+    s = (qf @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    p = torch.softmax(s.masked_fill(~allow, float("-inf")), dim=-1)
+    p = torch.where(allow.any(-1, keepdim=True), p, torch.zeros_like(p))
+    return p @ vf
+
+
+def correctness_checks(dtypes: list[str]) -> list[dict[str, Any]]:
+    """Triton dense and block-sparse against fp32 math, outputs and gradients.
+
+    Tolerance per tensor: 3x the error of the same math done in the low-precision dtype, plus 1e-3.
+    """
+    import torch
+
+    from kernels.block_sparse import block_sparse_attention
+    from kernels.flash_attention import flash_attention
+
+    def compare(row, got, grads, ref_fn, peer_fn, inputs, do):
+        ref = ref_fn(*inputs)
+        g_ref = torch.autograd.grad(ref, inputs, do.float())
+        peer = peer_fn(*inputs)
+        g_peer = torch.autograd.grad(peer, inputs, do)
+        ok = True
+        for name, a, r, p in zip(("out", "dq", "dk", "dv"), (got, *grads), (ref, *g_ref), (peer, *g_peer)):
+            err = (a.float() - r).abs().max().item()
+            tol = 3 * (p.float() - r).abs().max().item() + 1e-3
+            row[f"err_{name}"], row[f"tol_{name}"] = err, tol
+            ok = ok and math.isfinite(err) and err <= tol
+        row["ok"] = ok
+        return row
+
+    rows = []
+    torch.manual_seed(0)
+    cases = [  # B, Hq, Hkv, Sq, Sk, D, causal, pad
+        (2, 8, 2, 1023, 1023, 128, True, True),
+        (1, 4, 4, 513, 2000, 64, False, False),
+        (2, 4, 1, 1500, 333, 96, True, False),  # Sq > Sk causal: leading rows see no key
+    ]
+    for dname in dtypes:
+        dtype = getattr(torch, DTYPES[dname])
+        for B, Hq, Hkv, Sq, Sk, D, causal, pad in cases:
+            q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype, requires_grad=True)
+            k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype, requires_grad=True)
+            v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype, requires_grad=True)
+            kpm = (torch.rand(B, Sk, device="cuda") < 0.2) if pad else None
+            do = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype)
+            got = flash_attention(q, k, v, causal=causal, key_padding_mask=kpm)
+            grads = torch.autograd.grad(got, (q, k, v), do)
+            row = {"kernel": "flash", "dtype": dname, "shape": f"{B}x{Hq}/{Hkv}x{Sq}x{Sk}x{D}", "causal": causal, "pad": pad}
+            rows.append(compare(
+                row, got, grads,
+                lambda a, b, c: _math_attention(a, b, c, causal=causal, kpm=kpm, upcast=True),
+                lambda a, b, c: _math_attention(a, b, c, causal=causal, kpm=kpm, upcast=False),
+                (q, k, v), do,
+            ))  # fmt: skip
+        # Block-sparse: a random subset of key blocks == masked dense math.
+        B, Hq, Hkv, S, D, bs = 2, 8, 2, 1000, 64, 64
+        nq = math.ceil(S / bs)
+        q = torch.randn(B, Hq, S, D, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+        idx = torch.rand(B, Hq, nq, nq, device="cuda").topk(4, dim=-1).indices.sort(dim=-1).values
+        blocks = torch.zeros(B, Hq, nq, nq, dtype=torch.bool, device="cuda").scatter_(-1, idx, True)
+        keep = blocks.repeat_interleave(bs, 2).repeat_interleave(bs, 3)[:, :, :S, :S]
+        do = torch.randn(B, Hq, S, D, device="cuda", dtype=dtype)
+        got = block_sparse_attention(q, k, v, idx, block_size=bs, causal=True)
+        grads = torch.autograd.grad(got, (q, k, v), do)
+        row = {"kernel": "block_sparse", "dtype": dname, "shape": f"{B}x{Hq}/{Hkv}x{S}x{S}x{D} bs{bs} k4", "causal": True}
+        rows.append(compare(
+            row, got, grads,
+            lambda a, b, c: _math_attention(a, b, c, causal=True, keep=keep, upcast=True),
+            lambda a, b, c: _math_attention(a, b, c, causal=True, keep=keep, upcast=False),
+            (q, k, v), do,
+        ))  # fmt: skip
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _tflops(flops: float, ms: float | str) -> float | None:
+    return flops / (ms * 1e-3) / 1e12 if isinstance(ms, float) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("attention_gpu: no CUDA device available; nothing to benchmark (this script needs a GPU).")
+        return 0
+    from tqdm import tqdm
+
+    from kernels.block_sparse import block_sparse_attention
+    from kernels.flash_attention import flash_attention
+
+    seq_lens = [parse_size(s) for s in (["1K", "4K"] if args.quick else args.seq_lens)]
+    sparse_lens = [parse_size(s) for s in (["4K"] if args.quick else args.sparse_seq_lens)]
+    tokens = parse_size(args.tokens)
+    info = {**env_info(), "gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+    import triton
+
+    info["triton"] = triton.__version__
+    result: dict[str, Any] = {"env": info, "args": {k: str(v) for k, v in vars(args).items()}}
+
+    print(f"GPU: {info['gpu']}  torch {info['torch']}  triton {info['triton']}")
+    print("\n## Correctness (max abs error vs fp32 math; tolerance = 3x the error of the same math in the low-precision dtype, + 1e-3)")
+    checks = correctness_checks(args.dtypes)
+    result["correctness"] = checks
+    print(format_table(checks, ["kernel", "dtype", "shape", "causal", "err_out", "tol_out", "err_dq", "err_dk", "err_dv", "ok"]))
+    write_json_atomic(args.out, result)
+    all_ok = all(r["ok"] for r in checks)
+    if not all_ok:
+        print("WARNING: a correctness check failed; timings below are of a kernel that is wrong for those inputs.")
+
+    flex = None if args.no_flex else _Flex()
+    peers = {"triton": lambda q, k, v, c: flash_attention(q, k, v, causal=c), "sdpa_flash": _sdpa_flash}
+    if flex is not None:
+        peers["flex"] = flex
+    dense_rows: list[dict[str, Any]] = []
+    cases = [(dn, d, s, c, m) for dn in args.dtypes for d in args.head_dims for s in seq_lens for c in (False, True) for m in ("fwd", "fwd+bwd")]
+    for dname, d, s, causal, mode in tqdm(cases, desc="dense", file=sys.stderr):
+        dtype = getattr(torch, DTYPES[dname])
+        B, H = max(1, tokens // s), max(1, args.hidden // d)
+        q, k, v = (torch.randn(B, H, s, d, device="cuda", dtype=dtype) for _ in range(3))
+        flops = attention_flops(B, H, s, s, d, causal=causal, mode=mode)
+        row: dict[str, Any] = {"dtype": dname, "D": d, "S": s, "B": B, "H": H, "causal": causal, "mode": mode}
+        for name, fn in peers.items():
+            ms = _timed(name, fn, q, k, v, causal, mode)
+            row[f"{name}_ms"] = ms
+            row[f"{name}_tflops"] = _tflops(flops, ms)
+        if row.get("triton_tflops") and row.get("sdpa_flash_tflops"):
+            row["triton_vs_sdpa"] = row["triton_tflops"] / row["sdpa_flash_tflops"]
+        if row.get("triton_tflops") and row.get("flex_tflops"):
+            row["triton_vs_flex"] = row["triton_tflops"] / row["flex_tflops"]
+        dense_rows.append(row)
+        del q, k, v
+        result["dense"] = dense_rows
+        write_json_atomic(args.out, result)  # partial results survive an interrupted sweep
+    cols = ["dtype", "D", "S", "causal", "mode", "triton_tflops", "sdpa_flash_tflops", "flex_tflops", "triton_vs_sdpa", "triton_vs_flex"]
+    print("\n## Dense attention, TFLOP/s (B·S = %d, H·D = %d)" % (tokens, args.hidden))
+    print(format_table(dense_rows, [c for c in cols if flex is not None or "flex" not in c]))
+
+    # Target: Triton forward >= 80% of SDPA-flash at S >= 4K, D = 128, bf16.
+    target_rows = [r for r in dense_rows if r["dtype"] == "bf16" and r["D"] == 128 and r["S"] >= 4096 and r["mode"] == "fwd"]
+    ratios = [r["triton_vs_sdpa"] for r in target_rows if r.get("triton_vs_sdpa") is not None]
+    if ratios:
+        result["target_fwd_bf16_d128_min_ratio_vs_sdpa"] = min(ratios)
+        print(f"\nTarget (Triton fwd >= 0.80x SDPA-flash, bf16, D=128, S>=4K): min ratio {min(ratios):.2f}"
+              f" -> {'met' if min(ratios) >= 0.8 else 'NOT met'}")  # fmt: skip
+
+    # Block-sparse vs dense at fixed densities (a random index; selection cost not included).
+    sparse_rows: list[dict[str, Any]] = []
+    bs = args.block_size
+    cases = [(dn, d, s, dens, m) for dn in args.dtypes for d in args.head_dims for s in sparse_lens for dens in args.densities for m in ("fwd", "fwd+bwd")]
+    for dname, d, s, density, mode in tqdm(cases, desc="block-sparse", file=sys.stderr):
+        dtype = getattr(torch, DTYPES[dname])
+        B, H = max(1, tokens // s), max(1, args.hidden // d)
+        q, k, v = (torch.randn(B, H, s, d, device="cuda", dtype=dtype) for _ in range(3))
+        nq = math.ceil(s / bs)
+        kb = max(1, round(density * nq))
+        idx = torch.rand(B, H, nq, nq, device="cuda").topk(kb, dim=-1).indices.sort(dim=-1).values
+        flops_sparse = block_sparse_flops(idx, block_size=bs, sq=s, sk=s, d=d, mode=mode)
+        flops_dense = attention_flops(B, H, s, s, d, causal=False, mode=mode)
+        row = {"dtype": dname, "D": d, "S": s, "B": B, "H": H, "block": bs, "density": density, "K": kb, "mode": mode}
+
+        def sparse_fn(q_, k_, v_, c_, idx=idx):
+            return block_sparse_attention(q_, k_, v_, idx, block_size=bs)
+
+        for name, fn, flops in (
+            ("block_sparse", sparse_fn, flops_sparse),
+            ("triton_dense", peers["triton"], flops_dense),
+            ("sdpa_flash_dense", _sdpa_flash, flops_dense),
+        ):
+            ms = _timed(name, fn, q, k, v, False, mode)
+            row[f"{name}_ms"] = ms
+            row[f"{name}_tflops"] = _tflops(flops, ms)
+        for peer in ("triton_dense", "sdpa_flash_dense"):
+            a, b = row["block_sparse_ms"], row[f"{peer}_ms"]
+            row[f"speedup_vs_{peer}"] = b / a if isinstance(a, float) and isinstance(b, float) else None
+        sparse_rows.append(row)
+        del q, k, v
+        result["block_sparse"] = sparse_rows
+        write_json_atomic(args.out, result)
+    print(f"\n## Block-sparse (block {bs}, random index) vs dense, non-causal")
+    print(format_table(sparse_rows, ["dtype", "D", "S", "density", "mode", "block_sparse_ms", "triton_dense_ms",
+                                     "sdpa_flash_dense_ms", "speedup_vs_triton_dense", "speedup_vs_sdpa_flash_dense",
+                                     "block_sparse_tflops"]))  # fmt: skip
+    write_json_atomic(args.out, result)
+    print(f"\nwrote {args.out}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
