@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-seq-lens", nargs="+", default=["4K", "16K", "32K"], help="lengths of the block-sparse rows")
     p.add_argument("--block-size", type=int, default=64, help="block size of the block-sparse rows")
     p.add_argument("--densities", nargs="+", type=float, default=[0.10, 0.25], help="fractions of key blocks selected")
+    p.add_argument("--tune", action="store_true",
+                   help="first time a few forward/backward tile configs per (dtype, D) at S=4K and use the fastest "
+                        "(reported in the JSON; without it the kernels' built-in configs are measured)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="S in {1K, 4K}, sparse S = 4K: a smoke run")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON output path (written atomically)")
     return p
@@ -243,6 +246,63 @@ def correctness_checks(dtypes: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- tuning
+
+FWD_CANDIDATES = [  # BLOCK_M, BLOCK_N, num_warps, num_stages
+    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3),
+    (64, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 32, 4, 4),
+]  # fmt: skip
+BWD_CANDIDATES = [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 2), (64, 64, 8, 2), (32, 32, 4, 4)]
+
+
+def tune_tiles(dtypes: list[str], head_dims: list[int], *, seq: int, tokens: int, hidden: int) -> list[dict[str, Any]]:
+    """Time candidate tile configs (causal forward; causal forward+backward) and install the fastest.
+
+    The kernels pick tiles with plain functions of (head dim, dtype); this replaces those functions in
+    this process only, with a table of the winners (which the JSON records, to be copied into the kernel).
+    """
+    import torch
+
+    import kernels.flash_attention as fa
+
+    default_fwd, default_bwd = fa._fwd_config, fa._bwd_config
+    best: dict[tuple[str, int, torch.dtype], dict[str, int]] = {}
+    report = []
+    for dname in dtypes:
+        dtype = getattr(torch, DTYPES[dname])
+        for d in head_dims:
+            B, H = max(1, tokens // seq), max(1, hidden // d)
+            q, k, v = (torch.randn(B, H, seq, d, device="cuda", dtype=dtype) for _ in range(3))
+            for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
+                times = {}
+                for bm, bn, w, st in cands:
+                    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                    fa._fwd_config = (lambda d_, dt_, cfg=cfg: cfg) if kind == "fwd" else default_fwd
+                    fa._bwd_config = (lambda d_, dt_, cfg=cfg: cfg) if kind == "bwd" else default_bwd
+                    mode = "fwd" if kind == "fwd" else "fwd+bwd"
+                    ms = _timed("triton", lambda a, b, c, cz: fa.flash_attention(a, b, c, causal=cz), q, k, v, True, mode)
+                    times[(bm, bn, w, st)] = ms
+                ok = {c: t for c, t in times.items() if isinstance(t, float)}
+                fa._fwd_config, fa._bwd_config = default_fwd, default_bwd
+                if not ok:
+                    continue
+                win = min(ok, key=ok.get)
+                best[(kind, d, dtype)] = {"BLOCK_M": win[0], "BLOCK_N": win[1], "num_warps": win[2], "num_stages": win[3]}
+                report.append({"kind": kind, "dtype": dname, "D": d, "S": seq, "best": best[(kind, d, dtype)],
+                               "best_ms": ok[win], "all_ms": {str(c): t for c, t in times.items()}})  # fmt: skip
+            del q, k, v
+
+    def pick(kind, default):
+        def config(d, dtype):
+            return best.get((kind, d, dtype)) or default(d, dtype)
+
+        return config
+
+    fa._fwd_config = pick("fwd", default_fwd)
+    fa._bwd_config = pick("bwd", default_bwd)
+    return report
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -281,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     all_ok = all(r["ok"] for r in checks)
     if not all_ok:
         print("WARNING: a correctness check failed; timings below are of a kernel that is wrong for those inputs.")
+
+    if args.tune:
+        print("\n## Tile tuning (causal, S = 4096, fastest of the candidates)")
+        result["tuning"] = tune_tiles(args.dtypes, args.head_dims, seq=4096, tokens=tokens, hidden=args.hidden)
+        print(format_table(result["tuning"], ["kind", "dtype", "D", "best", "best_ms"]))
+        write_json_atomic(args.out, result)
 
     flex = None if args.no_flex else _Flex()
     peers = {"triton": lambda q, k, v, c: flash_attention(q, k, v, causal=c), "sdpa_flash": _sdpa_flash}
