@@ -33,7 +33,7 @@ class PatchDataset(Dataset):
             self._slide = Slide(self.path, mpp=self.mpp)
         x, y = self.grid.coords[i]
         img = self._slide.read_scaled((int(x), int(y)), self.grid.patch_size_level0, self.grid.patch_size)
-        return torch.from_numpy(np.ascontiguousarray(img))
+        return torch.from_numpy(np.array(img, dtype=np.uint8, copy=True))
 
     def __getstate__(self):
         d = dict(self.__dict__)

@@ -166,7 +166,7 @@ class Slide:
         if self.path.lower().endswith(PLAIN_EXTENSIONS):
             return _PlainBackend(self.path)
         raise SlideError(
-            f"{self.path!r} is not a slide: OpenSlide does not recognise it {errors or ''} and it is not a "
+            f"{self.path!r} is not a slide: OpenSlide does not recognise it{' (' + '; '.join(errors) + ')' if errors else ''} and it is not a "
             f"plain image ({', '.join(PLAIN_EXTENSIONS)})"
         )
 
