@@ -1,0 +1,221 @@
+"""Decision Mixer vs Decision Transformer vs d3rlpy's DT and IQL on the same offline datasets.
+
+    python -m benchmarks.rl_bench --quick          # pipeline check: tiny runs on a small random Hopper dataset
+    python -m benchmarks.rl_bench --datasets hopper-medium,halfcheetah-medium,walker2d-medium-replay \\
+        --seeds 0,1,2 --steps 20000 --eval-episodes 10
+
+Per (dataset, algorithm, seed) it trains on one CPU thread, evaluates D4RL-normalized scores
+(``100 (R - R_random) / (R_expert - R_random)``, D4RL's constants, see ``rl/references.py``) at the dataset's
+target returns, and records wall time per 1K training steps (training only: sampling + forward + backward +
+optimizer, evaluation excluded) and, for the Decision Mixer, the fraction of tokens routed through the routed
+layers. Datasets are generated with ``python -m rl.generate`` when missing (medium / medium-replay need the
+shipped behaviour policies). Results accumulate in a JSON file: a finished case is not rerun.
+The table reports mean ± std over seeds and, per dataset, DM/DT time ratios (same run, same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import env_info, format_table, read_json, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+ENVS = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
+ALGOS = ("dm", "dt", "d3rlpy-dt", "d3rlpy-iql")
+
+
+def _dataset_path(data_dir: Path, name: str, steps: int, seed: int) -> Path:
+    fam, quality = name.split("-", 1)
+    if fam not in ENVS:
+        raise ValueError(f"dataset name {name!r} must start with one of {list(ENVS)}")
+    path = data_dir / f"{name}-{steps}-s{seed}.npz"
+    if not path.exists():
+        from rl.data import save_dataset
+        from rl.generate import generate
+
+        logger.info("generating %s", path)
+        save_dataset(path, generate(ENVS[fam], quality, steps, seed))
+    return path
+
+
+def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
+    from rl.evaluate import load_policy, evaluate_returns
+    from rl.references import normalized_score
+    from rl.train import ENV_DEFAULTS, TrainConfig, train
+
+    out = workdir / f"{path.stem}-{algo}-s{seed}"
+    overrides = {"context": args.context, "embed_dim": args.embed_dim, "num_heads": args.heads, "dropout": 0.1,
+                 "num_layers": args.dm_layers if algo == "dm" else args.dt_layers}
+    if algo == "dm":
+        overrides["routed_layers"] = tuple(int(x) for x in args.routed_layers.split(","))
+    cfg = TrainConfig(algo=algo, steps=args.steps, seed=seed, batch_size=args.batch_size, lr=args.lr,
+                      warmup_steps=min(args.warmup, args.steps), log_every=max(1, min(100, args.steps // 4)),
+                      eval_episodes=0, checkpoint_every=args.steps)
+    recs = train(cfg, path, out, model_overrides=overrides, resume=(out / "checkpoint.pt").exists(), progress=False)
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    sec = [r["sec_per_1k_steps"] for r in train_recs[1:]] or [r["sec_per_1k_steps"] for r in train_recs]
+    model, info = load_policy(out)
+    env_id = info["env"]
+    res = {"sec_per_1k_steps": float(np.median(sec)) if sec else None, "final_loss": train_recs[-1]["action_mse"]
+           if train_recs else None}
+    if algo == "dm":
+        res["routed_fraction"] = float(np.mean([r["routed_fraction"] for r in train_recs[-2:]]))
+    scores = {}
+    for tr in ENV_DEFAULTS[env_id]["targets"]:
+        rets = evaluate_returns(model, env_id, target_return=tr, episodes=args.eval_episodes, seed=10_000)
+        scores[f"{tr:g}"] = float(normalized_score(env_id, rets).mean())
+    res["scores"] = scores
+    res["score"] = scores[f"{ENV_DEFAULTS[env_id]['targets'][0]:g}"]
+    return res
+
+
+def _d3rlpy_eval(policy_fn, env_id, episodes, stateful=None):
+    from rl.envs import make_env
+    from rl.references import normalized_score
+
+    env = make_env(env_id)
+    rets = []
+    for ep in range(episodes):
+        obs, _ = env.reset(seed=10_000 + ep)
+        if stateful is not None:
+            stateful.reset()
+        done, ret, rew = False, 0.0, 0.0
+        while not done:
+            a = policy_fn(obs.astype(np.float32), rew)
+            obs, rew, term, trunc, _ = env.step(a)
+            ret += float(rew)
+            done = term or trunc
+        rets.append(ret)
+    env.close()
+    return float(normalized_score(env_id, np.array(rets)).mean())
+
+
+def _run_d3rlpy(algo, path, seed, args) -> dict:
+    import d3rlpy
+    import torch
+
+    from rl.data import load_dataset, to_mdp_dataset
+    from rl.train import ENV_DEFAULTS
+
+    torch.set_num_threads(1)
+    ds = load_dataset(path)
+    env_id = ds.metadata["env"]
+    mdp = to_mdp_dataset(ds)
+    d3rlpy.seed(seed)
+    steps = args.d3rlpy_steps or args.steps
+    if algo == "d3rlpy-dt":
+        obj = d3rlpy.algos.DecisionTransformerConfig(
+            batch_size=args.batch_size, context_size=args.context, max_timestep=1000, num_layers=args.dt_layers,
+            num_heads=args.heads, learning_rate=args.lr,
+            encoder_factory=d3rlpy.models.encoders.VectorEncoderFactory(hidden_units=[args.embed_dim]),
+            observation_scaler=d3rlpy.preprocessing.StandardObservationScaler(),
+            reward_scaler=d3rlpy.preprocessing.MultiplyRewardScaler(1e-3),
+        ).create(device="cpu:0")
+    else:
+        obj = d3rlpy.algos.IQLConfig(batch_size=args.batch_size * 4,
+                                     observation_scaler=d3rlpy.preprocessing.StandardObservationScaler()
+                                     ).create(device="cpu:0")
+    t0 = time.perf_counter()
+    obj.fit(mdp, n_steps=steps, n_steps_per_epoch=steps, show_progress=False, save_interval=10**9,
+            experiment_name=f"bench-{algo}", with_timestamp=False, logger_adapter=d3rlpy.logging.NoopAdapterFactory())
+    sec = (time.perf_counter() - t0) * 1000.0 / steps
+    target = ENV_DEFAULTS[env_id]["targets"][0]
+    if algo == "d3rlpy-dt":
+        wrapper = obj.as_stateful_wrapper(target_return=target)
+        score = _d3rlpy_eval(lambda o, r: wrapper.predict(o, r), env_id, args.eval_episodes, stateful=wrapper)
+    else:
+        score = _d3rlpy_eval(lambda o, r: obj.predict(o[None])[0], env_id, args.eval_episodes)
+    return {"sec_per_1k_steps": sec, "score": score, "steps": steps}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rl_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny pipeline check (random Hopper data, 1 seed)")
+    p.add_argument("--datasets", default="hopper-medium,halfcheetah-medium,walker2d-medium-replay")
+    p.add_argument("--dataset-steps", type=int, default=200_000, help="transitions per generated dataset")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--algos", default=",".join(ALGOS))
+    p.add_argument("--steps", type=int, default=20_000, help="gradient steps per run")
+    p.add_argument("--d3rlpy-steps", type=int, default=None, help="steps for the d3rlpy peers (default --steps)")
+    p.add_argument("--eval-episodes", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=1000)
+    p.add_argument("--context", type=int, default=20)
+    p.add_argument("--embed-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--dt-layers", type=int, default=3)
+    p.add_argument("--dm-layers", type=int, default=6)
+    p.add_argument("--routed-layers", default="1,3,5")
+    p.add_argument("--data-dir", default="data/rl")
+    p.add_argument("--work-dir", default="runs/rl_bench")
+    p.add_argument("--out", default="benchmarks/results/rl_bench.json")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import torch
+
+    torch.set_num_threads(1)
+    if args.quick:
+        args.datasets, args.dataset_steps, args.seeds = "hopper-random", 5000, "0"
+        args.steps, args.d3rlpy_steps, args.eval_episodes = 60, 10, 2
+        args.embed_dim, args.context, args.dm_layers, args.dt_layers, args.routed_layers = 32, 10, 4, 2, "1,3"
+        args.warmup, args.batch_size = 10, 16
+        if args.out == build_parser().get_default("out"):
+            args.out = "benchmarks/results/rl_bench_quick.json"
+        args.work_dir = args.work_dir + "_quick"
+    algos = [a for a in args.algos.split(",") if a]
+    bad = [a for a in algos if a not in ALGOS]
+    if bad:
+        raise SystemExit(f"unknown algos {bad}; accepted: {list(ALGOS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    data_dir, work = Path(args.data_dir), Path(args.work_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    results = read_json(args.out) or {"env": env_info(), "settings": {}, "cases": {}}
+    results["settings"] = {k: v for k, v in vars(args).items()}
+    for name in args.datasets.split(","):
+        path = _dataset_path(data_dir, name, args.dataset_steps, 0)
+        for algo in algos:
+            for seed in seeds:
+                key = f"{name}/{algo}/{seed}"
+                if key in results["cases"]:
+                    continue
+                logger.info("running %s", key)
+                res = _run_ours(algo, path, seed, args, work) if algo in ("dm", "dt") else _run_d3rlpy(algo, path, seed, args)
+                results["cases"][key] = res
+                write_json_atomic(args.out, results)
+    rows = []
+    for name in args.datasets.split(","):
+        dt_time = None
+        for algo in algos:
+            cs = [results["cases"].get(f"{name}/{algo}/{s}") for s in seeds]
+            cs = [c for c in cs if c]
+            if not cs:
+                continue
+            sc = np.array([c["score"] for c in cs])
+            t = float(np.mean([c["sec_per_1k_steps"] for c in cs]))
+            if algo == "dt":
+                dt_time = t
+            rows.append({"dataset": name, "algo": algo, "score": f"{sc.mean():.1f} ± {sc.std():.1f}",
+                         "seeds": len(cs), "s/1K steps": t,
+                         "routed": (f"{np.mean([c['routed_fraction'] for c in cs]):.2f}" if algo == "dm" else "-")})
+        for r in rows:
+            if r["dataset"] == name and r["algo"] == "dm" and dt_time:
+                r["time vs dt"] = r["s/1K steps"] / dt_time
+    table = format_table(rows, ["dataset", "algo", "score", "seeds", "s/1K steps", "time vs dt", "routed"])
+    results["table"] = table
+    write_json_atomic(args.out, results)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
