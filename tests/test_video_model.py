@@ -1,0 +1,152 @@
+"""Tests of the video QA model, encoders, and the InfiniteVideo reading strategies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.continuous import ContinuousMemory, ContinuousMemoryConfig
+from video.encoders import TinyFrameEncoder, build_frame_encoder
+from video.infinite import METHODS, InfiniteVideo, InfiniteVideoConfig, _moviechat_merge, parse_question
+from video.model import VideoQAConfig, VideoQAModel, time_embedding
+from video.synthetic import ANSWERS, iter_frames, make_spec, write_video
+from video.train import load_model, make_batch, save_weights
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    torch.manual_seed(int(np.random.SeedSequence().entropy % 2**31))
+    return VideoQAModel(VideoQAConfig(dim=32, num_heads=2, num_layers=2, num_queries=4, encoder_dim=32,
+                                      encoder_width=8)).eval()
+
+
+def test_encoder_registry(tmp_path):
+    enc = build_frame_encoder("tiny", dim=24, input_size=32)
+    out = enc(torch.randint(0, 255, (5, 3, 48, 40), dtype=torch.uint8))
+    assert out.shape == (5, enc.num_tokens, 24) and torch.isfinite(out).all()
+    path = tmp_path / "enc.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(enc.state_dict(), str(path))
+    enc2 = build_frame_encoder("tiny", weights=path, dim=24, input_size=32)
+    x = torch.randint(0, 255, (2, 3, 32, 32), dtype=torch.uint8)
+    torch.testing.assert_close(enc2(x), enc(x))
+    with pytest.raises(ValueError, match="unknown frame encoder"):
+        build_frame_encoder("resnet50")
+    with pytest.raises(ValueError, match="weights=PATH"):
+        build_frame_encoder("timm:resnet18")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        build_frame_encoder("open_clip:ViT-B-32", weights=tmp_path / "missing.pt")
+
+
+def test_time_embedding_distinguishes_times():
+    t = torch.rand(50)
+    e = time_embedding(t, 32)
+    assert e.shape == (50, 32)
+    d = torch.cdist(e, e)
+    close = (t[:, None] - t[None]).abs() < 1e-4
+    assert (d[~close] > 1e-3).all()
+
+
+def test_model_forward_and_a_few_steps_reduce_loss(small_model):
+    model = VideoQAModel(VideoQAConfig(dim=16, num_heads=2, num_layers=1, num_queries=4, encoder_dim=16,
+                                       encoder_width=8))
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    frames, times, q, ans, _ = make_batch(rng, 4, 8)
+    logits = model(frames, times, q, num_chunks=2)
+    assert logits.shape == (4, len(ANSWERS))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(10):
+        loss = torch.nn.functional.cross_entropy(model(frames, times, q, num_chunks=2), ans)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.7 * first
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="num_chunks"):
+        model(frames, times, q, num_chunks=3)
+
+
+def test_memory_hook_alpha_one_is_plain_qformer_and_memory_is_fixed_size(small_model):
+    tok = torch.randn(1, 8, 4, 32)
+    mems = [ContinuousMemory(ContinuousMemoryConfig(num_basis=16, num_samples=32, num_points=100)) for _ in range(2)]
+    plain = small_model.read_chunk(tok)
+    torch.testing.assert_close(small_model.read_chunk(tok, memories=mems, alpha=1.0), plain)
+    assert all(m.is_empty for m in mems)
+    record = []
+    mixed = small_model.read_chunk(tok, memories=mems, alpha=0.5, record=record)
+    assert not torch.allclose(mixed, plain, atol=1e-4)
+    assert len(record) == 2 and record[0].shape == (1, 100)
+    sizes = {m.nbytes() for m in mems}
+    for _ in range(3):
+        small_model.read_chunk(torch.randn(1, 8, 4, 32), memories=mems, alpha=0.5)
+    assert {m.nbytes() for m in mems} == sizes and mems[0].num_chunks == 4
+
+
+def test_moviechat_merge_keeps_capacity_and_merges_similar_neighbours():
+    D = 8
+    base = torch.randn(3, D)
+    # frames 0-3 near base 0, 4-5 near base 1, 6-9 near base 2
+    feats = torch.cat([base[0].expand(4, D), base[1].expand(2, D), base[2].expand(4, D)]) + 0.01 * torch.randn(10, D)
+    tok = feats[:, None, :].repeat(1, 2, 1)
+    times = torch.linspace(0, 1, 10)
+    tokens, f, t, w = _moviechat_merge(None, tok, times, capacity=3)
+    assert tokens.shape == (3, 2, D) and w.tolist() == [4, 2, 4]
+    torch.testing.assert_close(t, torch.stack([times[:4].mean(), times[4:6].mean(), times[6:].mean()]))
+    state = _moviechat_merge((tokens, f, t, w), tok[:2], times[:2], capacity=4)
+    assert len(state[2]) == 4 and state[3].sum() == 12
+
+
+def test_parse_question():
+    assert parse_question("count", "red").tolist() == [[2, 1, 0]]
+    assert parse_question("order", 1, "blue").tolist() == [[3, 2, 3]]
+    with pytest.raises(ValueError, match="unknown question type"):
+        parse_question("why")
+    with pytest.raises(ValueError, match="colour"):
+        parse_question("exists")
+    with pytest.raises(ValueError, match="unknown colour"):
+        parse_question("exists", "purple")
+
+
+def test_save_load_roundtrip(tmp_path, small_model):
+    path = tmp_path / "m.safetensors"
+    save_weights(small_model, path, {"note": "test"})
+    loaded = load_model(path)
+    assert loaded.config == small_model.config
+    for (k, a), (_, b) in zip(small_model.state_dict().items(), loaded.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=k)
+    assert (tmp_path / "m.json").exists()
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    spec = make_spec(100, seed=int(np.random.SeedSequence().entropy % 2**31), size=32)
+    path = tmp_path_factory.mktemp("vid") / "clip.mp4"
+    write_video(path, iter_frames(spec, 64), fps=25)
+    return path, spec
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_infinite_video_methods_end_to_end(clip, small_model, method):
+    path, spec = clip
+    cfg = InfiniteVideoConfig(method=method, chunk_size=25, num_basis=16, num_samples=64, num_points=200, num_frames=16)
+    iv = InfiniteVideo(small_model, cfg, device="cpu")
+    mem = iv.ingest(path)
+    assert mem.num_frames == 100 and mem.peak_frames_held <= 25
+    n_chunks = {"uniform": 1, "moviechat": 1}.get(method, 4)
+    assert mem.chunk_outputs.shape == (n_chunks, 4, 32)
+    ans, probs = iv.answer(mem, "first")
+    assert ans in ANSWERS and abs(sum(probs.values()) - 1) < 1e-4
+    if method.startswith("infinite"):
+        assert len(mem.coefficients) == 2 and mem.coefficients[0].shape == (16, 32)
+        times, mass = iv.density_over_time(mem, num_bins=20)
+        assert times.shape == mass.shape == (20,) and abs(mass.sum() - 1) < 1e-6
+        assert times[-1] < mem.duration
+    else:
+        with pytest.raises(ValueError, match="no continuous memory"):
+            iv.density_over_time(mem)
+    if method == "uniform":
+        assert mem.frames_read == 16

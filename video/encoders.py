@@ -1,0 +1,154 @@
+"""Frame encoders: a registry of ``name -> module`` mapping RGB frames to a few tokens per frame.
+
+Names:
+    ``tiny``: the default small CNN trained by ``python -m video.train`` (16 tokens per frame).
+    ``open_clip:<model>``: an open_clip vision tower; ``weights`` is a local checkpoint file.
+    ``timm:<model>``: a timm backbone's final feature map as tokens; ``weights`` is a local file.
+
+Nothing is downloaded: the open_clip and timm paths need ``weights`` (a local file) and their package
+installed (``pip install open_clip_torch`` / ``pip install timm``); both are imported only when asked for.
+
+Every encoder takes ``(N, 3, H, W)`` uint8 or float in ``[0, 255]`` and returns ``(N, T, dim)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TinyFrameEncoder", "build_frame_encoder", "ENCODER_PREFIXES", "load_state_file"]
+
+ENCODER_PREFIXES = ("tiny", "open_clip:", "timm:")
+_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
+_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+
+
+def _prep(frames_N3HW: torch.Tensor, size: int) -> torch.Tensor:
+    x = frames_N3HW.float()
+    if x.shape[-2:] != (size, size):
+        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return (x - _MEAN.to(x.device)) / _STD.to(x.device)
+
+
+class TinyFrameEncoder(nn.Module):
+    """Four stride-2 conv layers on a ``input_size`` square frame; the final grid cells are the tokens.
+
+    Args:
+        dim: token features.
+        input_size: frames are resized to ``input_size x input_size``.
+        width: channels of the first conv (doubled twice).
+        grid: the final feature map is average-pooled to ``grid x grid`` tokens.
+    """
+
+    def __init__(self, *, dim: int = 128, input_size: int = 32, width: int = 32, grid: int = 2) -> None:
+        super().__init__()
+        if input_size % 8:
+            raise ValueError(f"input_size must be a multiple of 8, got {input_size}")
+        self.dim, self.input_size = dim, input_size
+        c = [3, width, 2 * width, 4 * width]
+        layers = []
+        for a, b in zip(c[:-1], c[1:]):
+            layers += [nn.Conv2d(a, b, 3, stride=2, padding=1), nn.GroupNorm(8, b), nn.GELU()]
+        self.convs = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(c[-1], dim, 1)
+        self.grid = grid
+        self.num_tokens = grid**2
+
+    def forward(self, frames_N3HW: torch.Tensor) -> torch.Tensor:
+        """``(N, 3, H, W)`` in [0, 255] -> ``(N, grid^2, dim)``."""
+        h = self.proj(self.convs(_prep(frames_N3HW, self.input_size)))  # (N, dim, s, s)
+        h = F.adaptive_avg_pool2d(h, self.grid)  # (N, dim, grid, grid)
+        return h.flatten(2).transpose(1, 2)
+
+
+def load_state_file(path) -> dict[str, torch.Tensor]:
+    """Tensors from a local ``.safetensors`` or PyTorch checkpoint file (``state_dict``/``model`` keys unwrapped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file not found: {str(path)!r}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            state = state[key]
+    if not isinstance(state, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(state).__name__}, expected a dict of tensors")
+    return state
+
+
+class _TimmEncoder(nn.Module):
+    def __init__(self, model: nn.Module, input_size: int) -> None:
+        super().__init__()
+        self.model, self.input_size = model, input_size
+        self.dim = int(getattr(model, "num_features"))
+
+    def forward(self, frames_N3HW: torch.Tensor) -> torch.Tensor:
+        feats = self.model.forward_features(_prep(frames_N3HW, self.input_size))
+        if feats.dim() == 4:  # (N, C, h, w) conv map
+            return feats.flatten(2).transpose(1, 2)
+        return feats  # (N, T, C) transformer tokens
+
+
+class _OpenClipEncoder(nn.Module):
+    def __init__(self, model: nn.Module, input_size: int) -> None:
+        super().__init__()
+        self.visual, self.input_size = model.visual, input_size
+        self.dim = int(getattr(self.visual, "output_dim"))
+
+    def forward(self, frames_N3HW: torch.Tensor) -> torch.Tensor:
+        mean = torch.tensor([0.4815, 0.4578, 0.4082], device=frames_N3HW.device).view(1, 3, 1, 1) * 255
+        std = torch.tensor([0.2686, 0.2613, 0.2758], device=frames_N3HW.device).view(1, 3, 1, 1) * 255
+        x = F.interpolate(frames_N3HW.float(), size=(self.input_size,) * 2, mode="bilinear", antialias=True)
+        return self.visual((x - mean) / std)[:, None, :]  # one token per frame (the pooled embedding)
+
+
+def build_frame_encoder(name: str = "tiny", *, weights=None, **kwargs) -> nn.Module:
+    """Build a frame encoder by registry name (see the module docstring).
+
+    Args:
+        name: ``"tiny"``, ``"open_clip:<model>"`` or ``"timm:<model>"``.
+        weights: local weights file; required for open_clip and timm (nothing is downloaded).
+        kwargs: ``TinyFrameEncoder`` options (``dim``, ``input_size``, ``width``), or ``input_size`` for others.
+
+    Returns:
+        A module with attributes ``dim`` (token features) mapping ``(N, 3, H, W)`` to ``(N, T, dim)``.
+    """
+    if name == "tiny":
+        enc = TinyFrameEncoder(**kwargs)
+        if weights is not None:
+            enc.load_state_dict(load_state_file(weights))
+        return enc
+    if name.startswith("timm:"):
+        if weights is None:
+            raise ValueError(f"{name!r} needs weights=PATH (a local file); nothing is downloaded")
+        state = load_state_file(weights)
+        try:
+            import timm
+        except ImportError as e:
+            raise ImportError("timm encoders need timm: pip install timm") from e
+        model = timm.create_model(name[len("timm:"):], pretrained=False, num_classes=0)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing:
+            raise ValueError(f"weights {str(weights)!r} do not fit {name!r}: missing {missing[:5]}")
+        return _TimmEncoder(model.eval(), kwargs.get("input_size", 224))
+    if name.startswith("open_clip:"):
+        if weights is None:
+            raise ValueError(f"{name!r} needs weights=PATH (a local file); nothing is downloaded")
+        if not Path(weights).is_file():
+            raise FileNotFoundError(f"weights file not found: {str(weights)!r}")
+        try:
+            import open_clip
+        except ImportError as e:
+            raise ImportError("open_clip encoders need open_clip: pip install open_clip_torch") from e
+        model = open_clip.create_model(name[len("open_clip:"):], pretrained=str(weights))
+        return _OpenClipEncoder(model.eval(), kwargs.get("input_size", 224))
+    raise ValueError(f"unknown frame encoder {name!r}; use 'tiny', 'open_clip:<model>' or 'timm:<model>'")
