@@ -117,7 +117,8 @@ def train(args) -> dict:
     ckpt_path = out / "checkpoint.pt"
     torch.manual_seed(args.seed)
     model = VideoQAModel(VideoQAConfig(dim=args.dim, encoder_dim=args.dim, encoder_width=args.width,
-                                       num_layers=args.layers, num_queries=args.queries, num_heads=args.heads))
+                                       num_layers=args.layers, num_queries=args.queries, num_heads=args.heads,
+                                       input_size=args.input_size))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     rng = np.random.default_rng(args.seed)
@@ -195,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", default=None, help="write the best model here (.safetensors + .json card)")
     p.add_argument("--dim", type=int, default=64, help="token / query features")
     p.add_argument("--width", type=int, default=16, help="channels of the tiny encoder's first conv")
+    p.add_argument("--input-size", type=int, default=16, help="frames are resized to this square for the encoder")
     p.add_argument("--layers", type=int, default=2, help="Q-former blocks")
-    p.add_argument("--queries", type=int, default=16, help="learned queries")
+    p.add_argument("--queries", type=int, default=8, help="learned queries")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--seed", type=int, default=0, help="seed of the training stream")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
