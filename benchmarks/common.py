@@ -1,0 +1,191 @@
+"""Helpers shared by the benchmark scripts: timing, peak-memory measurement, isolated runs, JSON, tables.
+
+Peak memory method (``PeakRSS``): on Linux the kernel keeps a per-process high-water mark of the resident
+set (``VmHWM`` in ``/proc/self/status``); writing ``5`` to ``/proc/self/clear_refs`` resets it to the current
+RSS. A case resets the mark after its inputs exist, runs, and reports ``VmHWM - VmRSS(before)``: the extra
+memory the case itself took from the OS at its peak (tensors, allocator caches, workspace). Each case runs
+in a fresh subprocess (:func:`run_isolated`) so no earlier case's caches hide or inflate its peak. Where
+``clear_refs`` is not writable the mark falls back to ``ru_maxrss`` (peak since process start), which
+over-states small cases; the JSON records which method was used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PeakRSS",
+    "time_call",
+    "run_isolated",
+    "write_json_atomic",
+    "read_json",
+    "format_table",
+    "env_info",
+    "parse_size",
+]
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakRSS:
+    """Peak resident-set growth of this process between ``start()`` and ``peak_mb()`` (see module docs)."""
+
+    def __init__(self) -> None:
+        self.method = "VmHWM after clear_refs"
+        self.base_kb = 0
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.method = "ru_maxrss (peak since process start)"
+        self.base_kb = _status_kb("VmRSS") or 0
+
+    def peak_mb(self) -> float:
+        if self.method.startswith("VmHWM"):
+            hwm = _status_kb("VmHWM")
+            if hwm is not None:
+                return max(0.0, (hwm - self.base_kb) / 1024)
+        maxrss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return max(0.0, (maxrss_kb - self.base_kb) / 1024)
+
+
+def time_call(fn: Callable[[], Any], *, reps: int, warmup: int = 1, slow_s: float = 5.0) -> dict[str, Any]:
+    """Median wall time of ``fn()``.
+
+    The first call is always timed. When it takes longer than ``slow_s`` it is the only measurement
+    (large sizes: one run is all the time allows); otherwise ``warmup`` untimed calls (the first call
+    counts as one) are followed by ``reps`` timed calls.
+    """
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if first > slow_s or reps <= 0:
+        return {"median_s": first, "times_s": [first], "first_call_s": first, "reps": 1}
+    for _ in range(max(0, warmup - 1)):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "times_s": times, "first_call_s": first, "reps": len(times)}
+
+
+def run_isolated(argv: Sequence[str], *, timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``argv`` in a fresh process; its last stdout line must be a JSON object, which is returned.
+
+    A timeout, a crash or unparsable output comes back as ``{"status": "error", "reason": ...}``.
+    """
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})}
+        )
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "reason": f"timed out after {timeout_s:.0f} s"}
+    wall = time.perf_counter() - t0
+    lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        kind = "killed (likely out of memory)" if proc.returncode in (-9, 137) else f"exit code {proc.returncode}"
+        return {"status": "error", "reason": f"{kind}: {' | '.join(tail)[-400:]}"}
+    try:
+        out = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return {"status": "error", "reason": f"unparsable output: {lines[-1][:200]}"}
+    out.setdefault("process_wall_s", wall)
+    return out
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON via a temp file in the same folder and ``os.replace`` (a killed run leaves no half file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: str | os.PathLike) -> Any | None:
+    """The JSON at ``path``, or ``None`` when the file does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A Markdown table of ``rows`` restricted to ``columns`` (floats shown with 3 significant digits)."""
+
+    def cell(x: Any) -> str:
+        if x is None:
+            return "–"
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def env_info() -> dict[str, Any]:
+    """Machine and library facts recorded beside every result."""
+    import torch
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_at_start": load,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"1024"`` -> 1024; ``ValueError`` names the bad value."""
+    t = text.strip().upper()
+    try:
+        if t.endswith("K"):
+            return int(float(t[:-1]) * 1024)
+        if t.endswith("M"):
+            return int(float(t[:-1]) * 1024 * 1024)
+        return int(t)
+    except ValueError:
+        raise ValueError(f"bad size {text!r}: use an integer or a K/M suffix like 4K") from None
