@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -13,6 +14,9 @@ SUPPORTED_ENVS = ("Hopper-v5", "HalfCheetah-v5", "Walker2d-v5")
 
 
 def _gym():
+    # Offscreen MuJoCo rendering without a display needs EGL; MuJoCo reads MUJOCO_GL when first imported.
+    if not os.environ.get("DISPLAY"):
+        os.environ.setdefault("MUJOCO_GL", "egl")
     try:
         import gymnasium as gym
     except ImportError as e:  # pragma: no cover - depends on the install

@@ -23,7 +23,8 @@ from rl.references import normalized_score
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EpisodeResult", "rollout", "evaluate_returns", "load_policy", "build_parser", "main"]
+__all__ = ["EpisodeResult", "rollout", "evaluate_returns", "load_policy", "write_video", "shipped_policies",
+           "build_parser", "main"]
 
 
 @dataclass
@@ -124,7 +125,8 @@ def evaluate_returns(model, env_id: str, *, target_return: float, episodes: int,
 
 
 def load_policy(checkpoint: str | os.PathLike):
-    """Load ``model.safetensors`` + ``config.json`` from a training directory (or those two files' folder).
+    """Load ``model.safetensors`` + ``config.json`` from a training directory, or ``NAME.safetensors`` +
+    ``NAME.json`` (a shipped policy, given either file).
 
     Returns ``(model, info)`` with ``info`` the JSON (algo, env, model config, target returns).
     """
@@ -133,16 +135,54 @@ def load_policy(checkpoint: str | os.PathLike):
     from rl.models import build_model, config_from_dict
 
     d = Path(checkpoint)
-    if d.is_file():
-        d = d.parent
-    cfg_path, w_path = d / "config.json", d / "model.safetensors"
+    if d.suffix in (".safetensors", ".json"):  # a shipped policy: NAME.safetensors + NAME.json
+        cfg_path, w_path = d.with_suffix(".json"), d.with_suffix(".safetensors")
+    else:
+        cfg_path, w_path = d / "config.json", d / "model.safetensors"
     if not cfg_path.exists() or not w_path.exists():
-        raise FileNotFoundError(f"{str(d)!r} holds no trained policy (needs config.json and model.safetensors; "
+        raise FileNotFoundError(f"{str(d)!r} holds no trained policy (needs {cfg_path.name} and {w_path.name}; "
                                 f"train one with `python -m rl.train`)")
     info = json.loads(cfg_path.read_text())
     model = build_model(info["algo"], config_from_dict(info["algo"], info["model"]))
     model.load_state_dict(load_file(str(w_path)))
     return model.eval(), info
+
+
+def shipped_policies() -> dict[str, Path]:
+    """Policies shipped in ``rl/weights`` (``dm_*.safetensors`` / ``dt_*.safetensors`` with a JSON card)."""
+    wdir = Path(__file__).resolve().parent / "weights"
+    return {p.stem: p for p in sorted(wdir.glob("d[mt]_*.safetensors")) if p.with_suffix(".json").exists()}
+
+
+def write_video(frames: list[np.ndarray], path: str | os.PathLike, *, fps: int = 30) -> Path:
+    """Encode RGB frames ``(H, W, 3)`` uint8 as H.264 MP4 (PyAV) written atomically; GIF (Pillow) without PyAV."""
+    path = Path(path)
+    if not frames:
+        raise ValueError("no frames to write")
+    try:
+        import av
+    except ImportError:
+        from PIL import Image
+
+        path = path.with_suffix(".gif")
+        tmp = path.with_name(path.name + ".tmp.gif")
+        imgs = [Image.fromarray(f) for f in frames]
+        imgs[0].save(tmp, save_all=True, append_images=imgs[1:], duration=int(1000 / fps), loop=0)
+        os.replace(tmp, path)
+        return path
+    h, w = frames[0].shape[:2]
+    h2, w2 = h - h % 2, w - w % 2
+    tmp = path.with_name(path.name + ".tmp.mp4")
+    with av.open(str(tmp), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w2, h2, "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f[:h2, :w2]), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    os.replace(tmp, path)
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--batch", type=int, default=10, help="environments stepped together")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--video", default=None, help="also run one rendered episode (first target) and write it here (.mp4)")
     p.add_argument("--threads", type=int, default=1)
     return p
 
@@ -173,6 +214,10 @@ def main(argv=None) -> None:
                         "score_mean": float(scores.mean()), "score_std": float(scores.std())})
         print(f"{env_id} target {tr:g}: return {rets.mean():.1f} ± {rets.std():.1f}, "
               f"normalized score {scores.mean():.1f} ± {scores.std():.1f} over {len(rets)} episodes")
+    if args.video:
+        ep = rollout(model, env_id, target_return=targets[0], episodes=1, seed=args.seed, render=True)
+        path = write_video(ep.frames, args.video)
+        print(f"video of one episode (return {ep.returns[0]:.1f}, {ep.lengths[0]} steps): {path}")
     if args.json:
         tmp = Path(args.json + ".tmp")
         tmp.write_text(json.dumps({"checkpoint": str(args.checkpoint), "env": env_id, "results": results}, indent=1))
