@@ -31,7 +31,7 @@ def _checkpoints() -> dict[str, str]:
     return {name: str(path) for name, path in shipped_policies().items()}
 
 
-def _figures(result, env_id: str):
+def _figures(result, env_id: str, layer_ids: list[int]):
     from matplotlib.figure import Figure
 
     from rl.references import normalized_score
@@ -53,7 +53,7 @@ def _figures(result, env_id: str):
         steps, L, _ = r.shape
         img = r.reshape(steps, L * 2).T.astype(float)  # rows: layer x token kind
         ax.imshow(img, aspect="auto", interpolation="nearest", cmap="Greens", vmin=0, vmax=1)
-        ax.set_yticks(range(L * 2), [f"L{i} {k}" for i in range(L) for k in ("R", "s")])
+        ax.set_yticks(range(L * 2), [f"layer {layer_ids[i]} {k}" for i in range(L) for k in ("R", "s")])
         ax.set_xlabel("step")
         ax.set_title(f"routed tokens (green): {100 * r.mean():.0f}% of return/state tokens")
     return fig_r, fig_m
@@ -80,7 +80,7 @@ def run_episode(checkpoint: str, env_id: str, target_return: float, max_steps: i
                      render=True, render_every=2, width=240, height=180)
     out = Path(tempfile.mkdtemp(prefix="dm-demo-")) / "episode.mp4"
     video = write_video(result.frames, out, fps=25)
-    fig_r, fig_m = _figures(result, env_id)
+    fig_r, fig_m = _figures(result, env_id, list(info["model"].get("routed_layers", [])))
     status = (f"Done: {info['algo'].upper()} on {env_id}, {int(result.lengths[0])} steps, return "
               f"{result.returns[0]:.1f} (target {float(target_return):g}).")
     return str(video), fig_r, fig_m, status
