@@ -221,6 +221,11 @@ class VideoStream:
 
     # -- iteration -----------------------------------------------------------------------------------
     @property
+    def starts(self) -> np.ndarray:
+        """Start time in seconds of every frame of the file ``(num_frames,)``."""
+        return self._starts
+
+    @property
     def num_selected(self) -> int:
         """Frames this stream yields in total."""
         return len(self.indices)

@@ -47,6 +47,9 @@ __all__ = [
     "render_frames",
     "iter_frames",
     "make_questions",
+    "make_question",
+    "question_text",
+    "load_dataset",
     "write_video",
     "write_dataset",
     "build_parser",
@@ -207,7 +210,7 @@ def _answer(spec: VideoSpec, qtype: str, a1: int, a2: int) -> str:
     raise ValueError(f"unknown question type {qtype!r}; choose one of {list(QUESTION_TYPES)}")
 
 
-def _text(qtype: str, a1: int, a2: int) -> str:
+def question_text(qtype: str, a1: int, a2: int) -> str:
     c1 = COLOURS[a1] if a1 >= 0 else ""
     c2 = COLOURS[a2] if a2 >= 0 else ""
     return {
@@ -224,7 +227,7 @@ def make_question(spec: VideoSpec, qtype: str, arg1: int = -1, arg2: int = -1) -
     if qtype not in QUESTION_TYPES:
         raise ValueError(f"unknown question type {qtype!r}; choose one of {list(QUESTION_TYPES)}")
     return Question(qtype=qtype, arg1=arg1, arg2=arg2, answer=_answer(spec, qtype, arg1, arg2),
-                    text=_text(qtype, arg1, arg2))
+                    text=question_text(qtype, arg1, arg2))
 
 
 def make_questions(spec: VideoSpec, rng: np.random.Generator | int) -> list[Question]:

@@ -1,0 +1,1 @@
+"""∞-Video demo: question answering over a whole video through a continuous long-term memory."""
