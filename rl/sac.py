@@ -282,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="run directory (state.pt, snapshots.safetensors/json)")
     p.add_argument("--snapshot-every", type=int, default=10_000)
+    p.add_argument("--checkpoint-every", type=int, default=25_000, help="full-state checkpoint period")
     p.add_argument("--actor-hidden", type=int, default=64, help="actor width (shipped)")
     p.add_argument("--critic-hidden", type=int, default=128, help="critic width (not shipped)")
     p.add_argument("--batch-size", type=int, default=128)
@@ -294,7 +295,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     cfg = SACConfig(env=args.env, steps=args.steps, seed=args.seed, snapshot_every=args.snapshot_every,
-                    actor_hidden=args.actor_hidden, critic_hidden=args.critic_hidden, batch_size=args.batch_size)
+                    actor_hidden=args.actor_hidden, critic_hidden=args.critic_hidden, batch_size=args.batch_size,
+                    checkpoint_every=args.checkpoint_every)
     train_sac(cfg, args.out)
 
 
