@@ -7,9 +7,11 @@ normalisations (none / Yeo-Johnson power) — is averaged in logit space, then a
 ``softmax_temperature``. More classes than the model's decoder has go through a balanced hierarchy of class
 groups (≤ ``max_classes`` groups per node); probabilities multiply down the tree.
 
-Test rows and ensemble members are processed in batches sized from ``memory_budget_mb``; the train-side
-representation (column summaries and ICL keys/values) of every ensemble member is cached after the first
-``predict`` when it fits in half of that budget, so repeated predictions skip the train rows.
+Train sets above ``max_context`` rows are split into stratified folds that act as separate contexts (logits
+averaged), so time and memory grow linearly in rows. Test rows and ensemble members are processed in batches
+sized from ``memory_budget_mb``; the train-side representation (column summaries and ICL keys/values) of every
+ensemble member is cached after the first ``predict`` when it fits in half of that budget, so repeated
+predictions skip the train rows.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         memory_budget_mb: memory the inference may use for activations; sets the test-row and member batch
             sizes and whether the train-side cache is kept.
         batch_size: test rows per forward pass; None derives it from ``memory_budget_mb``.
+        max_context: most train rows in one context; larger tables are split into stratified folds, each a
+            separate context whose logits are averaged (cost and memory linear in rows instead of quadratic).
         softmax_temperature: temperature applied to the averaged logits.
         verbose: log progress at INFO level.
     """
@@ -96,6 +100,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         random_state=0,
         memory_budget_mb: float = 2048.0,
         batch_size=None,
+        max_context: int = 8192,
         softmax_temperature: float = 0.9,
         verbose: bool = False,
     ) -> None:
@@ -105,6 +110,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.random_state = random_state
         self.memory_budget_mb = memory_budget_mb
         self.batch_size = batch_size
+        self.max_context = max_context
         self.softmax_temperature = softmax_temperature
         self.verbose = verbose
 
@@ -124,6 +130,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError(f"memory_budget_mb must be a positive number, got {self.memory_budget_mb!r}")
         if self.batch_size is not None and not (isinstance(self.batch_size, (int, np.integer)) and self.batch_size >= 1):
             raise ValueError(f"batch_size must be None or a positive int, got {self.batch_size!r}")
+        if not (isinstance(self.max_context, (int, np.integer)) and self.max_context >= 2):
+            raise ValueError(f"max_context must be an int >= 2, got {self.max_context!r}")
         if not (isinstance(self.softmax_temperature, (int, float)) and self.softmax_temperature > 0):
             raise ValueError(f"softmax_temperature must be > 0, got {self.softmax_temperature!r}")
 
@@ -227,47 +235,67 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         icl = c.icl_dim * 8 + c.icl_ffn * 2 + c.icl_heads * min(n_ctx, 8192)
         return 4 * int(cells + row + icl)
 
-    def _node_logits(self, node: _Node, X_test: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
-        """Averaged member logits ``(n_test, len(node.groups))`` of the group of each test row at ``node``."""
+    def _folds(self, y: np.ndarray) -> list[np.ndarray]:
+        """Train-row index sets of at most ``max_context`` rows each, stratified by label (one set if it fits)."""
+        n = len(y)
+        n_folds = max(1, math.ceil(n / int(self.max_context)))
+        if n_folds == 1:
+            return [np.arange(n)]
+        rng = np.random.default_rng(self.random_state)
+        order = np.concatenate([rng.permutation(np.flatnonzero(y == c)) for c in np.unique(y)])
+        return [np.sort(order[f::n_folds]) for f in range(n_folds)]  # dealt round-robin: stratified
+
+    def _node_logits(self, node: _Node, X_test: np.ndarray) -> np.ndarray:
+        """Averaged view logits ``(n_test, len(node.groups))`` of the group of each test row at ``node``.
+
+        A view is (ensemble member, train fold). Tables with more train rows than ``max_context`` are split
+        into stratified folds that serve as separate contexts, so cost and memory grow linearly in rows; each
+        fold gets at least one member and each member at least one fold.
+        """
         model = _get_model(self.checkpoint, self._device)
         group_of = np.full(len(self.classes_), -1, dtype=np.int64)
         for g, members in enumerate(node.groups):
             group_of[members] = g
         sel = np.isin(self._y_train, node.classes)
-        Xtr, ytr = self._X_train[sel], group_of[self._y_train[sel]]
+        Xtr_all, ytr_all = self._X_train[sel], group_of[self._y_train[sel]]
         G = len(node.groups)
         n_test = X_test.shape[0]
-        F = Xtr.shape[1]
+        folds = self._folds(ytr_all)
+        n_views = max(len(folds), len(self._members))
+        views: dict[int, list[_Member]] = {}
+        for v in range(n_views):
+            views.setdefault(v % len(folds), []).append(self._members[v % len(self._members)])
         budget = self.memory_budget_mb * 2**20
-        per_row = self._bytes_per_row(model, F, len(Xtr))
-        members = self._members
-        # Members batched so that the train pass fits; test rows chunked so each forward fits.
-        train_cost = per_row * len(Xtr)
-        per_batch = max(1, min(len(members), int(budget // max(1, train_cost))))
-        chunk = int(self.batch_size) if self.batch_size else max(1, int(budget // max(1, per_row * per_batch)))
         total = np.zeros((n_test, G), dtype=np.float64)
-        for b0 in range(0, len(members), per_batch):
-            batch = members[b0 : b0 + per_batch]
-            key = b0
-            ctx = node.cache.get(key)
-            if ctx is None:
-                xs = np.stack([self._view(Xtr, m) for m in batch])
-                ys = np.stack([(ytr + m.shift) % G for m in batch])
-                ctx = model.build_context(torch.from_numpy(xs).to(self._device), torch.from_numpy(ys).to(self._device),
-                                          chunk=chunk)
-                if ctx.nbytes() * math.ceil(len(members) / per_batch) <= budget / 2:
-                    node.cache[key] = ctx
-            xt = torch.from_numpy(np.stack([self._view(X_test, m) for m in batch])).to(self._device)
-            logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()  # (b, n, G)
-            for j, m in enumerate(batch):
-                # Undo the class shift: shifted id (g + s) % G holds group g.
-                total += logits[j][:, (np.arange(G) + m.shift) % G]
-        return total / len(members)
+        for f, members in views.items():
+            Xtr, ytr = Xtr_all[folds[f]], ytr_all[folds[f]]
+            per_row = self._bytes_per_row(model, Xtr.shape[1], len(Xtr))
+            # Members batched so that the train pass fits; test rows chunked so each forward fits.
+            per_batch = max(1, min(len(members), int(budget // max(1, per_row * len(Xtr)))))
+            chunk = int(self.batch_size) if self.batch_size else max(1, int(budget // max(1, per_row * per_batch)))
+            for b0 in range(0, len(members), per_batch):
+                batch = members[b0 : b0 + per_batch]
+                key = (f, b0)
+                ctx = node.cache.get(key)
+                if ctx is None:
+                    xs = torch.from_numpy(np.stack([self._view(Xtr, m) for m in batch])).to(self._device)
+                    ys = torch.from_numpy(np.stack([(ytr + m.shift) % G for m in batch])).to(self._device)
+                    ctx = model.build_context(xs, ys, chunk=chunk)
+                    if ctx.nbytes() * math.ceil(n_views / per_batch) <= budget / 2:
+                        node.cache[key] = ctx
+                xt = torch.from_numpy(np.stack([self._view(X_test, m) for m in batch])).to(self._device)
+                logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()  # (b, n, G)
+                for j, m in enumerate(batch):
+                    # Undo the class shift: shifted id (g + s) % G holds group g.
+                    total += logits[j][:, (np.arange(G) + m.shift) % G]
+                if self.verbose:
+                    logger.info("fold %d/%d: %d member(s) done", f + 1, len(folds), b0 + len(batch))
+        return total / n_views
 
     def _node_proba(self, node: _Node, X_test: np.ndarray) -> np.ndarray:
         """Class probabilities ``(n_test, n_classes)`` under ``node`` (zeros outside its classes)."""
         out = np.zeros((X_test.shape[0], len(self.classes_)))
-        logits = self._node_logits(node, X_test, np.ones(X_test.shape[0], dtype=bool))
+        logits = self._node_logits(node, X_test)
         z = logits / self.softmax_temperature
         z = z - z.max(axis=1, keepdims=True)
         p = np.exp(z)

@@ -1,0 +1,60 @@
+"""TabICL tab: served through Gradio, a comparison runs end to end with the shipped checkpoint."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+gr = pytest.importorskip("gradio")
+gradio_client = pytest.importorskip("gradio_client")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    from apps.tabicl.ui import build_ui
+
+    with gr.Blocks() as demo:
+        build_ui()
+    port = _free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+def test_compare_on_bundled_table(served, tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(np.random.randint(0, 10_000))
+    n = 80
+    y = rng.integers(0, 2, n)
+    df = pd.DataFrame({"x1": y * 2.5 + rng.normal(size=n), "color": np.where(y == 1, "red", "blue"),
+                       "label": np.where(y == 1, "pos", "neg")})
+    path = tmp_path / "t.csv"
+    df.to_csv(path, index=False)
+    client = gradio_client.Client(served, verbose=False)
+    models, conf, proba, status = client.predict(
+        "iris", gradio_client.handle_file(str(path)), "label", 0.3, 2, 0, api_name="/tabicl_run"
+    )
+    assert "Done" in status and "2 classes" in status
+    names = [row[0] for row in models["data"]]
+    assert names == ["TabICL", "LogisticRegression", "RandomForest", "HistGradientBoosting", "kNN"]
+    counts = np.array([row[1:] for row in conf["data"]], dtype=float)
+    assert counts.sum() == 24  # 30% of 80 rows held out
+    p = np.array([row[1:] for row in proba["data"]], dtype=float)
+    assert np.allclose(p.sum(1), 1, atol=1e-3)
+
+
+def test_unknown_target_is_a_clear_error(served):
+    client = gradio_client.Client(served, verbose=False)
+    with pytest.raises(Exception, match="not in the table"):
+        client.predict("iris", None, "nope", 0.3, 1, 0, api_name="/tabicl_run")
