@@ -19,6 +19,11 @@ Cases:
         built from the very same block index, so it computes the same attention; selection time excluded,
         compile time reported as ``first_call_s``.
 
+Large sizes: above ``--dense-query-rows`` (default 4K) the dense backends run the first 4K queries against
+all ``S`` keys and their time is scaled by ``S / 4K`` (non-causal dense cost is exactly linear in the number
+of queries); such rows carry ``extrapolated_from_query_rows`` and a note, and their peak memory is that of
+the sliced run. Block-sparse and flex always run the full ``S``. Use ``--dense-query-rows 0`` for full runs.
+
 FLOPs (two matmuls, multiply-add = 2): dense ``4 · B · H · S_q · S_k · D``; block-sparse and flex
 ``4 · B · H · S_q · S_k · D · density`` where density is the selected fraction of (query block, key block)
 pairs. Ratios are ``time(best dense backend at that S) / time(case)``: above 1 is faster than dense.
@@ -80,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-dense-gb", type=float, default=4.0, help="skip 'reference' when its S×S scores exceed this (default 4)")
     p.add_argument("--case-timeout", type=float, default=3600.0, help="seconds per case before it is recorded as failed")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
+    p.add_argument("--flex-min-size", default="4K", help="run the FlexAttention peer from this S on (default 4K; compiles per size)")
+    p.add_argument("--dense-query-rows", default="4K",
+                   help="above this S, time dense backends on this many query rows (all keys) and scale the time by "
+                        "S/rows, marked as extrapolated (default 4K; 0 = always the full S)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per case (default: torch's default)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output (default benchmarks/results/attention_cpu.json)")
     p.add_argument("--resume", action="store_true", help="keep finished cases of the existing JSON (same H, D, B, block, k) and run the rest")
@@ -114,9 +123,18 @@ def _run_case(cfg: dict) -> dict:
         if name in DENSE:
             from core.attention import attention
 
+            rows = cfg.get("query_rows") or S
+            q_run = q[:, :, :rows].contiguous()  # (B, H, rows, D): all S keys, the first `rows` queries
             mem.start()
-            t = time_call(lambda: attention(q, k, v, backend=name), reps=reps)
+            t = time_call(lambda: attention(q_run, k, v, backend=name), reps=reps)
             result.update(t, density=1.0)
+            if rows < S:  # non-causal dense cost is exactly linear in the number of query rows
+                result.update(
+                    measured_s=t["median_s"],
+                    median_s=t["median_s"] * S / rows,
+                    extrapolated_from_query_rows=rows,
+                    reason=f"time = {rows} query rows x {S / rows:g}; peak at {rows} rows",
+                )
         else:
             from core.blocksparse import block_density, block_sparse_attention, select_blocks
 
@@ -173,7 +191,7 @@ def _cases(args, S: int) -> list[tuple[str, dict]]:
             sparse.append((f"{round(100 * args.density)}%", k_d))
     for tag, k in sparse:
         out.append((f"blocksparse-{tag}", {"topk": k}))
-    if not args.no_flex:
+    if not args.no_flex and S >= parse_size(args.flex_min_size):
         for tag, k in sparse:
             out.append((f"flex-{tag}", {"topk": k}))
     return out
@@ -294,8 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reason:
             rec.update(status="skipped", reason=reason)
         else:
+            rows = parse_size(args.dense_query_rows)
             cfg = {**base, **extra, "S": S, "case": name, "topk": extra.get("topk", args.topk),
-                   "reps": args.reps if S <= 4096 else 1}
+                   "reps": args.reps if S <= 4096 else 1,
+                   "query_rows": rows if (name in DENSE and 0 < rows < S) else None}
             t0 = time.time()
             rec.update(run_isolated([sys.executable, "-m", "benchmarks.attention_cpu", "--case", json.dumps(cfg)],
                                     timeout_s=args.case_timeout))

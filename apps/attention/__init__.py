@@ -1,0 +1,1 @@
+"""Attention-core demo: block selection map, block-sparse error against dense attention, backend timings."""
