@@ -35,10 +35,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _dataset(root: Path, length: int, n: int, seed: int) -> list[dict]:
     from video.synthetic import load_dataset, write_dataset
 
-    folder = root / f"len{length}_n{n}_seed{seed}"
-    if not (folder / "questions.json").exists():
-        write_dataset(folder, n=n, frames=[length], seed=seed + length, size=32)
-    return load_dataset(folder)
+    folder = root / f"len{length}_seed{seed}"
+    # resumable and deterministic per index: a larger n reuses the videos already written
+    write_dataset(folder, n=n, frames=[length], seed=seed + length, size=32)
+    return load_dataset(folder)[:n]
 
 
 def _peak_case(method: str, path: str, weights: str | None) -> None:
