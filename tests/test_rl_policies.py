@@ -18,7 +18,7 @@ def behaviour(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("sac")
-    cfg = SACConfig(env="Hopper-v5", steps=240, start_steps=120, snapshot_every=80, checkpoint_every=120,
+    cfg = SACConfig(env="Hopper-v5", steps=150, start_steps=90, snapshot_every=50, checkpoint_every=150,
                     eval_episodes=1, batch_size=32, actor_hidden=16, critic_hidden=32)
     meta = train_sac(cfg, root / "run", progress=False)
     path = export_run(root / "run", "Hopper-v5", root / "weights", command="test")
@@ -28,12 +28,12 @@ def behaviour(tmp_path_factory):
 
 def test_snapshots_and_card(behaviour):
     meta, path = behaviour
-    assert [s["step"] for s in meta["snapshots"]] == [80, 160, 240]
+    assert [s["step"] for s in meta["snapshots"]] == [50, 100, 150]
     card = json.loads(path.with_suffix(".json").read_text())
     means = [s["mean_return"] for s in card["snapshots"]]
     assert card["qualities"]["expert"] == card["snapshots"][int(np.argmax(means))]["name"]
     replay = card["qualities"]["medium-replay"]
-    assert replay[-1] == card["qualities"]["medium"] and replay[0] == "step0000080"
+    assert replay[-1] == card["qualities"]["medium"] and replay[0] == "step0000050"
     b = load_behaviour("Hopper-v5", path)
     actor = b.actor(card["qualities"]["expert"])
     a = actor.act(torch.randn(5, 11), deterministic=True)
