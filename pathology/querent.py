@@ -108,6 +108,7 @@ class RegionLayout:
     grid_xy: torch.Tensor  # (N, 2) int64 patch column/row on the patch grid
     neighbours: torch.Tensor  # (NR, M) int64 region ids always attended (own first), -1 padded
     region_size: int
+    fill_src: torch.Tensor  # (padded_len,) int64: each slot itself if it holds a patch, else a filled slot of its region
 
     @property
     def num_regions(self) -> int:
@@ -155,8 +156,17 @@ def build_regions(coords_N2: torch.Tensor, patch_size_level0: float, region_size
                              for dy, dx in offs], dim=1)  # (NR, M)
     else:
         neigh = torch.zeros(0, 1, dtype=torch.long, device=dev)
-    return RegionLayout(slot=slot, padded_len=nr * R * R, region_xy=region_xy, grid_xy=grid, neighbours=neigh,
-                        region_size=R)
+    # Empty slots borrow a real slot of their region (used so padding never enters a region's query bound).
+    S = nr * R * R
+    first = torch.full((max(nr, 1),), S, dtype=torch.long, device=dev)
+    if len(slot):
+        first = first.scatter_reduce(0, region_id, slot, reduce="amin")
+    fill_src = torch.arange(S, device=dev)
+    filled = torch.zeros(S, dtype=torch.bool, device=dev)
+    filled[slot] = True
+    fill_src = torch.where(filled, fill_src, first[fill_src // (R * R)] if S else fill_src)
+    return RegionLayout(slot=slot, padded_len=S, region_xy=region_xy, grid_xy=grid, neighbours=neigh,
+                        region_size=R, fill_src=fill_src)
 
 
 def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLayout, topk: int,
@@ -170,16 +180,21 @@ def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLay
     B, H = q_BHSD.shape[:2]
     nr = layout.num_regions
     kmin, kmax, _ = block_summaries(k_BHSD, bs, key_padding_mask=key_padding_mask)  # (B, H, NR, D)
-    scores = query_block_upper_bound(q_BHSD, kmin, kmax, bs)  # (B, H, NR, NR)
+    # Padded query rows copy a real query of their region, so the block max is over real queries only.
+    scores = query_block_upper_bound(q_BHSD[:, :, layout.fill_src], kmin, kmax, bs)  # (B, H, NR, NR)
     neigh = layout.neighbours  # (NR, M)
     forced = torch.zeros(nr, nr + 1, dtype=torch.bool, device=scores.device)
     forced.scatter_(1, torch.where(neigh < 0, nr, neigh), True)
     forced = forced[:, :nr]  # (NR, NR)
-    scores = scores.masked_fill(forced[None, None], float("inf"))
-    n_slots = min(nr, topk + int(forced.sum(dim=1).max().item()))
-    top = scores.topk(n_slots, dim=-1)
-    idx = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
-    idx = idx.sort(dim=-1).values
+    scores = scores.masked_fill(forced[None, None], float("-inf"))  # neighbours are added below, not ranked
+    k_extra = min(topk, nr)
+    if k_extra > 0:
+        top = scores.topk(k_extra, dim=-1)
+        extra = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
+    else:
+        extra = scores.new_zeros(B, H, nr, 0, dtype=torch.long)
+    own = torch.where(neigh < 0, nr, neigh)[None, None].expand(B, H, nr, neigh.shape[1])
+    idx = torch.cat([own, extra], dim=-1).sort(dim=-1).values  # (B, H, NR, M + topk), nr = unused
     return torch.where(idx >= nr, -1, idx)
 
 

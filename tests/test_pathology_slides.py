@@ -25,6 +25,15 @@ from pathology.tissue import segment_tissue  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is much faster than two contending ones on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("slides")
@@ -289,7 +298,7 @@ def test_batch_killed_and_rerun(dataset, tiny_weights, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "pathology.batch", "--slides", str(src), "--out", str(out), "--mpp", "1.0",
            "--patch-size", "64", "--weights", tiny_weights, "--no-progress", "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     first = out / "features" / "default" / (specs[0].name + ".h5")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.time()

@@ -1,0 +1,250 @@
+"""Querent aggregator, MIL baselines and the training loop."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from core.attention import attention
+from pathology.mil import MODEL_NAMES, NystromAttention, build_model
+from pathology.querent import Querent, QuerentConfig, build_regions, select_regions
+from pathology.training import Bag, TrainConfig, concordance_index, cox_loss, evaluate, train_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is much faster than two contending ones on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _bag_coords(w: int, h: int, keep: float, step: int = 256, g: torch.Generator | None = None) -> torch.Tensor:
+    gy, gx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    grid = torch.stack([gx, gy], -1).reshape(-1, 2)
+    m = torch.rand(len(grid), generator=g) < keep
+    m[0] = True
+    return (grid[m] * step + 1000).long()  # offset: coords need not start at 0
+
+
+def test_regions_layout():
+    coords = _bag_coords(13, 11, 0.6)
+    lay = build_regions(coords, 256, region_size=4, neighbourhood=1)
+    n = len(coords)
+    assert lay.slot.unique().numel() == n and int(lay.slot.max()) < lay.padded_len
+    reg = lay.region_of_patch()
+    grid = (coords - coords.min(0).values) // 256
+    # the patch's region on the grid is what the layout says
+    assert torch.equal(lay.region_xy[reg], grid // 4)
+    # neighbours: own region first, all within Chebyshev distance 1, and complete
+    assert torch.equal(lay.neighbours[:, 0], torch.arange(lay.num_regions))
+    for r in range(lay.num_regions):
+        nb = lay.neighbours[r][lay.neighbours[r] >= 0]
+        d = (lay.region_xy[nb] - lay.region_xy[r]).abs().amax(1)
+        assert (d <= 1).all()
+        expected = ((lay.region_xy - lay.region_xy[r]).abs().amax(1) <= 1).sum()
+        assert len(nb) == int(expected)
+    with pytest.raises(ValueError, match="same grid cell"):
+        build_regions(torch.cat([coords, coords[:1]]), 256, 4)
+
+
+def test_select_regions_forces_neighbourhood_and_ranks_by_bound():
+    coords = _bag_coords(17, 15, 0.7)
+    lay = build_regions(coords, 256, region_size=4, neighbourhood=1)
+    S, bs = lay.padded_len, 16
+    pad = torch.ones(1, S, dtype=torch.bool)
+    pad[0, lay.slot] = False
+    q, k = torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+    topk = 3
+    idx = select_regions(q, k, lay, topk, pad)
+    assert idx.shape[:3] == (1, 2, lay.num_regions)
+    for r in range(lay.num_regions):
+        nb = set(lay.neighbours[r][lay.neighbours[r] >= 0].tolist())
+        for h in range(2):
+            chosen = idx[0, h, r][idx[0, h, r] >= 0].tolist()
+            assert chosen == sorted(chosen) and nb <= set(chosen)
+            extra = set(chosen) - nb
+            assert len(extra) == min(topk, lay.num_regions - len(nb))
+            # the extra regions have the largest upper bounds among the non-neighbours
+            qr = q[0, h, r * bs : (r + 1) * bs][~pad[0, r * bs : (r + 1) * bs]]
+            bounds = {}
+            for o in range(lay.num_regions):
+                if o in nb:
+                    continue
+                kk = k[0, h, o * bs : (o + 1) * bs][~pad[0, o * bs : (o + 1) * bs]]
+                kmin, kmax = kk.min(0).values, kk.max(0).values
+                bounds[o] = torch.maximum(qr * kmin, qr * kmax).sum(1).max().item()
+                # the bound holds for every key of the region
+                assert (qr @ kk.T).max().item() <= bounds[o] + 1e-4
+            best = sorted(bounds.values(), reverse=True)[len(extra) - 1]
+            assert min(bounds[o] for o in extra) >= best - 1e-4
+
+
+def _dense_layer_reference(layer, x, pad):
+    h = layer.norm1(x)
+    q = layer.attn.project_q(h)
+    k, v = layer.attn.project_kv(h)
+    o = attention(q, k, v, key_padding_mask=pad, backend="reference")
+    x = x + layer.attn.merge(o)
+    return x + layer.mlp(layer.norm2(x))
+
+
+def test_querent_equals_dense_attention_when_all_regions_chosen():
+    coords = _bag_coords(10, 9, 0.75)
+    cfg = QuerentConfig(in_dim=12, dim=32, num_heads=4, depth=2, region_size=3, topk=1000, dropout=0.0)
+    model = Querent(cfg).eval()
+    lay = build_regions(coords, 256, cfg.region_size)
+    x = torch.randn(1, lay.padded_len, 32)
+    pad = torch.ones(1, lay.padded_len, dtype=torch.bool)
+    pad[0, lay.slot] = False
+    layer = model.layers[0]
+    out, idx = layer(x, lay, pad)
+    ref = _dense_layer_reference(layer, x, pad)
+    valid = ~pad[0]
+    torch.testing.assert_close(out[0, valid], ref[0, valid], atol=2e-5, rtol=1e-4)
+    # with a small top-k the result differs (the sparse path is really sparse)
+    cfg_s = QuerentConfig(in_dim=12, dim=32, num_heads=4, region_size=3, topk=1, neighbourhood=0, dropout=0.0)
+    small = Querent(cfg_s).eval()
+    small.load_state_dict(model.state_dict())
+    lay0 = build_regions(coords, 256, cfg.region_size, neighbourhood=0)
+    out_s, idx_s = small.layers[0](x, lay0, pad)
+    assert (idx_s >= 0).sum(-1).max() == 2
+    assert (out_s[0, valid] - ref[0, valid]).abs().max() > 1e-3
+
+
+def test_querent_forward_invariances_and_heatmap():
+    g = torch.Generator().manual_seed(int(torch.randint(10**6, (1,))))
+    coords = _bag_coords(20, 14, 0.7, g=g)
+    feats = torch.randn(len(coords), 24)
+    model = Querent(QuerentConfig(in_dim=24, dim=32, num_heads=2, region_size=4, topk=2, dropout=0.0)).eval()
+    with torch.no_grad():
+        out = model(feats, coords, patch_size_level0=256, return_index=True)
+        perm = torch.randperm(len(coords))
+        out_p = model(feats[perm], coords[perm], patch_size_level0=256)
+        shifted = model(feats, coords + 4096, patch_size_level0=256)
+    assert out.logits.shape == (1, 2) and out.attention.shape == (len(coords),)
+    assert torch.isclose(out.attention.sum(), torch.tensor(1.0)) and (out.attention >= 0).all()
+    torch.testing.assert_close(out_p.logits, out.logits, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out_p.attention, out.attention[perm], atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(shifted.logits, out.logits, atol=1e-5, rtol=1e-4)
+    regions = model.regions_for_patch(out, patch=0)
+    own = int(out.layout.region_of_patch()[0])
+    assert own in regions.tolist() and len(regions) <= out.layout.num_regions
+    with pytest.raises(ValueError, match="empty bag"):
+        model(feats[:0], coords[:0], patch_size_level0=256)
+    with pytest.raises(ValueError):
+        model(feats[:, :5], coords, patch_size_level0=256)
+
+
+def test_querent_config_validation():
+    with pytest.raises(ValueError, match="num_heads"):
+        QuerentConfig(in_dim=8, dim=30, num_heads=4)
+    with pytest.raises(ValueError, match="task"):
+        QuerentConfig(in_dim=8, task="regression")
+    assert QuerentConfig(in_dim=8, task="survival").num_classes == 1
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_baselines_forward_backward(name):
+    coords = _bag_coords(9, 7, 0.8)
+    feats = torch.randn(len(coords), 16)
+    model = build_model(name, QuerentConfig(in_dim=16, dim=32, num_heads=4, region_size=3, topk=2, num_classes=3))
+    out = model(feats, coords, patch_size_level0=256)
+    assert out.logits.shape == (1, 3) and out.attention.shape == (len(coords),)
+    out.logits.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    with pytest.raises(ValueError):
+        build_model("clam", QuerentConfig(in_dim=16))
+
+
+def test_nystrom_is_exact_with_one_landmark_per_token():
+    torch.manual_seed(int(torch.randint(10**6, (1,))))
+    att = NystromAttention(16, 2, landmarks=12, pinv_iters=30).double()
+    torch.nn.init.zeros_(att.res_conv.weight)
+    x = torch.randn(1, 12, 16, dtype=torch.double) * 3.0  # peaked softmax: a well-conditioned kernel
+    out = att(x)
+    q = att.mha.project_q(x)
+    k, v = att.mha.project_kv(x)
+    ref = att.mha.merge(attention(q, k, v, backend="reference"))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_cox_loss_and_cindex_against_brute_force():
+    rng = np.random.default_rng()
+    n = 9
+    t = rng.permutation(n).astype(float) + 1
+    e = rng.integers(0, 2, n)
+    e[0] = 1
+    r = rng.standard_normal(n)
+    # brute-force partial likelihood
+    ll = 0.0
+    for i in range(n):
+        if e[i]:
+            ll += r[i] - math.log(sum(math.exp(r[j]) for j in range(n) if t[j] >= t[i]))
+    got = cox_loss(torch.tensor(r), torch.tensor(t), torch.tensor(e)).item()
+    assert got == pytest.approx(-ll / e.sum(), rel=1e-6)
+    num = den = 0
+    for i in range(n):
+        for j in range(n):
+            if e[i] and t[i] < t[j]:
+                den += 1
+                num += (r[i] > r[j]) + 0.5 * (r[i] == r[j])
+    assert concordance_index(t, r, e) == pytest.approx(num / den)
+    assert concordance_index(t, -t, np.ones(n)) == 1.0
+
+
+def _toy_bags(n: int, rng: np.random.Generator) -> list[Bag]:
+    bags = []
+    for i in range(n):
+        c = _bag_coords(8, 6, 0.9)
+        f = torch.from_numpy(rng.standard_normal((len(c), 8)).astype(np.float32))
+        y = i % 2
+        if y:
+            f[torch.from_numpy(rng.choice(len(c), 4, replace=False)), 0] += 5.0
+        bags.append(Bag(f"s{i}", f, c, 256.0, label=y, time=float(rng.exponential(5 if y else 20)), event=1))
+    return bags
+
+
+def test_training_learns_a_local_task():
+    rng = np.random.default_rng()
+    train, test = _toy_bags(16, rng), _toy_bags(10, rng)
+    cfg = QuerentConfig(in_dim=8, dim=32, num_heads=2, region_size=3, topk=2, dropout=0.0)
+    model, info = train_model("abmil", cfg, train, TrainConfig(epochs=10, lr=5e-3, batch_slides=2, seed=1))
+    m = evaluate(model, test, "cls")
+    assert m["auc"] > 0.9 and info["steps"] == 10 * 8
+    q, _ = train_model("querent", cfg, train[:4], TrainConfig(epochs=1, lr=1e-3))
+    assert set(evaluate(q, test[:4], "cls")) == {"auc", "balanced_accuracy"}
+
+
+def test_train_cli_writes_metrics_and_models(tmp_path):
+    from pathology.patching import PatchGrid, write_h5
+    from pathology.train import main
+
+    rng = np.random.default_rng()
+    feats_dir = tmp_path / "feats"
+    feats_dir.mkdir()
+    lines = ["slide_id,label,time,event"]
+    for b in _toy_bags(8, rng):
+        grid = PatchGrid(b.coords.numpy(), 128, 256, 0, 0.5, 0.25, np.ones(len(b.coords), np.float32))
+        write_h5(feats_dir / f"{b.slide_id}.h5", grid, b.features.numpy())
+        lines.append(f"{b.slide_id},{b.label},{b.time},{b.event}")
+    (tmp_path / "labels.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    rc = main(["--features", str(feats_dir), "--labels", str(tmp_path / "labels.csv"), "--model", "querent",
+               "--folds", "2", "--epochs", "1", "--dim", "16", "--heads", "2", "--region-size", "2", "--out", str(out),
+               "--no-progress", "--device", "cpu"])
+    assert rc == 0
+    res = json.load(open(out / "metrics_querent_label.json"))
+    assert len(res["folds"]) == 2 and 0 <= res["summary"]["auc"]["mean"] <= 1
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == ["querent_fold0.safetensors",
+                                                                                "querent_fold1.safetensors"]
+    with pytest.raises(ValueError, match="lacks column"):
+        main(["--features", str(feats_dir), "--labels", str(tmp_path / "labels.csv"), "--target", "nope",
+              "--out", str(out), "--no-progress"])
