@@ -110,7 +110,7 @@ def _bs_fwd(
             if HAS_PAD:
                 pad = tl.load(KPM + b * s_pb + offs_n, mask=offs_n < k_end, other=1)
                 qk = tl.where(pad[None, :] == 0, qk, float("-inf"))
-            # Online softmax step, inlined (see kernels.flash_attention._online_softmax_step).
+            # Online softmax step (as in kernels.flash_attention._fwd_inner).
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(qk - m_safe[:, None])

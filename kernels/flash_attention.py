@@ -18,8 +18,8 @@ Backward (no atomics): a preprocess kernel computes ``delta = rowsum(dO * O)``; 
 accumulates dK and dV over every query block (and over the query heads of its group, for GQA); one
 kernel per query block accumulates dQ over the key blocks.
 
-Limits: CUDA tensors (or any tensors when Triton runs in interpreter mode, ``TRITON_INTERPRET=1`` set
-before this module is imported); fp16, bf16, fp32 (fp32 dots use IEEE precision, not TF32); head dims
+Limits: CUDA tensors (or CPU tensors when Triton runs in interpreter mode: ``TRITON_INTERPRET=1`` set
+before triton is imported, for the whole process); fp16, bf16, fp32 (fp32 dots use IEEE precision, not TF32); head dims
 16..128 (padded to a power of two inside the kernel); no ``attn_bias`` (``core`` falls back to another
 backend when a bias is given).
 """
@@ -88,20 +88,6 @@ def _store_tile(ptrs, x, offs_r, n_r, offs_c, N_C: tl.constexpr, BLOCK_C: tl.con
 
 
 @triton.jit
-def _online_softmax_step(acc, l_i, m_i, qk, v, PRECISION: tl.constexpr):
-    """One FlashAttention-2 update with a (M, N) block of base-2 scores (``-inf`` = masked)."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # A row with every key masked so far keeps m = -inf; subtract 0 instead so no NaN appears.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _finish_rows(acc, l_i, m_i):
     """Normalise the accumulator; log-sum-exp (base 2) is +inf for rows that saw no key."""
     seen = l_i > 0
@@ -154,7 +140,7 @@ def _fwd_inner(
     offs_dv = tl.arange(0, BLOCK_DV)
     dmask_k = offs_d[None, :] < D
     dmask_v = offs_dv[None, :] < DV
-    # Helpers are inlined in the loops (device-function calls are costly in interpreter mode).
+    # Loop bodies are written inline: device-function calls are costly in interpreter mode.
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd
@@ -173,7 +159,7 @@ def _fwd_inner(
         if HAS_PAD:
             pad = tl.load(kpm_base + offs_n, mask=offs_n < Sk, other=1)
             qk = tl.where(pad[None, :] == 0, qk, float("-inf"))
-        # Online softmax step (see _online_softmax_step).
+        # Online softmax step; a row with every key masked so far keeps m = -inf: subtract 0 then (no NaN).
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
