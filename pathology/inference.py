@@ -1,0 +1,169 @@
+"""One-slide inference: tissue, patches, features, Querent prediction, attention heatmap and chosen regions.
+
+The demo tab and ``python -m pathology.predict`` both call :func:`analyze_slide`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlideAnalysis", "analyze_slide", "load_slide_model", "regions_overlay", "DEFAULT_SLIDE_MODEL",
+           "SAMPLES_DIR", "bundled_samples"]
+
+WEIGHTS_DIR = os.path.join(os.path.dirname(__file__), "weights")
+DEFAULT_SLIDE_MODEL = os.path.join(WEIGHTS_DIR, "querent_lesion.safetensors")
+SAMPLES_DIR = os.path.join(os.path.dirname(__file__), "samples")
+
+
+def bundled_samples() -> list[str]:
+    """Paths of the sample slides shipped with the package."""
+    if not os.path.isdir(SAMPLES_DIR):
+        return []
+    return sorted(os.path.join(SAMPLES_DIR, f) for f in os.listdir(SAMPLES_DIR) if f.endswith((".tiff", ".tif", ".svs")))
+
+
+@dataclass
+class SlideAnalysis:
+    """Everything the demo shows for one slide."""
+
+    slide_id: str
+    overview: np.ndarray  # (h, w, 3) thumbnail with tissue mask and patch grid
+    heatmap: np.ndarray  # (h, w, 3) thumbnail with the per-patch attention
+    probabilities: list[float]  # class probabilities (empty when no tissue)
+    class_names: list[str]
+    coords: np.ndarray  # (N, 2) level-0 (x, y)
+    attention: np.ndarray  # (N,) pooling weights
+    patch_size_level0: int
+    downsample: float  # level-0 pixels per thumbnail pixel
+    thumbnail: np.ndarray  # (h, w, 3) plain thumbnail
+    timings: dict = field(default_factory=dict)
+    region_of_patch: np.ndarray | None = None  # (N,) region id of each patch
+    chosen: np.ndarray | None = None  # (NR, K) region ids each region attended to in the last layer (union over heads)
+    region_xy: np.ndarray | None = None  # (NR, 2) region column/row
+    region_size: int = 8
+
+    @property
+    def n_patches(self) -> int:
+        return int(self.coords.shape[0])
+
+
+def load_slide_model(path: str | None = None):
+    """The Querent model and its metadata (config, class names) from ``path`` (default: the shipped one)."""
+    return _load_slide_model(path or DEFAULT_SLIDE_MODEL)
+
+
+@lru_cache(maxsize=4)
+def _load_slide_model(path: str):
+    from safetensors.torch import load_file
+
+    from pathology.querent import Querent, QuerentConfig
+
+    meta_path = os.path.splitext(path)[0] + ".json"
+    if not os.path.isfile(path) or not os.path.isfile(meta_path):
+        raise FileNotFoundError(
+            f"slide model not found ({path!r} with its {os.path.basename(meta_path)!r}); train it with "
+            "`python -m pathology.train_demo`"
+        )
+    with open(meta_path) as f:
+        meta = json.load(f)
+    model = Querent(QuerentConfig(**meta["model_config"]))
+    model.load_state_dict(load_file(path))
+    return model.eval(), meta
+
+
+@torch.no_grad()
+def analyze_slide(path: str, *, model_path: str | None = None, encoder_name: str | None = None,
+                  encoder_weights: str | None = None, slide_mpp: float | None = None, thumb_size: int = 768,
+                  workers: int = 0) -> SlideAnalysis:
+    """Run the whole pipeline on one slide with the shipped (or given) encoder and Querent model.
+
+    Patches use the target µm/px and size the model was trained with (from its metadata).
+    """
+    from pathology.encoders import build_encoder
+    from pathology.features import extract_features
+    from pathology.patching import overview_image, patch_grid
+    from pathology.slide import Slide
+    from pathology.tissue import segment_tissue
+
+    model, meta = load_slide_model(model_path)
+    t = {}
+    t0 = time.perf_counter()
+    with Slide(path, mpp=slide_mpp) as slide:
+        tissue = segment_tissue(slide)
+        grid = patch_grid(slide, tissue, mpp=meta["patch_mpp"], patch_size=meta["patch_size"],
+                          min_tissue=meta.get("min_tissue", 0.25))
+        thumb = slide.thumbnail(thumb_size)
+        down = slide.dimensions[0] / thumb.shape[1]
+    t["tissue_and_grid_s"] = time.perf_counter() - t0
+    overview = overview_image(thumb, down, mask=tissue.mask, coords=grid.coords, patch_size_level0=grid.patch_size_level0)
+    names = list(meta.get("class_names", ["0", "1"]))
+    sid = os.path.splitext(os.path.basename(path))[0]
+    if len(grid.coords) == 0:
+        return SlideAnalysis(sid, overview, overview, [], names, grid.coords, np.zeros(0), grid.patch_size_level0,
+                             down, thumb, t)
+    enc = _encoder(encoder_name or meta.get("encoder", "default"), encoder_weights)
+    t0 = time.perf_counter()
+    feats, pps = extract_features(path, grid, enc, workers=workers, mpp=slide_mpp)
+    t["features_s"] = time.perf_counter() - t0
+    t["patches_per_s"] = pps
+    t0 = time.perf_counter()
+    out = model(torch.from_numpy(feats), torch.from_numpy(grid.coords), patch_size_level0=grid.patch_size_level0,
+                return_index=True)
+    t["model_s"] = time.perf_counter() - t0
+    probs = torch.softmax(out.logits[0].float(), -1).tolist()
+    att = out.attention.numpy()
+    heat = (att - att.min()) / max(float(att.max() - att.min()), 1e-12)
+    heatmap = overview_image(thumb, down, coords=grid.coords, patch_size_level0=grid.patch_size_level0, heat=heat)
+    last = out.block_index[-1]  # (H, NR, K)
+    return SlideAnalysis(sid, overview, heatmap, probs, names, grid.coords, att, grid.patch_size_level0, down, thumb, t,
+                         region_of_patch=out.layout.region_of_patch().numpy(), chosen=last.numpy(),
+                         region_xy=out.layout.region_xy.numpy(), region_size=out.layout.region_size)
+
+
+@lru_cache(maxsize=2)
+def _encoder(name: str, weights: str | None):
+    from pathology.encoders import build_encoder
+
+    return build_encoder(name, weights=weights, device="cpu")
+
+
+def regions_overlay(a: SlideAnalysis, x: float, y: float) -> tuple[np.ndarray, str]:
+    """Highlight the regions chosen by the patch under thumbnail pixel ``(x, y)``.
+
+    Returns the image (own region yellow, chosen regions cyan) and a text summary.
+    """
+    from PIL import Image, ImageDraw
+
+    if a.chosen is None or a.n_patches == 0:
+        return a.heatmap, "no patches on this slide"
+    X0, Y0 = x * a.downsample, y * a.downsample
+    centres = a.coords + a.patch_size_level0 / 2
+    i = int(np.argmin(((centres - [X0, Y0]) ** 2).sum(1)))
+    r = int(a.region_of_patch[i])
+    ids = np.unique(a.chosen[:, r][a.chosen[:, r] >= 0])
+    img = Image.fromarray(a.heatmap.copy())
+    d = ImageDraw.Draw(img)
+    origin = a.coords.min(0)
+    side = a.region_size * a.patch_size_level0 / a.downsample
+    for rid in ids:
+        cx, cy = a.region_xy[rid]
+        x0 = origin[0] / a.downsample + cx * side
+        y0 = origin[1] / a.downsample + cy * side
+        d.rectangle([x0, y0, x0 + side, y0 + side], outline=(255, 230, 0) if rid == r else (0, 220, 255), width=2)
+    px, py = a.coords[i] / a.downsample
+    s = a.patch_size_level0 / a.downsample
+    d.rectangle([px, py, px + s, py + s], outline=(255, 0, 0), width=2)
+    text = (f"patch {i} at level-0 ({a.coords[i][0]}, {a.coords[i][1]}) lies in region {r}; in the last layer its "
+            f"region attended to {len(ids)} of {len(a.region_xy)} regions (union over heads): "
+            f"own 3×3 neighbourhood plus the top-k by the min/max upper bound.")
+    return np.asarray(img), text

@@ -1,0 +1,77 @@
+"""Querent tab: served through Gradio, a bundled slide is analysed end to end with the shipped models."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+gr = pytest.importorskip("gradio")
+gradio_client = pytest.importorskip("gradio_client")
+pytest.importorskip("openslide")
+
+from pathology.inference import DEFAULT_SLIDE_MODEL, bundled_samples  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(DEFAULT_SLIDE_MODEL) and bundled_samples()),
+    reason="the demo slide model or bundled samples are not built (python -m pathology.train_demo)",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    from apps.querent.ui import build_ui
+
+    with gr.Blocks() as demo:
+        build_ui()
+    port = _free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+def test_analyse_bundled_slide(served):
+    from PIL import Image
+
+    client = gradio_client.Client(served, verbose=False)
+    name = os.path.basename(bundled_samples()[0])
+    overview, heat, pred, status = client.predict(name, None, None, api_name="/querent_run")
+    assert "Done" in status and "patches" in status
+    assert "Prediction" in pred
+    probs = [float(t.split(": ")[1]) for t in pred.split("(")[1].rstrip(")").split(", ")]
+    assert abs(sum(probs) - 1) < 1e-3
+    a = np.asarray(Image.open(overview))
+    b = np.asarray(Image.open(heat))
+    assert a.shape == b.shape and a.ndim == 3 and not np.array_equal(a, b)
+
+
+def test_bad_upload_is_a_clear_error(served, tmp_path):
+    bad = tmp_path / "not_a_slide.svs"
+    bad.write_bytes(os.urandom(2048))
+    client = gradio_client.Client(served, verbose=False)
+    with pytest.raises(Exception, match="not a slide"):
+        client.predict(None, gradio_client.handle_file(str(bad)), None, api_name="/querent_run")
+
+
+def test_regions_for_a_clicked_patch():
+    from pathology.inference import analyze_slide, regions_overlay
+
+    a = analyze_slide(bundled_samples()[0])
+    assert a.n_patches > 0 and a.attention.shape == (a.n_patches,)
+    assert abs(a.attention.sum() - 1) < 1e-4
+    i = int(np.random.default_rng().integers(a.n_patches))
+    x, y = (a.coords[i] + a.patch_size_level0 / 2) / a.downsample
+    img, text = regions_overlay(a, x, y)
+    assert img.shape == a.heatmap.shape and f"patch {i} " in text
+    r = int(a.region_of_patch[i])
+    assert r in a.chosen[:, r]  # every region attends to itself
