@@ -30,7 +30,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         title="Attention core",
         summary="One attention() entry point with reference, SDPA, chunked and Triton backends; block-sparse top-k attention.",
         package="core/, kernels/",
-        ui_module=None,
+        ui_module="apps.attention.ui",
         status="in progress",
     ),
     AppSpec(
@@ -38,7 +38,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         title="TabICL",
         summary="In-context classification of large tables, scikit-learn compatible.",
         package="tabular/",
-        ui_module=None,
+        ui_module="apps.tabicl.ui",
         status="in progress",
     ),
     AppSpec(
@@ -54,7 +54,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         title="∞-Video",
         summary="Continuous-time long-term memory for video Q-formers: any video length in bounded memory.",
         package="video/",
-        ui_module=None,
+        ui_module="apps.infinite_video.ui",
         status="in progress",
     ),
     AppSpec(
@@ -62,7 +62,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         title="Decision Mixer",
         summary="Offline RL with dynamic token selection, datasets and training runs.",
         package="rl/",
-        ui_module=None,
+        ui_module="apps.decision_mixer.ui",
         status="in progress",
     ),
     AppSpec(

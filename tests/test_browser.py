@@ -103,14 +103,21 @@ def test_app_tab_runs_its_example(page, spec):
     _shot(page, f"{spec.key}-before")
     button.click()
     status = page.locator(f"#{spec.key}-status")
+    # Wait until the status shows the expected text, or until Gradio shows an error (then fail at once).
     try:
-        page.wait_for_function(
-            "([sel, want]) => { const el = document.querySelector(sel); return el && el.innerText.includes(want); }",
+        outcome = page.wait_for_function(
+            """([sel, want]) => {
+                const el = document.querySelector(sel);
+                if (el && el.innerText.includes(want)) return "done";
+                if (document.querySelector('.toast-body.error')) return "error";
+                return false;
+            }""",
             arg=[f"#{spec.key}-status", spec.example_expect],
             timeout=EXAMPLE_TIMEOUT_MS,
-        )
+        ).json_value()
     finally:
         _shot(page, f"{spec.key}-after")
+    assert outcome == "done", f"{spec.title} example failed: {_visible_errors(page)} / status: {status.inner_text()!r}"
     assert re.search(re.escape(spec.example_expect), status.inner_text())
     assert not _visible_errors(page), _visible_errors(page)
     assert not page.page_errors, page.page_errors
