@@ -27,7 +27,6 @@ import logging
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -388,6 +387,31 @@ def _group_attention(
     return out if all_rows_see_a_key else torch.where(any_key, out, zero)
 
 
+class _RecomputeGroup(torch.autograd.Function):
+    """One query-block group whose activations are recomputed in backward (saves only its inputs).
+
+    A small stand-in for ``torch.utils.checkpoint`` (whose first call pays a multi-second import): forward
+    runs without a graph; backward re-runs the group with grad enabled and differentiates it.
+    """
+
+    @staticmethod
+    def forward(ctx, q_blocks, k_flat, v_flat, *rest):
+        ctx.save_for_backward(q_blocks, k_flat, v_flat)
+        ctx.rest = rest
+        with torch.no_grad():
+            return _group_attention(q_blocks, k_flat, v_flat, *rest)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_blocks, k_flat, v_flat = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q_blocks, k_flat, v_flat), ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            out = _group_attention(*inputs, *ctx.rest)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True)) if wanted else iter(())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), *([None] * len(ctx.rest)))
+
+
 def _torch_block_sparse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -432,7 +456,7 @@ def _torch_block_sparse(
             out[:, :, g0:g1] = _group_attention(*args, *rest)
         elif g1 - g0 < nq:
             # Recompute each group in backward: saved activations stay one group's worth.
-            outs.append(checkpoint(_group_attention, *args, *rest, use_reentrant=False))
+            outs.append(_RecomputeGroup.apply(*args, *rest))
         else:
             outs.append(_group_attention(*args, *rest))
     if grad:
