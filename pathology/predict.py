@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--model", default=None, help="Querent safetensors (its .json beside it); default: shipped demo model")
     p.add_argument("--slide-mpp", type=float, default=None, help="µm/px of level 0 for files that lack it")
+    p.add_argument("--encoder-weights", default=None, help="weights file for the model's patch encoder (default: shipped)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers reading tiles")
     return p
 
@@ -29,14 +30,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tqdm import tqdm
 
-    from pathology.inference import analyze_slide
+    from pathology.inference import analyze_slide, load_slide_model
     from pathology.patching import save_png
 
+    try:
+        load_slide_model(args.model)
+    except FileNotFoundError as e:
+        logger.error("%s", e)
+        return 2
     os.makedirs(args.out, exist_ok=True)
     failed = 0
     for path in tqdm(args.slides, desc="slides", unit="slide"):
         try:
-            a = analyze_slide(path, model_path=args.model, slide_mpp=args.slide_mpp, workers=args.workers)
+            a = analyze_slide(path, model_path=args.model, encoder_weights=args.encoder_weights,
+                              slide_mpp=args.slide_mpp, workers=args.workers)
         except (ValueError, FileNotFoundError) as e:
             logger.error("%s: %s", path, e)
             failed += 1

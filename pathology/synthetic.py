@@ -234,6 +234,19 @@ def render_layout(spec: SlideSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # -------------------------------------------------------------------------------------------- rendering
 
 
+def _bilinear_weights(start: int, n: int, size: int) -> np.ndarray:
+    """(n, size) weights mapping layout cells to level-0 pixels start..start+n-1 (bilinear, edge-clamped)."""
+    pos = (np.arange(start, start + n, dtype=np.float32) + 0.5) / LAYOUT_SCALE - 0.5
+    pos = np.clip(pos, 0, size - 1)
+    i0 = np.floor(pos).astype(int)
+    i1 = np.minimum(i0 + 1, size - 1)
+    f = (pos - i0).astype(np.float32)
+    w = np.zeros((n, size), np.float32)
+    w[np.arange(n), i0] += 1 - f
+    w[np.arange(n), i1] += f
+    return w
+
+
 class _Renderer:
     """Renders level-0 tiles of one slide and accumulates its reduced levels."""
 
@@ -247,31 +260,41 @@ class _Renderer:
         self.level1 = np.zeros((math.ceil(spec.height / down), math.ceil(spec.width / down), 3), np.uint8)
 
     def _upsample(self, arr: np.ndarray, y0: int, x0: int, th: int, tw: int, order: int) -> np.ndarray:
-        from scipy.ndimage import map_coordinates
 
         if order == 0:
             iy = np.minimum(np.arange(y0, y0 + th) // LAYOUT_SCALE, arr.shape[0] - 1)
             ix = np.minimum(np.arange(x0, x0 + tw) // LAYOUT_SCALE, arr.shape[1] - 1)
             return arr[iy[:, None], ix[None, :]]
-        ys = (np.arange(y0, y0 + th, dtype=np.float32) + 0.5) / LAYOUT_SCALE - 0.5
-        xs = (np.arange(x0, x0 + tw, dtype=np.float32) + 0.5) / LAYOUT_SCALE - 0.5
-        gy, gx = np.meshgrid(ys, xs, indexing="ij")
-        return map_coordinates(arr, [gy, gx], order=order, mode="nearest")
+        # Bilinear as two small matrix products over the covering crop: (th, hc) @ crop (hc, wc) @ (wc, tw).
+        cy0, cy1 = max(0, y0 // LAYOUT_SCALE - 1), min(arr.shape[0], (y0 + th) // LAYOUT_SCALE + 2)
+        cx0, cx1 = max(0, x0 // LAYOUT_SCALE - 1), min(arr.shape[1], (x0 + tw) // LAYOUT_SCALE + 2)
+        wy = _bilinear_weights(y0, th, arr.shape[0])[:, cy0:cy1]
+        wx = _bilinear_weights(x0, tw, arr.shape[1])[:, cx0:cx1]
+        return wy @ arr[cy0:cy1, cx0:cx1].astype(np.float32) @ wx.T
+
+    @staticmethod
+    def _tex(tex: np.ndarray, y0: int, x0: int, th: int, tw: int) -> np.ndarray:
+        n = tex.shape[0]
+        ry, rx = y0 % n, x0 % n
+        if ry + th <= n and rx + tw <= n:
+            return tex[ry : ry + th, rx : rx + tw]
+        return tex[(np.arange(y0, y0 + th) % n)[:, None], (np.arange(x0, x0 + tw) % n)[None, :]]
 
     def tile(self, y0: int, x0: int) -> np.ndarray:
         th, tw = TILE, TILE
         cls = self._upsample(self.classes, y0, x0, th, tw, order=0)
         alpha = self._upsample(self.alpha, y0, x0, th, tw, order=1)[..., None]
         art = self._upsample(self.art, y0, x0, th, tw, order=0)
-        ty = (np.arange(y0, y0 + th) % 1024)[:, None]
-        tx = (np.arange(x0, x0 + tw) % 1024)[None, :]
-        rgb = self.tex[1][ty, tx]
-        for c in (2, 3, 4):
-            m = cls == c
-            if m.any():
-                rgb[m] = self.tex[c][ty, tx][m]
         bg = 238.0 + self.rng.normal(0, 3, (th, tw, 1)).astype(np.float32)
-        out = alpha * rgb + (1 - alpha) * bg
+        if alpha.max() <= 0:
+            out = np.repeat(bg, 3, axis=2)
+        else:
+            rgb = self._tex(self.tex[1], y0, x0, th, tw).copy()
+            for c in (2, 3, 4):
+                m = cls == c
+                if m.any():
+                    rgb[m] = self._tex(self.tex[c], y0, x0, th, tw)[m]
+            out = alpha * rgb + (1 - alpha) * bg
         if (art == 1).any():
             out[art == 1] = out[art == 1] * 0.35 + self.pen_colour * 0.65
         if (art == 2).any():
@@ -281,7 +304,7 @@ class _Renderer:
         tile = np.clip(out, 0, 255).astype(np.uint8)
         # Reduced level: box-filter the tile and store it.
         d = self.down
-        small = tile.reshape(th // d, d, tw // d, d, 3).mean(axis=(1, 3)).astype(np.uint8)
+        small = (tile.reshape(th // d, d, tw // d, d, 3).sum(axis=(1, 3), dtype=np.uint32) // (d * d)).astype(np.uint8)
         ly, lx = y0 // d, x0 // d
         dst = self.level1[ly : ly + th // d, lx : lx + tw // d]
         dst[...] = small[: dst.shape[0], : dst.shape[1]]

@@ -318,3 +318,42 @@ def test_batch_killed_and_rerun(dataset, tiny_weights, tmp_path):
         d = read_h5(out / "features" / "default" / (s.name + ".h5"))
         assert d["features"].shape[0] == d["coords"].shape[0] > 0
     assert not [f for _, _, fs in os.walk(out) for f in fs if "tmp" in f or f.endswith(".lock")]
+
+
+def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
+    """The shared inference function (demo + predict CLI) on a synthetic slide with a fresh tiny Querent."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from pathology import Querent, QuerentConfig
+    from pathology.inference import analyze_slide, regions_overlay
+    from pathology.predict import main as predict_main
+
+    cfg = QuerentConfig(in_dim=16, dim=16, num_heads=2, region_size=2, topk=1, num_classes=2)
+    model = Querent(cfg)
+    p = tmp_path / "q.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(p))
+    meta = {"model_config": dataclasses.asdict(cfg), "patch_mpp": 1.0, "patch_size": 64, "encoder": "default",
+            "class_names": ["neg", "pos"]}
+    (tmp_path / "q.json").write_text(json.dumps(meta))
+    src, specs = dataset
+    path = os.path.join(src, specs[0].name + ".tiff")
+    a = analyze_slide(path, model_path=str(p), encoder_weights=tiny_weights, thumb_size=256)
+    assert a.n_patches > 0 and len(a.probabilities) == 2 and abs(sum(a.probabilities) - 1) < 1e-5
+    assert a.heatmap.shape == a.overview.shape and not np.array_equal(a.heatmap, a.overview)
+    assert max(a.overview.shape[:2]) == 256
+    i = a.n_patches // 2
+    img, text = regions_overlay(a, *((a.coords[i] + a.patch_size_level0 / 2) / a.downsample))
+    assert f"patch {i} " in text and img.shape == a.heatmap.shape
+    with pytest.raises(FileNotFoundError):
+        analyze_slide(path, model_path=str(tmp_path / "missing.safetensors"))
+    out = tmp_path / "pred"
+    assert predict_main([path, "--out", str(out), "--model", str(tmp_path / "missing.safetensors")]) == 2
+    rc = predict_main([path, os.path.join(src, "nope.tiff"), "--out", str(out), "--model", str(p),
+                       "--encoder-weights", tiny_weights])
+    assert rc == 1  # one slide failed (missing), the other was written
+    res = json.loads((out / f"{specs[0].name}.json").read_text())
+    assert res["n_patches"] == a.n_patches and set(res["probabilities"]) == {"neg", "pos"}
+    assert (out / f"{specs[0].name}_heatmap.png").exists() and (out / f"{specs[0].name}_overview.png").exists()
