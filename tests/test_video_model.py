@@ -55,11 +55,14 @@ def test_model_forward_and_a_few_steps_reduce_loss(small_model):
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
     frames, times, q, ans, _ = make_batch(rng, 4, 8)
     logits = model(frames, times, q, num_chunks=2)
-    assert logits.shape == (4, len(ANSWERS))
+    assert q.shape == (4, 16, 3) and logits.shape == (4, 16, len(ANSWERS))
+    # several questions per clip give the same logits as asking them one at a time
+    torch.testing.assert_close(model(frames, times, q[:, 3], num_chunks=2), logits[:, 3], rtol=1e-4, atol=1e-5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     first = None
     for _ in range(8):
-        loss = torch.nn.functional.cross_entropy(model(frames, times, q, num_chunks=2), ans)
+        loss = torch.nn.functional.cross_entropy(model(frames, times, q, num_chunks=2).reshape(-1, len(ANSWERS)),
+                                                 ans.reshape(-1), ignore_index=-100)
         first = first if first is not None else loss.item()
         opt.zero_grad()
         loss.backward()
@@ -150,3 +153,20 @@ def test_infinite_video_methods_end_to_end(clip, small_model, method):
             iv.density_over_time(mem)
     if method == "uniform":
         assert mem.frames_read == 16
+
+
+def test_all_questions_cover_every_colour_with_true_answers():
+    from video.synthetic import COLOURS
+    from video.train import all_questions
+
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    spec = make_spec(32, seed=int(rng.integers(1 << 30)), size=32, event_length=(1, 3), num_events=(1, 8))
+    qs = all_questions(spec, rng)
+    assert len(qs) == 16
+    order = [e.colour for e in sorted(spec.events, key=lambda e: e.start)]
+    counts = [q for q in qs if q and q.qtype == "count"]
+    assert [q.arg1 for q in counts] == list(range(len(COLOURS)))
+    assert [q.answer for q in counts] == [str(order.count(c)) for c in range(len(COLOURS))]
+    exists = [q for q in qs if q and q.qtype == "exists"]
+    assert [q.answer for q in exists] == ["yes" if c in order else "no" for c in range(len(COLOURS))]
+    assert (qs[-1] is None) == (len(set(order)) < 2)

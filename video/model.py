@@ -189,9 +189,17 @@ class VideoQAModel(nn.Module):
         pooled, _ = self.pool(qv[:, None, :], x, x, need_weights=False)  # (B, 1, D)
         return self.head(torch.cat([pooled[:, 0], qv], dim=-1))
 
-    def forward(self, frames_BLHWC: torch.Tensor, times_BL: torch.Tensor, questions_B3: torch.Tensor,
+    def forward(self, frames_BLHWC: torch.Tensor, times_BL: torch.Tensor, questions: torch.Tensor,
                 *, num_chunks: int = 1) -> torch.Tensor:
-        """Training path: split ``L`` frames into ``num_chunks`` equal chunks, read each without memory, answer."""
+        """Training path: split ``L`` frames into ``num_chunks`` equal chunks, read each without memory, answer.
+
+        Args:
+            questions: ``(B, 3)`` one question per clip, or ``(B, K, 3)`` several questions per clip
+                (the clip is read once and every question answered from it).
+
+        Returns:
+            Logits ``(B, num_answers)`` or ``(B, K, num_answers)``.
+        """
         B, L = frames_BLHWC.shape[:2]
         if L % num_chunks:
             raise ValueError(f"num_chunks ({num_chunks}) must divide the clip length ({L})")
@@ -200,4 +208,9 @@ class VideoQAModel(nn.Module):
         chunks = tok.reshape(B * num_chunks, c, *tok.shape[2:])  # chunks read independently
         out = self.read_chunk(chunks).reshape(B, num_chunks, self.config.num_queries, -1)
         ctimes = times_BL.reshape(B, num_chunks, c).mean(-1)
-        return self.answer(out, questions_B3, ctimes)
+        if questions.dim() == 2:
+            return self.answer(out, questions, ctimes)
+        K = questions.shape[1]
+        out_rep = out[:, None].expand(B, K, *out.shape[1:]).reshape(B * K, *out.shape[1:])  # (B*K, C, Q, D)
+        ct_rep = ctimes[:, None].expand(B, K, num_chunks).reshape(B * K, num_chunks)
+        return self.answer(out_rep, questions.reshape(B * K, 3), ct_rep).reshape(B, K, -1)

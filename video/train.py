@@ -2,7 +2,7 @@
 
 Clips of 16 or 32 frames are rendered on the fly (:mod:`video.synthetic`), split into 1, 2 or 4 chunks
 that the Q-former reads independently (no memory: the ∞-Video memory is added at inference without
-retraining), and one question per clip is answered. Resumable: ``--out DIR`` holds ``checkpoint.pt``
+retraining), and every question about each clip is answered from one read (16 per clip). Resumable: ``--out DIR`` holds ``checkpoint.pt``
 (model, optimizer, scheduler, step, RNG state); rerunning the same command continues where it stopped.
 The best model by validation accuracy is exported as safetensors + a JSON model card.
 
@@ -24,29 +24,53 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from video.model import VideoQAConfig, VideoQAModel, question_tensor
-from video.synthetic import QUESTION_TYPES, make_questions, make_spec, render_frames
+from video.model import VideoQAConfig, VideoQAModel
+from video.synthetic import COLOURS, QUESTION_TYPES, make_question, make_spec, render_frames
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["make_batch", "evaluate", "train", "save_weights", "load_model", "build_parser", "main"]
+__all__ = ["all_questions", "make_batch", "evaluate", "train", "save_weights", "load_model", "build_parser", "main"]
 
 CLIP_LENGTHS = (16, 32)
 CHUNK_COUNTS = (1, 2, 4)
 
 
+def all_questions(spec, rng: np.random.Generator, num_order: int = 2) -> list:
+    """Every question type about a clip: first, last, count and exists for each colour, ``num_order`` order pairs.
+
+    Order questions need two colours present; when fewer are, the slot holds None (ignored by the loss).
+    """
+    qs = [make_question(spec, "first"), make_question(spec, "last")]
+    qs += [make_question(spec, "count", c) for c in range(len(COLOURS))]
+    qs += [make_question(spec, "exists", c) for c in range(len(COLOURS))]
+    present = sorted({e.colour for e in spec.events})
+    for _ in range(num_order):
+        if len(present) >= 2:
+            a, b = (int(v) for v in rng.choice(present, size=2, replace=False))
+            qs.append(make_question(spec, "order", a, b))
+        else:
+            qs.append(None)
+    return qs
+
+
 def make_batch(rng: np.random.Generator, batch_size: int, length: int, *, size: int = 32):
-    """Render ``batch_size`` clips of ``length`` frames; returns frames, times, question tensor, answers."""
-    frames, qs = [], []
+    """Render ``batch_size`` clips of ``length`` frames with every question about each.
+
+    Returns:
+        frames ``(B, L, H, W, 3)`` uint8, times ``(B, L)``, questions ``(B, K, 3)``, answers ``(B, K)``
+        (-100 where a slot holds no question), question types ``(B, K)`` as a nested list.
+    """
+    frames, qrows, answers, qtypes = [], [], [], []
     for _ in range(batch_size):
         spec = make_spec(length, seed=int(rng.integers(1 << 62)), size=size, event_length=(1, 3), num_events=(1, 8))
         frames.append(render_frames(spec, 0, length))
-        questions = make_questions(spec, rng)
-        qs.append(questions[int(rng.integers(len(questions)))])
+        qs = all_questions(spec, rng)
+        qrows.append([[q.qtype_id, q.arg1 + 1, q.arg2 + 1] if q else [0, 0, 0] for q in qs])
+        answers.append([q.answer_id if q else -100 for q in qs])
+        qtypes.append([q.qtype if q else None for q in qs])
     frames_t = torch.from_numpy(np.stack(frames))  # (B, L, H, W, 3) uint8
     times = ((torch.arange(length, dtype=torch.float32) + 0.5) / length).expand(batch_size, -1)
-    answers = torch.tensor([q.answer_id for q in qs], dtype=torch.long)
-    return frames_t, times, question_tensor(qs), answers, [q.qtype for q in qs]
+    return frames_t, times, torch.tensor(qrows, dtype=torch.long), torch.tensor(answers, dtype=torch.long), qtypes
 
 
 @torch.no_grad()
@@ -55,10 +79,13 @@ def evaluate(model: VideoQAModel, batches) -> dict[str, float]:
     model.eval()
     correct = {t: [0, 0] for t in QUESTION_TYPES}
     for frames, times, q, ans, qtypes, chunks in batches:
-        pred = model(frames, times, q, num_chunks=chunks).argmax(-1)
-        for p, a, t in zip(pred.tolist(), ans.tolist(), qtypes):
-            correct[t][0] += int(p == a)
-            correct[t][1] += 1
+        pred = model(frames, times, q, num_chunks=chunks).argmax(-1)  # (B, K)
+        for p_row, a_row, t_row in zip(pred.tolist(), ans.tolist(), qtypes):
+            for p, a, t in zip(p_row, a_row, t_row):
+                if t is None:
+                    continue
+                correct[t][0] += int(p == a)
+                correct[t][1] += 1
     model.train()
     total = sum(c[0] for c in correct.values()) / max(1, sum(c[1] for c in correct.values()))
     out = {"accuracy": total}
@@ -146,7 +173,8 @@ def train(args) -> dict:
         L = CLIP_LENGTHS[int(rng.integers(len(CLIP_LENGTHS)))]
         chunks = CHUNK_COUNTS[int(rng.integers(len(CHUNK_COUNTS)))]
         frames, times, q, ans, _ = make_batch(rng, args.batch_size, L)
-        loss = F.cross_entropy(model(frames, times, q, num_chunks=chunks), ans)
+        logits = model(frames, times, q, num_chunks=chunks)  # (B, K, answers)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ans.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -167,12 +195,13 @@ def train(args) -> dict:
                     "config": model.config.to_dict(),
                     "command": "python -m video.train " + " ".join(args.argv),
                     "data": "synthetic clips of 16/32 frames rendered by video.synthetic (32x32 px, 1-8 events "
-                            "of 1-3 frames), read as 1, 2 or 4 chunks without memory; one question per clip",
+                            "of 1-3 frames), read as 1, 2 or 4 chunks without memory; every question per clip (first, last, count and "
+                            "exists for each colour, two order pairs)",
                     "steps": step,
                     "batch_size": args.batch_size,
                     "wall_time_s": round(time.time() - t0, 1),
                     "validation": {k: round(v, 4) for k, v in metrics.items() if k.startswith("accuracy")},
-                    "validation_set": f"{args.val_batches * args.batch_size} clips, seed {10_000 + args.seed}",
+                    "validation_set": f"{args.val_batches * args.batch_size} clips (all their questions), seed {10_000 + args.seed}",
                     "parameters": sum(p.numel() for p in model.parameters()),
                 }
                 save_weights(model, args.export, card)
