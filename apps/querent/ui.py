@@ -1,7 +1,6 @@
 """Gradio tab: pick a bundled synthetic slide or upload one; see the tissue mask and patch grid, Querent's
 prediction and attention heatmap, and, for a clicked patch, the regions its region attended to."""
 
-from __future__ import annotations
 
 import logging
 import os
