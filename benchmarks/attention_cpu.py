@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="above this S, time dense backends on this many query rows (all keys) and scale the time by "
                         "S/rows, marked as extrapolated (default 4K; 0 = always the full S)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per case (default: torch's default)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time to report: wall, or process CPU time (with --threads 1: robust on a shared machine)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output (default benchmarks/results/attention_cpu.json)")
     p.add_argument("--resume", action="store_true", help="keep finished cases of the existing JSON (same H, D, B, block, k) and run the rest")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: run one case, print JSON
@@ -117,6 +119,7 @@ def _run_case(cfg: dict) -> dict:
     name, S, bs = cfg["case"], cfg["S"], cfg["block_size"]
     B, H, D = cfg["batch"], cfg["heads"], cfg["dim"]
     reps = cfg["reps"]
+    clock = cfg.get("clock", "wall")
     mem = PeakRSS()
     result: dict = {"status": "ok"}
     with torch.no_grad():
@@ -126,12 +129,14 @@ def _run_case(cfg: dict) -> dict:
             rows = cfg.get("query_rows") or S
             q_run = q[:, :, :rows].contiguous()  # (B, H, rows, D): all S keys, the first `rows` queries
             mem.start()
-            t = time_call(lambda: attention(q_run, k, v, backend=name), reps=reps)
+            t = time_call(lambda: attention(q_run, k, v, backend=name), reps=reps, clock=clock)
             result.update(t, density=1.0)
             if rows < S:  # non-causal dense cost is exactly linear in the number of query rows
                 result.update(
                     measured_s=t["median_s"],
                     median_s=t["median_s"] * S / rows,
+                    wall_s=t["wall_s"] * S / rows,
+                    cpu_s=t["cpu_s"] * S / rows,
                     extrapolated_from_query_rows=rows,
                     reason=f"time = {rows} query rows x {S / rows:g}; peak at {rows} rows",
                 )
@@ -143,11 +148,14 @@ def _run_case(cfg: dict) -> dict:
             select = lambda: select_blocks(q, k, block_size=bs, topk=topk)  # noqa: E731
             if name.startswith("blocksparse"):
                 mem.start()
-                ts = time_call(select, reps=reps)
+                ts = time_call(select, reps=reps, clock=clock)
                 idx = select()
-                ta = time_call(lambda: block_sparse_attention(q, k, v, idx, block_size=bs), reps=reps)
+                ta = time_call(lambda: block_sparse_attention(q, k, v, idx, block_size=bs), reps=reps, clock=clock)
                 result.update(
                     median_s=ts["median_s"] + ta["median_s"],
+                    wall_s=ts["wall_s"] + ta["wall_s"],
+                    cpu_s=ts["cpu_s"] + ta["cpu_s"],
+                    clock=clock,
                     select_s=ts["median_s"],
                     attend_s=ta["median_s"],
                     reps=min(ts["reps"], ta["reps"]),
@@ -162,7 +170,7 @@ def _run_case(cfg: dict) -> dict:
                 kv_ind = torch.nn.functional.pad(idx.clamp(min=0), (0, nk - idx.shape[-1])).to(torch.int32)
                 block_mask = BlockMask.from_kv_blocks(kv_num, kv_ind.contiguous(), BLOCK_SIZE=bs, seq_lengths=(S, S))
                 flex = torch.compile(flex_attention, dynamic=False)
-                t = time_call(lambda: flex(q, k, v, block_mask=block_mask), reps=reps, slow_s=1e9)
+                t = time_call(lambda: flex(q, k, v, block_mask=block_mask), reps=reps, slow_s=1e9, clock=clock)
                 result.update(t)
                 # Same attention as ours on the same index: record the agreement.
                 if S <= 16384:
@@ -235,6 +243,7 @@ def _print_table(rows: list[dict]) -> str:
                 "S": r["S"],
                 "case": r["case"],
                 "time s": r.get("median_s"),
+                "wall s": r.get("wall_s"),
                 "select s": r.get("select_s"),
                 "reps": r.get("reps"),
                 "peak MB": r.get("peak_mb"),
@@ -286,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.reps, args.no_flex = 1, True
     base = {
         "batch": args.batch, "heads": args.heads, "dim": args.dim, "block_size": args.block_size,
-        "seed": 0, "threads": args.threads, "dtype": "float32", "causal": False,
+        "seed": 0, "threads": args.threads, "clock": args.clock, "dtype": "float32", "causal": False,
     }
     out_path = Path(args.out)
     results: list[dict] = []
@@ -294,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = [command]
     if args.resume:
         old = read_json(out_path)
-        if old and all(old.get("config", {}).get(k2) == base[k2] for k2 in ("batch", "heads", "dim", "block_size")):
+        if old and all(old.get("config", {}).get(k2) == base[k2] for k2 in ("batch", "heads", "dim", "block_size", "clock", "threads")):
             results = [r for r in old.get("results", []) if r.get("status") in ("ok", "skipped")]
             commands = old.get("commands", []) + commands
     done = {(r["S"], r["case"]) for r in results}

@@ -71,26 +71,42 @@ class PeakRSS:
         return max(0.0, (maxrss_kb - self.base_kb) / 1024)
 
 
-def time_call(fn: Callable[[], Any], *, reps: int, warmup: int = 1, slow_s: float = 5.0) -> dict[str, Any]:
-    """Median wall time of ``fn()``.
+def time_call(
+    fn: Callable[[], Any], *, reps: int, warmup: int = 1, slow_s: float = 5.0, clock: str = "wall"
+) -> dict[str, Any]:
+    """Median time of ``fn()`` on ``clock``: ``"wall"`` (``perf_counter``) or ``"cpu"`` (``process_time``:
+    CPU seconds of this process, all threads — with one thread, the wall time it would take on an idle core,
+    robust to other processes sharing the machine). Both clocks are recorded; ``median_s`` uses ``clock``.
 
-    The first call is always timed. When it takes longer than ``slow_s`` it is the only measurement
-    (large sizes: one run is all the time allows); otherwise ``warmup`` untimed calls (the first call
-    counts as one) are followed by ``reps`` timed calls.
+    The first call is always timed. When it takes longer than ``slow_s`` (on ``clock``) it is the only
+    measurement (large sizes); otherwise ``warmup`` untimed calls (the first call counts as one) are
+    followed by ``reps`` timed calls.
     """
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    if first > slow_s or reps <= 0:
-        return {"median_s": first, "times_s": [first], "first_call_s": first, "reps": 1}
-    for _ in range(max(0, warmup - 1)):
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+
+    def once() -> tuple[float, float]:
+        w0, c0 = time.perf_counter(), time.process_time()
         fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "times_s": times, "first_call_s": first, "reps": len(times)}
+        return time.perf_counter() - w0, time.process_time() - c0
+
+    pick = 0 if clock == "wall" else 1
+    first = once()
+    if first[pick] > slow_s or reps <= 0:
+        runs = [first]
+    else:
+        for _ in range(max(0, warmup - 1)):
+            fn()
+        runs = [once() for _ in range(reps)]
+    return {
+        "median_s": statistics.median(r[pick] for r in runs),
+        "wall_s": statistics.median(r[0] for r in runs),
+        "cpu_s": statistics.median(r[1] for r in runs),
+        "clock": clock,
+        "times_s": [r[pick] for r in runs],
+        "first_call_s": first[pick],
+        "reps": len(runs),
+    }
 
 
 def run_isolated(argv: Sequence[str], *, timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
