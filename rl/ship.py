@@ -22,7 +22,7 @@ __all__ = ["ship", "build_parser", "main"]
 MAX_BYTES = 20 * 1024 * 1024
 
 
-def ship(run_dir: str | os.PathLike, name: str, *, command: str, eval_json: str | None = None,
+def ship(run_dir: str | os.PathLike, name: str, *, command: str, eval_json: str | None = None, note: str = "",
          out_dir: str | os.PathLike = WEIGHTS_DIR) -> Path:
     run = Path(run_dir)
     info = json.loads((run / "config.json").read_text())
@@ -34,6 +34,7 @@ def ship(run_dir: str | os.PathLike, name: str, *, command: str, eval_json: str 
     card = dict(info)
     card["card"] = {
         "command": command,
+        "note": note,
         "steps": info.get("step"),
         "train_wall_s_estimate": sum(r["sec_per_1k_steps"] * 1e-3 * info["train"]["log_every"] for r in train_recs),
         "last_train_metrics": train_recs[-1] if train_recs else None,
@@ -59,13 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="file stem, e.g. dm_hopper")
     p.add_argument("--command", required=True, help="the exact training command (recorded in the card)")
     p.add_argument("--eval-json", default=None, help="rl.evaluate --json output to include")
+    p.add_argument("--note", default="", help="free text for the card (what the policy is good for)")
     p.add_argument("--out", default=str(WEIGHTS_DIR))
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    print(ship(args.run, args.name, command=args.command, eval_json=args.eval_json, out_dir=args.out))
+    print(ship(args.run, args.name, command=args.command, eval_json=args.eval_json, note=args.note,
+               out_dir=args.out))
 
 
 if __name__ == "__main__":
