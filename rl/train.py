@@ -311,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=float, default=None)
     g.add_argument("--routed-layers", type=str, default=None, help="dm: comma-separated zero-based layer ids (default 1,3,5)")
     g.add_argument("--capacity", type=float, default=None, help="dm: initial routed fraction (default 0.5)")
+    g.add_argument("--capacity-cost", type=float, default=None, help="dm: weight of the mean routed fraction in the loss")
+    g.add_argument("--aux-weight", type=float, default=None, help="dm: weight of the auxiliary predictor's BCE")
     g.add_argument("--threads", type=int, default=1, help="torch threads")
     return p
 
@@ -324,13 +326,15 @@ def main(argv=None) -> None:
                       log_every=args.log_every, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
                       eval_targets=args.eval_target or [], checkpoint_every=args.checkpoint_every)
     overrides = {"context": args.context, "embed_dim": args.embed_dim, "num_layers": args.layers,
-                 "num_heads": args.heads, "dropout": args.dropout, "capacity": args.capacity}
+                 "num_heads": args.heads, "dropout": args.dropout, "capacity": args.capacity,
+                 "capacity_cost_weight": args.capacity_cost, "aux_loss_weight": args.aux_weight}
     if args.routed_layers is not None:
         if args.algo != "dm":
             raise SystemExit("--routed-layers applies to --algo dm only")
         overrides["routed_layers"] = tuple(int(x) for x in args.routed_layers.split(",") if x.strip())
     if args.algo == "dt":
-        overrides.pop("capacity")
+        for k in ("capacity", "capacity_cost_weight", "aux_loss_weight"):
+            overrides.pop(k)
     try:
         train(cfg, args.dataset, args.out, model_overrides=overrides, resume=args.resume)
     except (ValueError, FileNotFoundError) as e:
