@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_ui", "run_episode", "EXAMPLE"]
 
 KEY = "decision_mixer"
-EXAMPLE = {"env": "Hopper-v5", "target_return": 3600.0, "max_steps": 120, "seed": 0}
+EXAMPLE = {"env": "Hopper-v5", "target_return": 3600.0, "max_steps": 60, "seed": 0}
 
 
 @functools.lru_cache(maxsize=4)
