@@ -114,6 +114,8 @@ class VideoQAModel(nn.Module):
         self.encoder = build_frame_encoder(cfg.encoder, **kw)
         self.tokens_per_frame = getattr(self.encoder, "num_tokens", None)
         self.frame_proj = nn.Linear(self.encoder.dim, cfg.dim)
+        # training-only auxiliary head: which colours a frame shows (max over its tokens)
+        self.frame_tagger = nn.Linear(self.encoder.dim, cfg.num_colours)
         self.time_proj = nn.Linear(cfg.dim, cfg.dim)
         self.queries = nn.Parameter(torch.randn(cfg.num_queries, cfg.dim) * 0.02)
         self.blocks = nn.ModuleList(
@@ -128,11 +130,17 @@ class VideoQAModel(nn.Module):
         self.head = nn.Sequential(nn.Linear(2 * cfg.dim, 2 * cfg.dim), nn.GELU(), nn.Linear(2 * cfg.dim, cfg.num_answers))
 
     # -- frames ------------------------------------------------------------------------------------------
-    def encode_frames(self, frames_BLHWC: torch.Tensor, times_BL: torch.Tensor) -> torch.Tensor:
-        """uint8 frames ``(B, L, H, W, 3)`` and their video times ``(B, L)`` in [0, 1] -> tokens ``(B, L, T, dim)``."""
+    def encode_frames(self, frames_BLHWC: torch.Tensor, times_BL: torch.Tensor, *, tags: list | None = None) -> torch.Tensor:
+        """uint8 frames ``(B, L, H, W, 3)`` and their video times ``(B, L)`` in [0, 1] -> tokens ``(B, L, T, dim)``.
+
+        If ``tags`` is a list, the auxiliary per-frame colour logits ``(B, L, num_colours)`` are appended to it.
+        """
         B, L = frames_BLHWC.shape[:2]
         x = frames_BLHWC.reshape(B * L, *frames_BLHWC.shape[2:]).permute(0, 3, 1, 2)  # (B*L, 3, H, W)
-        tok = self.frame_proj(self.encoder(x))  # (B*L, T, dim)
+        feats = self.encoder(x)  # (B*L, T, enc_dim)
+        if tags is not None:
+            tags.append(self.frame_tagger(feats).amax(dim=1).reshape(B, L, -1))
+        tok = self.frame_proj(feats)  # (B*L, T, dim)
         tok = tok.reshape(B, L, tok.shape[1], -1)
         self.tokens_per_frame = tok.shape[2]
         return tok + self.time_proj(time_embedding(times_BL, self.config.dim))[:, :, None, :]
@@ -190,7 +198,7 @@ class VideoQAModel(nn.Module):
         return self.head(torch.cat([pooled[:, 0], qv], dim=-1))
 
     def forward(self, frames_BLHWC: torch.Tensor, times_BL: torch.Tensor, questions: torch.Tensor,
-                *, num_chunks: int = 1) -> torch.Tensor:
+                *, num_chunks: int = 1, tags: list | None = None) -> torch.Tensor:
         """Training path: split ``L`` frames into ``num_chunks`` equal chunks, read each without memory, answer.
 
         Args:
@@ -203,7 +211,7 @@ class VideoQAModel(nn.Module):
         B, L = frames_BLHWC.shape[:2]
         if L % num_chunks:
             raise ValueError(f"num_chunks ({num_chunks}) must divide the clip length ({L})")
-        tok = self.encode_frames(frames_BLHWC, times_BL)  # (B, L, T, D)
+        tok = self.encode_frames(frames_BLHWC, times_BL, tags=tags)  # (B, L, T, D)
         c = L // num_chunks
         chunks = tok.reshape(B * num_chunks, c, *tok.shape[2:])  # chunks read independently
         out = self.read_chunk(chunks).reshape(B, num_chunks, self.config.num_queries, -1)

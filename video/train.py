@@ -53,24 +53,30 @@ def all_questions(spec, rng: np.random.Generator, num_order: int = 2) -> list:
     return qs
 
 
-def make_batch(rng: np.random.Generator, batch_size: int, length: int, *, size: int = 32):
+def make_batch(rng: np.random.Generator, batch_size: int, length: int, *, size: int = 32, with_tags: bool = False):
     """Render ``batch_size`` clips of ``length`` frames with every question about each.
 
     Returns:
         frames ``(B, L, H, W, 3)`` uint8, times ``(B, L)``, questions ``(B, K, 3)``, answers ``(B, K)``
-        (-100 where a slot holds no question), question types ``(B, K)`` as a nested list.
+        (-100 where a slot holds no question), question types ``(B, K)`` as a nested list, and with
+        ``with_tags`` the colours each frame shows ``(B, L, num_colours)`` (auxiliary target).
     """
-    frames, qrows, answers, qtypes = [], [], [], []
+    frames, qrows, answers, qtypes, tags = [], [], [], [], []
     for _ in range(batch_size):
         spec = make_spec(length, seed=int(rng.integers(1 << 62)), size=size, event_length=(1, 3), num_events=(1, 8))
         frames.append(render_frames(spec, 0, length))
+        tag = np.zeros((length, len(COLOURS)), dtype=np.float32)
+        for e in spec.events:
+            tag[e.start : e.start + e.length, e.colour] = 1.0
+        tags.append(tag)
         qs = all_questions(spec, rng)
         qrows.append([[q.qtype_id, q.arg1 + 1, q.arg2 + 1] if q else [0, 0, 0] for q in qs])
         answers.append([q.answer_id if q else -100 for q in qs])
         qtypes.append([q.qtype if q else None for q in qs])
     frames_t = torch.from_numpy(np.stack(frames))  # (B, L, H, W, 3) uint8
     times = ((torch.arange(length, dtype=torch.float32) + 0.5) / length).expand(batch_size, -1)
-    return frames_t, times, torch.tensor(qrows, dtype=torch.long), torch.tensor(answers, dtype=torch.long), qtypes
+    batch = (frames_t, times, torch.tensor(qrows, dtype=torch.long), torch.tensor(answers, dtype=torch.long), qtypes)
+    return (*batch, torch.from_numpy(np.stack(tags))) if with_tags else batch
 
 
 @torch.no_grad()
@@ -172,9 +178,12 @@ def train(args) -> dict:
     while step < args.steps:
         L = CLIP_LENGTHS[int(rng.integers(len(CLIP_LENGTHS)))]
         chunks = CHUNK_COUNTS[int(rng.integers(len(CHUNK_COUNTS)))]
-        frames, times, q, ans, _ = make_batch(rng, args.batch_size, L)
-        logits = model(frames, times, q, num_chunks=chunks)  # (B, K, answers)
+        frames, times, q, ans, _, tag_target = make_batch(rng, args.batch_size, L, with_tags=True)
+        tags = []
+        logits = model(frames, times, q, num_chunks=chunks, tags=tags)  # (B, K, answers)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ans.reshape(-1), ignore_index=-100)
+        # auxiliary: which colours each frame shows (teaches the frame encoder what to look at)
+        loss = loss + args.tag_weight * F.binary_cross_entropy_with_logits(tags[0], tag_target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -195,7 +204,8 @@ def train(args) -> dict:
                     "config": model.config.to_dict(),
                     "command": "python -m video.train " + " ".join(args.argv),
                     "data": "synthetic clips of 16/32 frames rendered by video.synthetic (32x32 px, 1-8 events "
-                            "of 1-3 frames), read as 1, 2 or 4 chunks without memory; every question per clip (first, last, count and "
+                            "of 1-3 frames), read as 1, 2 or 4 chunks without memory, plus an auxiliary per-frame colour-tag loss on the "
+                            "frame encoder; every question per clip (first, last, count and "
                             "exists for each colour, two order pairs)",
                     "steps": step,
                     "batch_size": args.batch_size,
@@ -229,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="Q-former blocks")
     p.add_argument("--queries", type=int, default=8, help="learned queries")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--tag-weight", type=float, default=1.0, help="weight of the auxiliary per-frame colour loss")
     p.add_argument("--seed", type=int, default=0, help="seed of the training stream")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
