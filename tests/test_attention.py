@@ -19,9 +19,12 @@ import torch
 
 from core import attention as attn_mod
 from core.attention import BACKENDS, attention, auto_rule, choose_backend, prepare_inputs
+from core.attention_chunked import chunked_attention
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_BACKENDS = ["sdpa", "chunked", "chunked-small", "chunked-rows"]
+# chunked: default chunks (fused CPU block kernel); -small: ragged chunks; -plain: ragged chunks with the
+# plain PyTorch block math (the path other devices take); -rows: one query per chunk.
+CPU_BACKENDS = ["sdpa", "chunked", "chunked-small", "chunked-plain", "chunked-rows"]
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +42,10 @@ def run_backend(name: str, q, k, v, **kw):
         return attention(q, k, v, backend="chunked", q_chunk_size=48, k_chunk_size=37, **kw)
     if name == "chunked-rows":
         return attention(q, k, v, backend="chunked", q_chunk_size=1, k_chunk_size=256, **kw)
+    if name == "chunked-plain":
+        a = prepare_inputs(q, k, v, **kw)
+        return chunked_attention(a.q, a.k, a.v, causal=a.causal, key_padding_mask=a.key_padding_mask,
+                                 attn_bias=a.attn_bias, scale=a.scale, q_chunk_size=48, k_chunk_size=37, fused=False)
     return attention(q, k, v, backend=name, **kw)
 
 
@@ -179,7 +186,7 @@ def naive_low_precision(q, k, v, *, causal, key_padding_mask, attn_bias, scale=N
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("backend", ["sdpa", "chunked", "chunked-small"])
+@pytest.mark.parametrize("backend", ["sdpa", "chunked", "chunked-small", "chunked-plain"])
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], CASES[8]], ids=str)
 def test_low_precision_forward_matches_reference(case, backend, dtype):
     q, k, v, mask, bias = make_inputs(case, torch.float64)
@@ -206,21 +213,29 @@ def test_bias_broadcast_is_not_expanded_and_gets_reduced_gradient():
     torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
-def test_chunked_skips_key_chunks_hidden_by_causality(monkeypatch):
-    """With causal masking, key chunks after a query chunk's frontier are never multiplied."""
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "plain"])
+def test_chunked_skips_key_chunks_hidden_by_causality(monkeypatch, fused):
+    """With causal masking, key chunks after a query chunk's frontier are never computed."""
     from core import attention_chunked
 
     seen = []
-    real = attention_chunked._Blocks.scores
+    real_block, real_scores = attention_chunked._fused_block, attention_chunked._Blocks.scores
 
-    def spy(self, q_rows, k_cols, i0, i1, j0, j1):
+    def spy_block(bl, fwd, q_rows, kc, vc, i0, i1, j0, j1):
         seen.append((i0, j0))
-        return real(self, q_rows, k_cols, i0, i1, j0, j1)
+        return real_block(bl, fwd, q_rows, kc, vc, i0, i1, j0, j1)
 
-    monkeypatch.setattr(attention_chunked._Blocks, "scores", spy)
+    def spy_scores(self, q_rows, i0, i1, j0, j1):
+        seen.append((i0, j0))
+        return real_scores(self, q_rows, i0, i1, j0, j1)
+
+    monkeypatch.setattr(attention_chunked, "_fused_block", spy_block)
+    monkeypatch.setattr(attention_chunked._Blocks, "scores", spy_scores)
     S, c = 256, 64
     q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
-    out = attention(q, k, v, causal=True, backend="chunked", q_chunk_size=c, k_chunk_size=c)
+    a = prepare_inputs(q, k, v, causal=True)
+    out = chunked_attention(a.q, a.k, a.v, causal=True, key_padding_mask=None, attn_bias=None, scale=a.scale,
+                            q_chunk_size=c, k_chunk_size=c, fused=fused)
     n = S // c
     assert sorted(seen) == [(i * c, j * c) for i in range(n) for j in range(i + 1)]
     torch.testing.assert_close(out, reference(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
@@ -363,10 +378,17 @@ _MEMORY_PROBE = textwrap.dedent(
     q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
     small = [t[:, :, :256].detach().clone().requires_grad_(True) for t in (q, k, v)]
     attention(*small, causal=True, backend="chunked", q_chunk_size=C, k_chunk_size=C).sum().backward()
-    before = current()
-    out = attention(q, k, v, causal=True, backend="chunked", q_chunk_size=C, k_chunk_size=C)
-    (out * torch.randn_like(out)).sum().backward()
-    chunked = peak() - before
+    from core.attention_chunked import chunked_attention
+    result = {}
+    for fused in (None, False):  # the fused CPU block kernel, then the plain block math
+        for t in (q, k, v):
+            t.grad = None
+        before = current()
+        out = chunked_attention(q, k, v, causal=True, key_padding_mask=None, attn_bias=None, scale=D ** -0.5,
+                                q_chunk_size=C, k_chunk_size=C, fused=fused)
+        (out * torch.randn_like(out)).sum().backward()
+        result["fused" if fused is None else "plain"] = peak() - before
+        del out
     grads_ok = all(bool(torch.isfinite(t.grad).all()) and float(t.grad.abs().sum()) > 0 for t in (q, k, v))
     # The same probe must see a dense backend: the reference at a quarter of the length.
     s = S // 4
@@ -374,7 +396,7 @@ _MEMORY_PROBE = textwrap.dedent(
     before = current()
     attention(qs, ks, vs, causal=True, backend="reference").sum().backward()
     dense_small = peak() - before
-    print(json.dumps({"chunked": chunked, "dense_small": dense_small, "grads_ok": grads_ok, "lazy": lazy,
+    print(json.dumps({**result, "dense_small": dense_small, "grads_ok": grads_ok, "lazy": lazy,
                       "dense_scores": B * H * S * S * 4, "dense_small_scores": B * H * s * s * 4}))
     """
 )
@@ -389,5 +411,6 @@ def test_chunked_backward_memory_is_bounded_and_kernels_load_lazily():
     assert m["grads_ok"]
     # The probe sees dense allocations: the reference at S/4 needs at least its score matrix.
     assert m["dense_small"] >= m["dense_small_scores"], m
-    # Chunked forward+backward at S=8192 stays far below one dense score matrix (256 MiB).
-    assert m["chunked"] < m["dense_scores"] / 8, m
+    # Chunked forward+backward at S=8192 stays far below one dense score matrix (256 MiB), on both paths.
+    assert m["fused"] < m["dense_scores"] / 8, m
+    assert m["plain"] < m["dense_scores"] / 8, m
