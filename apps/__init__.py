@@ -46,7 +46,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         title="Querent",
         summary="Query-aware sparse attention over gigapixel whole-slide images, with the slide pipeline around it.",
         package="pathology/",
-        ui_module=None,
+        ui_module="apps.querent.ui",
         status="in progress",
     ),
     AppSpec(
