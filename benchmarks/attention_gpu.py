@@ -252,7 +252,10 @@ FWD_CANDIDATES = [  # BLOCK_M, BLOCK_N, num_warps, num_stages
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3),
     (64, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 32, 4, 4),
 ]  # fmt: skip
-BWD_CANDIDATES = [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 2), (64, 64, 8, 2), (32, 32, 4, 4)]
+BWD_CANDIDATES = [  # dK/dV BLOCK_M, BLOCK_N; dQ BLOCK_M, BLOCK_N; num_warps, num_stages
+    (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 4, 3),
+    (64, 128, 128, 64, 8, 3), (32, 128, 128, 32, 8, 2),
+]  # fmt: skip
 
 
 def tune_tiles(dtypes: list[str], head_dims: list[int], *, seq: int, tokens: int, hidden: int) -> list[dict[str, Any]]:
@@ -274,20 +277,23 @@ def tune_tiles(dtypes: list[str], head_dims: list[int], *, seq: int, tokens: int
             B, H = max(1, tokens // seq), max(1, hidden // d)
             q, k, v = (torch.randn(B, H, seq, d, device="cuda", dtype=dtype) for _ in range(3))
             for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
-                times = {}
-                for bm, bn, w, st in cands:
-                    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                times, configs = {}, {}
+                for cand in cands:
+                    *tiles, w, st = cand
+                    names = ("BLOCK_M", "BLOCK_N") if kind == "fwd" else ("BLOCK_M", "BLOCK_N", "DQ_BLOCK_M", "DQ_BLOCK_N")
+                    cfg = {**dict(zip(names, tiles)), "num_warps": w, "num_stages": st}
                     fa._fwd_config = (lambda d_, dt_, cfg=cfg: cfg) if kind == "fwd" else default_fwd
                     fa._bwd_config = (lambda d_, dt_, cfg=cfg: cfg) if kind == "bwd" else default_bwd
                     mode = "fwd" if kind == "fwd" else "fwd+bwd"
                     ms = _timed("triton", lambda a, b, c, cz: fa.flash_attention(a, b, c, causal=cz), q, k, v, True, mode)
-                    times[(bm, bn, w, st)] = ms
+                    times[cand] = ms
+                    configs[cand] = cfg
                 ok = {c: t for c, t in times.items() if isinstance(t, float)}
                 fa._fwd_config, fa._bwd_config = default_fwd, default_bwd
                 if not ok:
                     continue
                 win = min(ok, key=ok.get)
-                best[(kind, d, dtype)] = {"BLOCK_M": win[0], "BLOCK_N": win[1], "num_warps": win[2], "num_stages": win[3]}
+                best[(kind, d, dtype)] = configs[win]
                 report.append({"kind": kind, "dtype": dname, "D": d, "S": seq, "best": best[(kind, d, dtype)],
                                "best_ms": ok[win], "all_ms": {str(c): t for c, t in times.items()}})  # fmt: skip
             del q, k, v

@@ -401,12 +401,16 @@ def _fwd_config(d: int, dtype: torch.dtype) -> dict[str, int]:
 
 
 def _bwd_config(d: int, dtype: torch.dtype) -> dict[str, int]:
-    """Backward tile sizes (dK/dV kernel: BLOCK_N keys x BLOCK_M queries; dQ kernel the same tiles)."""
+    """Backward tile sizes: dK/dV kernel ``BLOCK_N`` keys x ``BLOCK_M`` queries, dQ kernel ``DQ_BLOCK_M``
+    queries x ``DQ_BLOCK_N`` keys (the row block of each kernel's dots is the larger one, so Hopper can use
+    warp-group MMA), a plain function of head dim and dtype."""
     if is_interpreted():
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 1, "num_stages": 1}
-    if dtype == torch.float32 or d > 64:
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if d > 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None) -> None:
@@ -520,23 +524,27 @@ def _flash_backward(q, k, v, o, lse, do, kpm_u8, causal: bool, scale: float):
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = bwd_delta(o, do)
     cfg = _bwd_config(max(D, Dv), q.dtype)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kpm = kpm_u8 if kpm_u8 is not None else q
-    common = dict(
-        D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), BLOCK_M=bm, BLOCK_N=bn,
-        CAUSAL=bool(causal), HAS_PAD=kpm_u8 is not None, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0,
-        PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
     s_pb = kpm.stride(0) if kpm_u8 is not None else 0
+
+    def consts(bm: int, bn: int) -> dict:
+        return dict(
+            D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), BLOCK_M=bm, BLOCK_N=bn,
+            CAUSAL=bool(causal), HAS_PAD=kpm_u8 is not None, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0,
+            PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     launch(
         _attn_bwd_dkdv, (triton.cdiv(Sk, bn), B * Hkv), q, k, v, do, lse, delta, kpm, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), s_pb,
-        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **common,
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **consts(bm, bn),
     )  # fmt: skip
+    bm, bn = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
     launch(
         _attn_bwd_dq, (triton.cdiv(Sq, bm), B * Hq), q, k, v, do, lse, delta, kpm, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), s_pb,
-        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **common,
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **consts(bm, bn),
     )  # fmt: skip
     return dq, dk, dv
 
