@@ -84,15 +84,16 @@ def _augment(x_BCHW: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.train_encoder", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "weights"), help="output folder")
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps")
-    p.add_argument("--batch", type=int, default=64, help="batch size")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=32, help="batch size")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
     p.add_argument("--slides", type=int, default=36, help="synthetic slides for training tiles")
     p.add_argument("--val-slides", type=int, default=6, help="held-out synthetic slides for validation")
     p.add_argument("--per-slide", type=int, default=120, help="tiles rendered per slide")
     p.add_argument("--size", type=int, default=4096, help="synthetic slide side (pixels)")
-    p.add_argument("--input-size", type=int, default=96, help="encoder input side (tiles are resized)")
-    p.add_argument("--dim", type=int, default=256, help="feature dimension")
+    p.add_argument("--input-size", type=int, default=64, help="encoder input side (tiles are resized)")
+    p.add_argument("--dim", type=int, default=128, help="feature dimension")
+    p.add_argument("--widths", default="16,32,48,64,96", help="channels of the five conv stages")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every this many steps")
@@ -116,9 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.replace(bank_path + ".tmp.npz", bank_path)
         logger.info("tile bank: %d train / %d val tiles in %.0f s", len(ytr), len(yva), time.time() - t0)
     logger.info("train class counts %s", np.bincount(ytr, minlength=NUM_CLASSES).tolist())
+    if xtr.shape[1] != args.input_size:  # a cached bank rendered at another size: resize once
+        from PIL import Image
+
+        def _rs(x: np.ndarray) -> np.ndarray:
+            return np.stack([np.asarray(Image.fromarray(t).resize((args.input_size, args.input_size), Image.BILINEAR))
+                             for t in x])
+
+        xtr, xva = _rs(xtr), _rs(xva)
+    widths = tuple(int(w) for w in args.widths.split(","))
 
     torch.manual_seed(args.seed)
-    model = SmallPatchCNN(dim=args.dim, widths=(24, 48, 96, 128, 192), num_classes=NUM_CLASSES)
+    model = SmallPatchCNN(dim=args.dim, widths=widths, num_classes=NUM_CLASSES)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     g = torch.Generator().manual_seed(args.seed)
     step, elapsed = 0, 0.0
@@ -130,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         g.set_state(st["gen"])
         step, elapsed = st["step"], st["elapsed"]
         logger.info("resumed at step %d", step)
+    if step >= args.steps:
+        logger.info("already trained for %d steps", step)
+        return 0
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
 
@@ -150,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         metrics = evaluate()
         sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("head.")}
-        meta = {"dim": str(args.dim), "input_size": str(args.input_size), "widths": "24,48,96,128,192"}
+        meta = {"dim": str(args.dim), "input_size": str(args.input_size), "widths": args.widths}
         out = os.path.join(args.out, "patch_encoder_small.safetensors")
         save_file(sd, out + ".tmp", metadata=meta)
         os.replace(out + ".tmp", out)
