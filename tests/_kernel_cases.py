@@ -46,7 +46,7 @@ def _poison_outputs(monkeypatch):
         pytest.param(1, 1, 1, 113, 113, 32, True, False, id="causal-113-d32"),
         pytest.param(2, 2, 1, 17, 113, 16, True, True, id="gqa-causal-pad-17x113-d16"),
         pytest.param(1, 2, 1, 113, 17, 64, True, False, id="mqa-causal-113x17-d64"),  # rows with no key
-        pytest.param(2, 2, 2, 64, 40, 64, False, True, id="pad-64x40-d64"),
+        pytest.param(2, 1, 1, 64, 40, 64, False, True, id="pad-64x40-d64"),
         pytest.param(1, 1, 1, 1, 1, 16, True, False, id="one-token"),
     ],
 )
