@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time to report: wall, or process CPU time (with --threads 1: robust on a shared machine)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output (default benchmarks/results/attention_cpu.json)")
     p.add_argument("--resume", action="store_true", help="keep finished cases of the existing JSON (same H, D, B, block, k) and run the rest")
+    p.add_argument("--print-only", action="store_true", help="print the table of the existing JSON and exit")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: run one case, print JSON
     return p
 
@@ -284,6 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(_run_case(json.loads(args.case))), flush=True)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.print_only:
+        old = read_json(args.out)
+        if old is None:
+            raise SystemExit(f"no results at {args.out}")
+        _print_table(old["results"])
+        return 0
     sizes_text = "1K,4K" if (args.quick and args.sizes == build_parser().get_default("sizes")) else args.sizes
     sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
     for name, val in (("--heads", args.heads), ("--dim", args.dim), ("--batch", args.batch), ("--block-size", args.block_size), ("--topk", args.topk)):
