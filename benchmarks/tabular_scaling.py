@@ -9,6 +9,7 @@ memory against rows (least squares over the completed cases of one feature count
 
     python -m benchmarks.tabular_scaling --quick          # 1K and 10K rows, 20 features
     python -m benchmarks.tabular_scaling                  # 1K, 10K, 100K, 500K rows x 20, 100 features
+    python -m benchmarks.tabular_scaling --prior          # tables/s of the pretraining prior
 """
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: 
             "peak_mb": peak.peak_mb(), "peak_method": peak.method, "accuracy": acc}
 
 
+def prior_speed(seconds: float = 10.0, threads: int = 1) -> list[dict]:
+    """Tables per second drawn by the pretraining prior (batch of 16, one thread), per table size and SCM family."""
+    import torch
+
+    from tabular.prior import PriorConfig, TablePrior
+
+    torch.set_num_threads(threads)
+    out = []
+    for family, p_tree in (("mixed", 0.3), ("mlp", 0.0), ("tree", 1.0)):
+        for rows in (256, 1024):
+            prior = TablePrior(PriorConfig(p_tree=p_tree), seed=0)
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                prior.sample(16, rows, rows // 2)
+                n += 16
+            out.append({"family": family, "rows": rows, "features": "2-100", "tables_per_s": n / (time.perf_counter() - t0)})
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tabular_scaling", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="*", type=int, default=[1_000, 10_000, 100_000, 500_000], help="train rows")
@@ -60,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads per case")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     p.add_argument("--quick", action="store_true", help="1K and 10K rows, 20 features")
+    p.add_argument("--prior", action="store_true", help="only measure the prior's tables/s")
     p.add_argument("--case", nargs=2, type=int, metavar=("ROWS", "FEATURES"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     return p
@@ -69,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.case:
         print(json.dumps(_case(args.case[0], args.case[1], args.n_estimators, args.threads, args.memory_mb)))
+        return 0
+    if args.prior:
+        rows = prior_speed()
+        write_json_atomic(args.out.with_name("tabular_prior_speed.json"), {"env": env_info(), "rows": rows})
+        print(format_table(rows, ["family", "rows", "features", "tables_per_s"]))
         return 0
     if args.quick:
         args.rows, args.features = [1_000, 10_000], [20]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -35,12 +36,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TabICLClassifier"]
 
-_MODEL_CACHE: dict[tuple[str, str], TabICL] = {}
+_MODEL_CACHE: dict[tuple, TabICL] = {}
 
 
 def _get_model(checkpoint, device: torch.device) -> TabICL:
     path = str(default_checkpoint() if checkpoint is None else checkpoint)
-    key = (path, str(device))
+    try:
+        stamp = os.stat(path).st_mtime_ns  # a rewritten file is reloaded
+    except OSError:
+        stamp = None  # load_model raises the clear error
+    key = (path, stamp, str(device))
     if key not in _MODEL_CACHE:
         _MODEL_CACHE[key] = load_model(path, device=device)
     return _MODEL_CACHE[key]

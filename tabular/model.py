@@ -13,7 +13,7 @@ features: ``X (B, N, F)`` float (NaN = missing), ``y_train (B, n_train)`` int64 
 3. **ICL transformer**: train rows get a label embedding (one-hot -> linear) added; in every block, queries of
    all rows attend to keys/values of the train rows only (one attention call with train keys; no N² mask), so
    train rows attend to train rows and a test row attends to train rows only. An MLP decoder maps each test
-   row to ``max_classes`` logits.
+   row to ``max_classes`` logits. Row vectors are standardized with train-row statistics before this stage.
 
 All attention goes through ``core`` modules (backend chosen per module, ``core.attention`` picks memory-bounded
 kernels for long contexts).
@@ -139,10 +139,12 @@ class TrainContext:
     std: torch.Tensor  # (B, 1, F) train column stds
     summaries: list  # per column block: (B*F, M, d) inducing summaries
     kv: list  # per ICL block: (k, v), each (B, H, n_train, head_dim)
+    row_mean: torch.Tensor  # (B, 1, D) train row-vector mean
+    row_std: torch.Tensor  # (B, 1, D) train row-vector std
     n_train: int  # train rows
 
     def nbytes(self) -> int:
-        ts = [self.mean, self.std, *self.summaries, *(t for kv in self.kv for t in kv)]
+        ts = [self.mean, self.std, self.row_mean, self.row_std, *self.summaries, *(t for kv in self.kv for t in kv)]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -200,11 +202,24 @@ class RowInteraction(nn.Module):
             SelfAttentionBlock(d, cfg.row_heads, mlp_ratio=cfg.mlp_ratio) for _ in range(cfg.row_blocks)
         )
         self.rope = RotaryEmbedding(d // cfg.row_heads, base=cfg.rope_base)
+        # Feature identity: sinusoids of the feature position, projected. Without it the value vectors of features
+        # with alike distributions are exchangeable and only RoPE's attention weights can tell them apart,
+        # which learns slowly; ensembles shuffle feature order, so the identity stays arbitrary.
+        self.n_pos_freqs = 16
+        self.pos_proj = nn.Linear(2 * self.n_pos_freqs, d)
         self.norm = nn.LayerNorm(d)
+
+    def position_embedding(self, F: int, device, dtype) -> torch.Tensor:
+        """``(F, d)`` identity vectors of feature positions ``0..F-1`` (sin/cos at geometric frequencies)."""
+        pos = torch.arange(F, device=device, dtype=torch.float32)[:, None]
+        freqs = torch.exp(-torch.arange(self.n_pos_freqs, device=device, dtype=torch.float32) * (6.0 / self.n_pos_freqs))
+        ang = pos * freqs[None]  # (F, n_freqs), periods from 2*pi up to ~2*pi*e^6 positions
+        return self.pos_proj(torch.cat([ang.sin(), ang.cos()], dim=-1).to(dtype))
 
     def forward(self, cells_RFD: torch.Tensor) -> torch.Tensor:
         """Cells of ``R`` rows ``(R, F, d)`` -> row vectors ``(R, n_cls * d)``."""
         R, F, d = cells_RFD.shape
+        cells_RFD = cells_RFD + self.position_embedding(F, cells_RFD.device, cells_RFD.dtype)[None]
         tokens = torch.cat([self.cls.to(cells_RFD.dtype)[None].expand(R, -1, -1), cells_RFD], dim=1)  # (R, C+F, d)
         pos = torch.arange(self.n_cls + F, device=cells_RFD.device)
         rope = self.rope(pos, dtype=cells_RFD.dtype)  # (C+F, hd) each
@@ -239,7 +254,10 @@ class ICLTransformer(nn.Module):
         return rows_train + self.label_embed(onehot)
 
     def context(self, rows_train: torch.Tensor, y_train: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-block train keys/values: the train-side cache that test rows attend to."""
+        """Per-block train keys/values: the train-side cache that test rows attend to.
+
+        ``rows_train`` must already be standardized (see :meth:`row_stats`).
+        """
         x = self.embed_train(rows_train, y_train)
         cache = []
         for blk in self.blocks:
@@ -249,15 +267,29 @@ class ICLTransformer(nn.Module):
         return cache
 
     def predict(self, rows_test: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Logits ``(B, n_test, max_classes)`` of test rows ``(B, n_test, D)`` given the train cache."""
+        """Logits ``(B, n_test, max_classes)`` of standardized test rows ``(B, n_test, D)`` given the train cache."""
         x = rows_test
         for blk, (k, v) in zip(self.blocks, cache):
             x = self._block(blk, x, k, v)
         return self.decoder(self.norm(x))
 
+    @staticmethod
+    def row_stats(rows_train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-table mean and std over train rows ``(B, n_train, D)`` -> 2 x ``(B, 1, D)``."""
+        mean = rows_train.mean(1, keepdim=True)
+        std = rows_train.std(1, keepdim=True, unbiased=False) + 1e-5
+        return mean, std
+
     def forward(self, rows: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
-        """Rows ``(B, N, D)`` with the first ``n_train = y_train.shape[1]`` labelled -> test logits."""
+        """Rows ``(B, N, D)`` with the first ``n_train = y_train.shape[1]`` labelled -> test logits.
+
+        Row vectors are first standardized with their train rows' mean and std (per table and dimension):
+        it removes the component shared by all rows, so rows differ at unit scale from the first step on
+        (without it the ICL attention starts near-uniform and learning stalls on a long plateau).
+        """
         n_train = y_train.shape[1]
+        mean, std = self.row_stats(rows[:, :n_train])
+        rows = (rows - mean) / std
         x = torch.cat([self.embed_train(rows[:, :n_train], y_train), rows[:, n_train:]], dim=1)
         for blk in self.blocks:
             h = blk.norm1(x)
@@ -341,8 +373,9 @@ class TabICL(nn.Module):
         B, n, F = Z.shape
         summaries = self.col.summaries(Z.permute(0, 2, 1).reshape(B * F, n, 1), n)
         rows = self._rows_from_cells(Z, summaries, chunk)
-        kv = self.icl.context(rows, y_train)
-        return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, n_train=n)
+        row_mean, row_std = self.icl.row_stats(rows)
+        kv = self.icl.context((rows - row_mean) / row_std, y_train)
+        return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, row_mean=row_mean, row_std=row_std, n_train=n)
 
     @torch.no_grad()
     def predict_logits(self, X_test: torch.Tensor, ctx: TrainContext, *, chunk: int = 4096) -> torch.Tensor:
@@ -350,6 +383,6 @@ class TabICL(nn.Module):
         Z = standardize(X_test, ctx.mean, ctx.std, self.config.clip_value)
         out = []
         for s in range(0, Z.shape[1], chunk):
-            rows = self._rows_from_cells(Z[:, s : s + chunk], ctx.summaries, chunk)
+            rows = (self._rows_from_cells(Z[:, s : s + chunk], ctx.summaries, chunk) - ctx.row_mean) / ctx.row_std
             out.append(self.icl.predict(rows, ctx.kv))
         return torch.cat(out, dim=1)
