@@ -37,6 +37,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; these files are meant to be shared
     os.replace(tmp, path)
 
 
@@ -53,6 +54,7 @@ def save_model(model: TabICL, path: str | os.PathLike, *, extra: dict | None = N
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     save_file(tensors, tmp, metadata=meta)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
