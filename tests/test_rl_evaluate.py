@@ -1,0 +1,41 @@
+"""rl.evaluate: batched rollouts equal one-by-one rollouts; shipped policies load; clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rl.evaluate import load_policy, rollout, shipped_policies
+
+
+@pytest.fixture(scope="module")
+def policy():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    names = shipped_policies()
+    assert names, "no shipped policy in rl/weights"
+    model, info = load_policy(next(iter(names.values())))
+    yield model, info
+    torch.set_num_threads(n)
+
+
+def test_vectorized_rollout_matches_single_episodes(policy):
+    model, info = policy
+    seed = int(np.random.default_rng().integers(0, 10_000))
+    batch = rollout(model, info["env"], target_return=1000.0, episodes=3, seed=seed, max_steps=25)
+    assert batch.returns.shape == (3,) and (batch.lengths <= 25).all() and (batch.lengths >= 1).all()
+    for i in range(3):
+        one = rollout(model, info["env"], target_return=1000.0, episodes=1, seed=seed + i, max_steps=25)
+        assert one.lengths[0] == batch.lengths[i]
+        np.testing.assert_allclose(one.rewards[0], batch.rewards[i], rtol=1e-4, atol=1e-5)
+    if batch.routed is not None:
+        assert batch.routed.shape[0] == 3 and batch.routed.shape[2] == len(info["model"]["routed_layers"])
+
+
+def test_load_policy_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no trained policy"):
+        load_policy(tmp_path)
+    with pytest.raises(ValueError, match="episodes must be positive"):
+        model, info = load_policy(next(iter(shipped_policies().values())))
+        rollout(model, info["env"], target_return=1.0, episodes=0)
