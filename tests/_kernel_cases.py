@@ -66,12 +66,14 @@ def test_flash_attention_fp16_within_pytorch_error(B, Hq, Hkv, Sq, Sk, D, causal
 
 
 def test_flash_attention_custom_scale_and_strided_inputs():
-    # Non-contiguous q/k/v (a transposed (B, S, H, D) layout), D not a power of two, a non-default scale.
+    # Non-contiguous q/k/v (a transposed (B, S, H, D) layout), D = 48 (not a power of two), a value head
+    # dim different from D, a non-default scale.
     q = torch.randn(1, 40, 2, 48).transpose(1, 2)
     k = torch.randn(1, 50, 2, 48).transpose(1, 2)
-    v = torch.randn(1, 50, 2, 48).transpose(1, 2)
-    out = fa.flash_attention(q, k, v, scale=0.3)
-    ref = attention(q, k, v, scale=0.3, backend="reference")
+    v = torch.randn(1, 50, 2, 16).transpose(1, 2)
+    out = fa.flash_attention(q, k, v, scale=0.3, causal=True)
+    ref = attention(q, k, v, scale=0.3, causal=True, backend="reference")
+    assert out.shape == (1, 2, 40, 16)
     assert_close_to_ref(out, ref, what="out")
 
 
