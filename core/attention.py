@@ -19,11 +19,12 @@ Backends (the ``BACKENDS`` table, registered explicitly):
         mask, so memory grows with ``S_q · S_k``.
     chunked: online softmax over query and key chunks (:mod:`core.attention_chunked`), exact, memory
         ``O(S · chunk)`` in forward and backward (scores are recomputed in backward); any length on a CPU.
-        Chunk sizes per call: ``q_chunk_size`` / ``k_chunk_size``.
+        Chunk sizes per call: ``q_chunk_size`` / ``k_chunk_size``. On CPU each block runs PyTorch's fused
+        attention kernel; elsewhere (or for ``D_v ≠ D``) plain PyTorch block math.
     triton: the fused kernel ``kernels.flash_attention`` (imported on first use), CUDA tensors only.
 
 The ``auto`` rule (:func:`choose_backend`), in order:
-    1. CUDA tensors, float16/bfloat16, head dim 16..128 (same for q and v), no ``attn_bias`` and Triton
+    1. CUDA tensors, float16/bfloat16, head dims of q and v in 16..128, no ``attn_bias`` and Triton
        installed -> ``triton``; if the kernel still declines the input (``ValueError``), go on with rule 2.
     2. the dense score matrix, ``B · H_q · S_q · S_k · 4`` bytes, fits the memory budget -> ``sdpa``.
        The budget is ``DEFAULT_MEMORY_BUDGET`` (512 MiB) unless the call passes ``memory_budget=`` (bytes).
@@ -308,7 +309,7 @@ def auto_rule(
         device_type == "cuda"
         and dtype in (torch.float16, torch.bfloat16)
         and lo <= head_dim <= hi
-        and value_dim == head_dim
+        and lo <= value_dim <= hi
         and not has_bias
         and triton_ok
     ):

@@ -14,6 +14,15 @@ Layout and mask semantics are those of :mod:`core.attention`. Grouped-query head
 repeating keys/values: the ``G = H_q / H_kv`` query heads sharing a key/value head are stacked along the
 row axis of one matmul. Key chunks that causality hides from every query of a block are skipped.
 Computation runs in ``float32`` (or ``float64`` for double inputs); the output is cast back to ``q``'s dtype.
+
+Two block engines, same chunking and results:
+    fused (CPU tensors with ``D_v = D``, the default there): each block is one call of PyTorch's fused CPU
+        attention kernel, which returns the block's output and log-sum-exp; blocks are merged by their
+        log-sum-exp. The backward calls the fused backward kernel per block with the *global* output and
+        log-sum-exp of the rows, which yields exact partial gradients. Causal blocks whose diagonal starts
+        at their top-left corner use the kernel's own causal mode; other masks go in as an additive block.
+    plain (every other case, and the bias gradient): scores ``q kᵀ`` per block, running max and denominator,
+        ``exp`` in place, FlashAttention-2 backward as above.
 """
 
 from __future__ import annotations
@@ -23,7 +32,15 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["chunked_attention", "DEFAULT_Q_CHUNK", "DEFAULT_K_CHUNK", "MAX_BLOCK_ELEMENTS"]
+__all__ = [
+    "chunked_attention",
+    "default_chunks",
+    "default_q_chunk",
+    "fused_block_ops",
+    "DEFAULT_Q_CHUNK",
+    "DEFAULT_K_CHUNK",
+    "MAX_BLOCK_ELEMENTS",
+]
 
 #: Default number of keys per chunk.
 DEFAULT_K_CHUNK = 1024
@@ -56,7 +73,9 @@ def fused_block_ops():
     """
     try:
         aten = torch.ops.aten
-        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+        fwd = aten._scaled_dot_product_flash_attention_for_cpu
+        bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return fwd, bwd
     except (AttributeError, RuntimeError):
         return None
 
