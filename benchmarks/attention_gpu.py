@@ -339,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"env": info, "args": {k: str(v) for k, v in vars(args).items()}}
 
     print(f"GPU: {info['gpu']}  torch {info['torch']}  triton {info['triton']}")
-    print("\n## Correctness (max abs error vs fp32 math; tolerance = 3x the error of the same math in the low-precision dtype, + 1e-3)")
+    print("\n## Correctness (max abs error vs fp32 math; tolerance = 3x the error of the same math done in")
+    print("## the low-precision dtype, + 1e-3)")
     checks = correctness_checks(args.dtypes)
     result["correctness"] = checks
-    print(format_table(checks, ["kernel", "dtype", "shape", "causal", "err_out", "tol_out", "err_dq", "err_dk", "err_dv", "ok"]))
+    check_cols = ["kernel", "dtype", "shape", "causal", "err_out", "tol_out", "err_dq", "err_dk", "err_dv", "ok"]
+    print(format_table(checks, check_cols))
     write_json_atomic(args.out, result)
     all_ok = all(r["ok"] for r in checks)
     if not all_ok:
@@ -359,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     if flex is not None:
         peers["flex"] = flex
     dense_rows: list[dict[str, Any]] = []
-    cases = [(dn, d, s, c, m) for dn in args.dtypes for d in args.head_dims for s in seq_lens for c in (False, True) for m in ("fwd", "fwd+bwd")]
+    cases = [
+        (dn, d, s, c, m)
+        for dn in args.dtypes for d in args.head_dims for s in seq_lens for c in (False, True) for m in ("fwd", "fwd+bwd")
+    ]  # fmt: skip
     for dname, d, s, causal, mode in tqdm(cases, desc="dense", file=sys.stderr):
         dtype = getattr(torch, DTYPES[dname])
         B, H = max(1, tokens // s), max(1, args.hidden // d)
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         del q, k, v
         result["dense"] = dense_rows
         write_json_atomic(args.out, result)  # partial results survive an interrupted sweep
-    cols = ["dtype", "D", "S", "causal", "mode", "triton_tflops", "sdpa_flash_tflops", "flex_tflops", "triton_vs_sdpa", "triton_vs_flex"]
+    cols = ["dtype", "D", "S", "causal", "mode", "triton_tflops", "sdpa_flash_tflops", "flex_tflops",
+            "triton_vs_sdpa", "triton_vs_flex"]  # fmt: skip
     print("\n## Dense attention, TFLOP/s (B·S = %d, H·D = %d)" % (tokens, args.hidden))
     print(format_table(dense_rows, [c for c in cols if flex is not None or "flex" not in c]))
 
@@ -393,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     # Block-sparse vs dense at fixed densities (a random index; selection cost not included).
     sparse_rows: list[dict[str, Any]] = []
     bs = args.block_size
-    cases = [(dn, d, s, dens, m) for dn in args.dtypes for d in args.head_dims for s in sparse_lens for dens in args.densities for m in ("fwd", "fwd+bwd")]
+    cases = [
+        (dn, d, s, dens, m)
+        for dn in args.dtypes for d in args.head_dims for s in sparse_lens for dens in args.densities
+        for m in ("fwd", "fwd+bwd")
+    ]  # fmt: skip
     for dname, d, s, density, mode in tqdm(cases, desc="block-sparse", file=sys.stderr):
         dtype = getattr(torch, DTYPES[dname])
         B, H = max(1, tokens // s), max(1, args.hidden // d)
