@@ -68,7 +68,9 @@ def test_model_forward_and_a_few_steps_reduce_loss(small_model):
         loss.backward()
         opt.step()
     assert loss.item() < 0.7 * first
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    # every parameter but the training-only frame tagger (unused without tags) gets a finite gradient
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for n, p in model.named_parameters() if not n.startswith("frame_tagger"))
     with pytest.raises(ValueError, match="num_chunks"):
         model(frames, times, q, num_chunks=3)
 
