@@ -214,6 +214,27 @@ def test_bias_broadcast_is_not_expanded_and_gets_reduced_gradient():
 
 
 @pytest.mark.parametrize("fused", [None, False], ids=["fused", "plain"])
+def test_chunked_gradients_with_a_constant_bias(fused):
+    """A bias without grad (a fixed mask-like bias) on the fused and the plain backward."""
+    c = Case(B=2, Hq=4, Hkv=2, Sq=90, Sk=130, D=16, causal=True, padding="random", bias=(2, 4, 90, 1))
+    q, k, v, mask, bias = make_inputs(c, torch.float64)
+    bias = torch.cat([bias, torch.randn(2, 4, 90, 129, dtype=torch.float64)], dim=-1)
+    grad_out = torch.randn(c.B, c.Hq, c.Sq, c.D, dtype=torch.float64)
+    def run(fn):
+        leaf = leaves(q, k, v, None, torch.float64)[:3]
+        out = fn(*leaf, causal=True, key_padding_mask=mask, attn_bias=bias)
+        return [out.detach(), *torch.autograd.grad(out, leaf, grad_out)]
+
+    def chunked(q, k, v, **kw):
+        a = prepare_inputs(q, k, v, **kw)
+        return chunked_attention(a.q, a.k, a.v, causal=a.causal, key_padding_mask=a.key_padding_mask,
+                                 attn_bias=a.attn_bias, scale=a.scale, q_chunk_size=32, k_chunk_size=32, fused=fused)
+
+    for w, g in zip(run(reference), run(chunked)):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "plain"])
 def test_chunked_skips_key_chunks_hidden_by_causality(monkeypatch, fused):
     """With causal masking, key chunks after a query chunk's frontier are never computed."""
     from core import attention_chunked
