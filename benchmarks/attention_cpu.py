@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time to report: wall, or process CPU time (with --threads 1: robust on a shared machine)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output (default benchmarks/results/attention_cpu.json)")
     p.add_argument("--resume", action="store_true", help="keep finished cases of the existing JSON (same H, D, B, block, k) and run the rest")
+    p.add_argument("--cases", default=None,
+                   help="comma-separated case-name prefixes to run (e.g. blocksparse,flex); with --resume they are re-run")
     p.add_argument("--print-only", action="store_true", help="print the table of the existing JSON and exit")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: run one case, print JSON
     return p
@@ -313,8 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if old and all(old.get("config", {}).get(k2) == base[k2] for k2 in ("batch", "heads", "dim", "block_size", "clock", "threads")):
             results = [r for r in old.get("results", []) if r.get("status") in ("ok", "skipped")]
             commands = old.get("commands", []) + commands
-    done = {(r["S"], r["case"]) for r in results}
-    todo = [(S, name, extra) for S in sizes for name, extra in _cases(args, S) if (S, name) not in done]
+    prefixes = tuple(c.strip() for c in args.cases.split(",") if c.strip()) if args.cases else None
+    done = {(r["S"], r["case"]) for r in results if prefixes is None or not r["case"].startswith(prefixes)}
+    todo = [(S, name, extra) for S in sizes for name, extra in _cases(args, S)
+            if (S, name) not in done and (prefixes is None or name.startswith(prefixes))]
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
