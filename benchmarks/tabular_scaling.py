@@ -27,7 +27,7 @@ from benchmarks.common import PeakRSS, env_info, format_table, run_isolated, wri
 RESULTS = Path(__file__).resolve().parent / "results" / "tabular_scaling.json"
 
 
-def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: float) -> dict:
+def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: float, checkpoint=None) -> dict:
     import torch
 
     from tabular import TabICLClassifier
@@ -37,7 +37,7 @@ def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: 
     X = rng.normal(size=(rows + 1000, features)).astype(np.float32)
     w = rng.normal(size=features)
     y = (X @ w + 0.5 * rng.normal(size=len(X)) > 0).astype(int)
-    clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu")
+    clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu", checkpoint=checkpoint)
     clf.fit(X[:rows], y[:rows])
     peak = PeakRSS()
     peak.start()
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads per case")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     p.add_argument("--quick", action="store_true", help="1K and 10K rows, 20 features")
+    p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: the shipped one)")
     p.add_argument("--prior", action="store_true", help="only measure the prior's tables/s")
     p.add_argument("--case", nargs=2, type=int, metavar=("ROWS", "FEATURES"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.case:
-        print(json.dumps(_case(args.case[0], args.case[1], args.n_estimators, args.threads, args.memory_mb)))
+        print(json.dumps(_case(args.case[0], args.case[1], args.n_estimators, args.threads, args.memory_mb, args.checkpoint)))
         return 0
     if args.prior:
         rows = prior_speed()
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.rows:
             cmd = [sys.executable, "-m", "benchmarks.tabular_scaling", "--case", str(n), str(f),
                    "--n-estimators", str(args.n_estimators), "--threads", str(args.threads),
-                   "--memory-mb", str(args.memory_mb)]
+                   "--memory-mb", str(args.memory_mb)] + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
             res = run_isolated(cmd, timeout_s=args.timeout)
             res.setdefault("rows", n)
             res.setdefault("features", f)

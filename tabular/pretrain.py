@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_parser", "main", "curriculum", "masked_loss", "Trainer", "evaluate"]
 
 
+#: The curriculum's warm-up prior (see ``--easy-steps``).
+EASY_PRIOR = PriorConfig(p_binary=0.7, max_classes=4, p_tree=0.2, p_categorical=0.1, p_missing_table=0.1,
+                         p_rank_classes=1.0, min_layers=1, max_layers=1, max_noise=0.05)
+
+
 @dataclass(kw_only=True)
 class Stage:
     """One curriculum stage: from ``start`` step on, tables have rows in [min_rows, max_rows]."""
@@ -138,6 +143,9 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.prior = TablePrior(PriorConfig(max_classes=self.model_config.max_classes), seed=args.seed * 1000 + rank,
                                 device=self.device)
+        # Warm-up stage of the curriculum (first --easy-steps steps): shallow, low-noise SCMs, mostly binary,
+        # balanced classes; lets the model learn to read labels before the full prior's harder tables.
+        self.easy_prior = TablePrior(EASY_PRIOR, seed=args.seed * 1000 + rank + 500, device=self.device)
         self.size_rng = random.Random(args.seed)  # same on every rank: all ranks use one table size per step
         self.step = 0
         self.tables_seen = 0
@@ -161,7 +169,8 @@ class Trainer:
         if self.args.max_features is not None:
             stage.max_features = min(stage.max_features, self.args.max_features)
         n_rows, n_train, n_features = _draw_sizes(self.size_rng, stage, self.model_config.max_classes)
-        batch = self.prior.sample(self.args.batch_size, n_rows, n_train, n_features=n_features)
+        prior = self.easy_prior if self.step < self.args.easy_steps else self.prior
+        batch = prior.sample(self.args.batch_size, n_rows, n_train, n_features=n_features)
         n_rows, n_train, n_features = batch.X.shape[1], batch.n_train, batch.X.shape[2]
         logits = self.ddp_model(batch.X, batch.y[:, :n_train])
         loss, acc = masked_loss(logits, batch.y[:, n_train:], batch.n_classes)
@@ -187,6 +196,7 @@ class Trainer:
             "best_val_loss": self.best_val_loss,
             "best_step": self.best_step,
             "prior_rng": self.prior.get_state(),
+            "easy_prior_rng": self.easy_prior.get_state(),
             "size_rng": self.size_rng.getstate(),
             "torch_rng": torch.get_rng_state(),
             "args": vars(self.args),
@@ -206,6 +216,8 @@ class Trainer:
         self.best_step = state["best_step"]
         if state.get("world", 1) == self.world:
             self.prior.set_state(state["prior_rng"])  # per-rank streams differ; rank 0's state restores rank 0 exactly
+            if "easy_prior_rng" in state:
+                self.easy_prior.set_state(state["easy_prior_rng"])
         self.size_rng.setstate(state["size_rng"])
         torch.set_rng_state(state["torch_rng"])
 
@@ -249,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     p.add_argument("--seed", type=int, default=0, help="seed of model init, prior and sizes")
     p.add_argument("--curriculum-scale", type=float, default=1.0, help="stretch factor of the curriculum stages")
+    p.add_argument("--easy-steps", type=int, default=1500, help="warm-up steps on the easy prior (EASY_PRIOR)")
     p.add_argument("--max-rows", type=int, default=None, help="cap on rows per table (overrides the curriculum)")
     p.add_argument("--max-features", type=int, default=None, help="cap on features per table")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")
@@ -281,7 +294,7 @@ def _setup_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
 
 
 #: Arguments that define the recipe; on --resume they are taken from the checkpoint.
-_RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", "seed", "curriculum_scale")
+_RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", "seed", "curriculum_scale", "easy_steps")
 
 
 def main(argv: list[str] | None = None) -> int:

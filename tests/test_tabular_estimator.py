@@ -28,7 +28,7 @@ def _blobs(n=120, f=4, c=3, seed=None):
     return centers[y] + rng.normal(size=(n, f)), y
 
 
-@parametrize_with_checks([TabICLClassifier(n_estimators=2)])
+@parametrize_with_checks([TabICLClassifier(n_estimators=1)])
 def test_sklearn_contract(estimator, check):
     check(estimator)
 
