@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     if args.case:
         print(json.dumps(_case(args.case[0], int(args.case[1]), args.case[2], args.device, args.threads)))
         return 0
+    env = env_info()  # machine state when the run starts
     sizes = [parse_size(s) for s in (args.sizes or ("1K,4K,16K" if args.quick else "1K,4K,16K,64K,100K")).split(",")]
     rows = []
     for mode in args.modes.split(","):
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         if d and d.get("status") == "ok":
             r["dense_over_querent_time"] = d["seconds"] / r["seconds"]
             r["dense_over_querent_memory"] = d["peak_mb"] / max(r["peak_mb"], 1e-9)
-    write_json_atomic(args.out, {"env": env_info(), "config": {"in_dim": 512, "dim": 256, "depth": 2, "heads": 4,
+    write_json_atomic(args.out, {"env": env, "config": {"in_dim": 512, "dim": 256, "depth": 2, "heads": 4,
                                                                "region_size": 8, "topk": 8}, "rows": rows})
     print(format_table(rows, ["mode", "n", "model", "status", "seconds", "peak_mb", "dense_over_querent_time",
                               "dense_over_querent_memory"]))
