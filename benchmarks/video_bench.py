@@ -68,7 +68,12 @@ def run(args) -> dict:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)}")
     data = Path(args.data)
-    result = {"env": env_info(), "args": {k: v for k, v in vars(args).items()}, "accuracy": [], "peak_memory": [],
+    args_rec = {k: v for k, v in vars(args).items()}
+    try:  # record the output path relative to the repository, not the machine's layout
+        args_rec["out"] = str(Path(args.out).resolve().relative_to(RESULTS.parent.parent))
+    except ValueError:
+        args_rec["out"] = Path(args.out).name
+    result = {"env": env_info(), "args": args_rec, "accuracy": [], "peak_memory": [],
               "throughput": []}
     readers = {m: InfiniteVideo(args.weights, InfiniteVideoConfig(method=m), device="cpu") for m in methods}
     from tqdm import tqdm
