@@ -75,7 +75,8 @@ def run(args) -> dict:
         args_rec["out"] = Path(args.out).name
     result = {"env": env_info(), "args": args_rec, "accuracy": [], "peak_memory": [],
               "throughput": []}
-    readers = {m: InfiniteVideo(args.weights, InfiniteVideoConfig(method=m), device="cpu") for m in methods}
+    readers = {m: InfiniteVideo(args.weights, InfiniteVideoConfig(method=m, aggregate=args.aggregate), device="cpu")
+               for m in methods}
     from tqdm import tqdm
 
     for length in lengths:
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None, help="comma list of methods (default: all)")
     p.add_argument("--peak-methods", default="uniform,chunks,infinite,moviechat", help="methods whose peak memory is measured")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
+    p.add_argument("--aggregate", default="attention", choices=("attention", "mean"),
+                   help="answer head pooling over chunks: attention over all, or mean over chunks (as published)")
     p.add_argument("--data", default="artifacts/video_bench_data", help="cache folder for the generated videos")
     p.add_argument("--out", default=None, help="JSON result path")
     p.add_argument("--seed", type=int, default=1234, help="dataset seed")
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.videos = min(args.videos, 6)
         args.peak_methods = "infinite,chunks"
-    name = "video_bench_quick" if args.quick else "video_bench"
+    name = ("video_bench_quick" if args.quick else "video_bench") + ("_mean" if args.aggregate == "mean" else "")
     args.out = args.out or str(RESULTS / f"{name}.json")
     result = run(args)
     table = report(result, Path(args.out).with_suffix(".png"))

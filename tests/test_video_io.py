@@ -185,3 +185,25 @@ def test_synthetic_render_is_a_pure_function_and_questions_are_right(rng):
     assert qs["count"].answer == str(order.count(qs["count"].arg1))
     a = render_frames(spec, 100, 140)
     np.testing.assert_array_equal(a[:, :, :, :], render_frames(spec, 100, 140))
+
+
+def test_synthetic_cli_writes_videos_and_questions_and_resumes(tmp_path):
+    import csv
+    import json
+
+    from video.synthetic import main
+
+    out = tmp_path / "ds"
+    assert main(["--out", str(out), "--n", "2", "--frames", "64,80", "--seed", "3"]) == 0
+    videos = sorted(out.glob("*.mp4"))
+    assert [v.name for v in videos] == ["video_00000.mp4", "video_00001.mp4"]
+    assert [probe(v).num_frames for v in videos] == [64, 80]
+    records = json.loads((out / "questions.json").read_text())
+    with open(out / "questions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == sum(len(r["questions"]) for r in records) >= 8
+    mtimes = [v.stat().st_mtime_ns for v in videos]
+    assert main(["--out", str(out), "--n", "2", "--frames", "64,80", "--seed", "3"]) == 0
+    assert [v.stat().st_mtime_ns for v in videos] == mtimes  # finished videos are not rewritten
+    with pytest.raises(SystemExit, match="50000"):
+        main(["--out", str(out), "--frames", "10"])
