@@ -29,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "pathology_efficiency.js
 MODELS = ("querent", "dense", "transmil", "abmil")
 
 
-def _case(model_name: str, n: int, mode: str, device: str, threads: int) -> dict:
+def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_score: str = "max") -> dict:
     import torch
 
     from pathology.mil import build_model
@@ -42,7 +42,8 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int) -> dict
     coords = torch.stack([idx % side, idx // side], 1) * 256  # (N, 2) level-0 grid of 256-px patches
     feats = torch.randn(n, 512, device=device)
     coords = coords.to(device)
-    cfg = QuerentConfig(in_dim=512, dim=256, depth=2, num_heads=4, region_size=8, topk=8, dropout=0.0)
+    cfg = QuerentConfig(in_dim=512, dim=256, depth=2, num_heads=4, region_size=8, topk=8, dropout=0.0,
+                        region_score=region_score)
     model = build_model(model_name, cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cuda = device.startswith("cuda")
@@ -81,7 +82,7 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int) -> dict
     times.sort()
     return {"status": "ok", "model": model_name, "n": n, "mode": mode, "seconds": times[len(times) // 2],
             "first_s": first, "peak_mb": peak_mb, "peak_method": "cuda max_memory_allocated" if cuda else peak.method,
-            "device": device, "threads": threads}
+            "device": device, "threads": threads, "region_score": region_score}
 
 
 def main(argv=None) -> int:
@@ -92,12 +93,14 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="forward,train")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--region-score", default="max", choices=("max", "mean"), help="Querent region scoring")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--case", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
-        print(json.dumps(_case(args.case[0], int(args.case[1]), args.case[2], args.device, args.threads)))
+        print(json.dumps(_case(args.case[0], int(args.case[1]), args.case[2], args.device, args.threads,
+                               args.region_score)))
         return 0
     env = env_info()  # machine state when the run starts
     sizes = [parse_size(s) for s in (args.sizes or ("1K,4K,16K" if args.quick else "1K,4K,16K,64K,100K")).split(",")]
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
         for n in sizes:
             for m in args.models.split(","):
                 r = run_isolated([sys.executable, "-m", "benchmarks.pathology_efficiency", "--case", m, str(n), mode,
-                                  "--device", args.device, "--threads", str(args.threads)], timeout_s=args.timeout)
+                                  "--device", args.device, "--threads", str(args.threads),
+                                  "--region-score", args.region_score], timeout_s=args.timeout)
                 r.update(model=m, n=n, mode=mode)
                 rows.append(r)
                 print(f"{mode:7s} N={n:6d} {m:9s} " + (f"{r['seconds']:.3f}s peak {r['peak_mb']:.0f} MB"
@@ -119,7 +123,8 @@ def main(argv=None) -> int:
             r["dense_over_querent_time"] = d["seconds"] / r["seconds"]
             r["dense_over_querent_memory"] = d["peak_mb"] / max(r["peak_mb"], 1e-9)
     write_json_atomic(args.out, {"env": env, "config": {"in_dim": 512, "dim": 256, "depth": 2, "heads": 4,
-                                                               "region_size": 8, "topk": 8}, "rows": rows})
+                                                               "region_size": 8, "topk": 8, "region_score": args.region_score},
+                                 "rows": rows})
     print(format_table(rows, ["mode", "n", "model", "status", "seconds", "peak_mb", "dense_over_querent_time",
                               "dense_over_querent_memory"]))
     return 0

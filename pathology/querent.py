@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.blocksparse import block_sparse_attention, block_summaries, query_block_upper_bound
+from core.blocksparse import block_sparse_attention, block_summaries, block_upper_bound, query_block_upper_bound
 from core.layers import MLP, MultiHeadAttention
 
 __all__ = ["QuerentConfig", "Querent", "RegionLayout", "build_regions", "MILOutput", "GatedAttentionPool",
@@ -52,6 +52,8 @@ class QuerentConfig:
     num_classes: int = 2  # classification outputs; 1 with task="survival" (a risk score)
     task: str = "cls"  # "cls" (logits) or "survival" (risk: higher = earlier event)
     pool_hidden: int = 128  # hidden size of the gated attention pooling
+    region_score: str = "max"  # "max": per-query bound, max over the region's queries (tight, O(N·N/R²·D));
+    # "mean": bound for the region's mean query (cheaper, O((N/R²)²·D), for very large bags; not a bound for every query)
     backend: str = "auto"  # block-sparse backend: "auto" (Triton on CUDA when available), "torch", "triton"
 
     def __post_init__(self) -> None:
@@ -65,6 +67,8 @@ class QuerentConfig:
             raise ValueError(f"region_size ({self.region_size}) must be >= 1")
         if self.topk < 0 or self.neighbourhood < 0:
             raise ValueError(f"topk ({self.topk}) and neighbourhood ({self.neighbourhood}) must be >= 0")
+        if self.region_score not in ("max", "mean"):
+            raise ValueError(f"region_score ({self.region_score!r}) must be 'max' or 'mean'")
         if self.task not in ("cls", "survival"):
             raise ValueError(f"task ({self.task!r}) must be 'cls' or 'survival'")
         if self.task == "survival":
@@ -170,8 +174,11 @@ def build_regions(coords_N2: torch.Tensor, patch_size_level0: float, region_size
 
 
 def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLayout, topk: int,
-                   key_padding_mask: torch.Tensor) -> torch.Tensor:
+                   key_padding_mask: torch.Tensor, score: str = "max") -> torch.Tensor:
     """Region ids per query region: the neighbourhood plus the ``topk`` best other regions by the Quest bound.
+
+    ``score="max"``: the bound of each real query of the region, maxed over them; ``score="mean"``: the bound
+    of the region's mean query (one row per region, so the scoring costs O(NR²·D) instead of O(N·NR·D)).
 
     Returns:
         int64 (B, H, NR, K) in the :mod:`core.blocksparse` format (ascending ids, then -1).
@@ -180,8 +187,14 @@ def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLay
     B, H = q_BHSD.shape[:2]
     nr = layout.num_regions
     kmin, kmax, _ = block_summaries(k_BHSD, bs, key_padding_mask=key_padding_mask)  # (B, H, NR, D)
-    # Padded query rows copy a real query of their region, so the block max is over real queries only.
-    scores = query_block_upper_bound(q_BHSD[:, :, layout.fill_src], kmin, kmax, bs)  # (B, H, NR, NR)
+    if score == "mean":
+        valid = (~key_padding_mask).to(q_BHSD.dtype).view(B, 1, nr, bs, 1)  # (B, 1, NR, bs, 1)
+        q_sum = (q_BHSD.detach().view(B, H, nr, bs, -1) * valid).sum(3)  # (B, H, NR, D)
+        q_mean = q_sum / valid.sum(3).clamp(min=1)
+        scores = block_upper_bound(q_mean, kmin, kmax)  # (B, H, NR, NR)
+    else:
+        # Padded query rows copy a real query of their region, so the block max is over real queries only.
+        scores = query_block_upper_bound(q_BHSD[:, :, layout.fill_src], kmin, kmax, bs)  # (B, H, NR, NR)
     neigh = layout.neighbours  # (NR, M)
     forced = torch.zeros(nr, nr + 1, dtype=torch.bool, device=scores.device)
     forced.scatter_(1, torch.where(neigh < 0, nr, neigh), True)
@@ -245,7 +258,7 @@ class QuerentLayer(nn.Module):
         h = self.norm1(x_BSD)
         q = self.attn.project_q(h)  # (B, H, S, hd)
         k, v = self.attn.project_kv(h)  # (B, H, S, hd) each
-        idx = select_regions(q, k, layout, self.cfg.topk, pad_BS)  # (B, H, NR, K)
+        idx = select_regions(q, k, layout, self.cfg.topk, pad_BS, self.cfg.region_score)  # (B, H, NR, K)
         o = block_sparse_attention(q, k, v, idx, block_size=self.cfg.block_size, key_padding_mask=pad_BS,
                                    backend=self.cfg.backend)
         x_BSD = x_BSD + self.attn.merge(o)

@@ -248,3 +248,29 @@ def test_train_cli_writes_metrics_and_models(tmp_path):
     with pytest.raises(ValueError, match="lacks column"):
         main(["--features", str(feats_dir), "--labels", str(tmp_path / "labels.csv"), "--target", "nope",
               "--out", str(out), "--no-progress"])
+
+
+def test_mean_region_score_ranks_by_the_mean_query_bound():
+    coords = _bag_coords(14, 13, 0.7)
+    lay = build_regions(coords, 256, region_size=4, neighbourhood=0)
+    S, bs = lay.padded_len, 16
+    pad = torch.ones(1, S, dtype=torch.bool)
+    pad[0, lay.slot] = False
+    q, k = torch.randn(1, 1, S, 8), torch.randn(1, 1, S, 8)
+    idx = select_regions(q, k, lay, 2, pad, score="mean")
+    for r in range(lay.num_regions):
+        rows = ~pad[0, r * bs : (r + 1) * bs]
+        qm = q[0, 0, r * bs : (r + 1) * bs][rows].mean(0)
+        bounds = []
+        for o in range(lay.num_regions):
+            kk = k[0, 0, o * bs : (o + 1) * bs][~pad[0, o * bs : (o + 1) * bs]]
+            bounds.append(torch.maximum(qm * kk.min(0).values, qm * kk.max(0).values).sum().item())
+        bounds[r] = -float("inf")  # own region is forced, not ranked
+        expected = sorted(sorted(range(lay.num_regions), key=lambda o: -bounds[o])[:2] + [r])
+        assert idx[0, 0, r][idx[0, 0, r] >= 0].tolist() == expected
+    model = Querent(QuerentConfig(in_dim=8, dim=16, num_heads=2, region_size=4, topk=2, region_score="mean")).eval()
+    with torch.no_grad():
+        out = model(torch.randn(len(coords), 8), coords, patch_size_level0=256)
+    assert torch.isfinite(out.logits).all()
+    with pytest.raises(ValueError, match="region_score"):
+        QuerentConfig(in_dim=8, region_score="median")
