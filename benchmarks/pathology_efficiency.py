@@ -8,7 +8,8 @@ is recorded as an error, not dropped. Ratios are dense / Querent at the same N.
 
 Attention FLOPs per layer (self-attention part only, multiply-adds ×2):
 dense ``4·N²·dim``; Querent ``4·N·(M + topk)·R²·dim`` with ``M ≤ 9`` neighbour regions, plus the region
-scores ``4·(N/R²)²·R²·head_dim·H`` (the upper bound against every region summary).
+scores: ``--region-score max`` ``4·N·(N/R²)·head_dim·H`` (every query against every region's min/max),
+``--region-score mean`` ``4·(N/R²)²·head_dim·H`` (one mean query per region).
 
     python -m benchmarks.pathology_efficiency --quick      # N = 1K, 4K, 16K
     python -m benchmarks.pathology_efficiency              # N = 1K, 4K, 16K, 64K, 100K
