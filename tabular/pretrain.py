@@ -42,7 +42,7 @@ __all__ = ["build_parser", "main", "curriculum", "masked_loss", "Trainer", "eval
 
 #: The curriculum's warm-up prior (see ``--easy-steps``).
 EASY_PRIOR = PriorConfig(p_binary=0.7, max_classes=4, p_tree=0.2, p_categorical=0.1, p_missing_table=0.1,
-                         p_rank_classes=1.0, min_layers=1, max_layers=1, max_noise=0.05)
+                         p_rank_classes=1.0, min_layers=1, max_layers=2, max_noise=0.05, max_causes=4)
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,7 @@ Every call to :meth:`TablePrior.sample` draws ``batch_size`` tables that share a
 a train/test split (so they stack into one tensor), but each has its own causal model, class count, feature
 types and missing-value pattern. Two families of structural causal models (SCMs):
 
-* **MLP-SCM** (default 70%): root causes ``z ~ N(0, s²)`` or ``U(-a, a)`` pass through a random MLP of random
+* **MLP-SCM** (default 70%): a few root causes (1..8) ``z ~ N(0, s²)`` or ``U(-a, a)`` pass through a random MLP of random
   depth and width (batched ``bmm`` over tables); each layer adds Gaussian noise (std 1e-4..0.3) and applies an
   activation drawn per table and per layer (tanh, relu, sin, abs, square, identity, sigmoid, step). Every
   hidden unit is a node of the causal graph; features and target are random nodes.
@@ -54,6 +54,7 @@ class PriorConfig:
     max_layers: int = 4
     min_width: int = 4  # SCM width range (nodes per layer); features need F + 1 nodes in total
     max_width: int = 130
+    max_causes: int = 8  # root causes drawn from 1..max_causes; every other node is a function of them
     min_noise: float = 1e-4  # per-layer noise std range, log-uniform
     max_noise: float = 0.3
     tree_depth: int = 4  # depth of each oblivious tree in tree-SCMs
@@ -72,6 +73,8 @@ class PriorConfig:
             raise ValueError(f"need 1 <= min_layers ({self.min_layers}) <= max_layers ({self.max_layers})")
         if not 2 <= self.min_width <= self.max_width:
             raise ValueError(f"need 2 <= min_width ({self.min_width}) <= max_width ({self.max_width})")
+        if not self.max_causes >= 1:
+            raise ValueError(f"max_causes ({self.max_causes}) must be at least 1")
         if not 0 < self.min_noise <= self.max_noise:
             raise ValueError(f"need 0 < min_noise ({self.min_noise}) <= max_noise ({self.max_noise})")
 
@@ -177,15 +180,16 @@ class TablePrior:
         use_uniform = (self._rand(B, 1, 1) < 0.3).float()
         return scale * (use_uniform * uniform + (1 - use_uniform) * normal)
 
-    def _mlp_scm(self, B: int, N: int, W: int, L: int) -> torch.Tensor:
-        """Nodes (B, N, L*W) of a random MLP causal graph."""
-        h = self._causes(B, N, W)
+    def _mlp_scm(self, B: int, N: int, W: int, L: int, K: int) -> torch.Tensor:
+        """Nodes (B, N, K + L*W) of a random MLP causal graph over ``K`` root causes (the causes are nodes too)."""
+        h = self._causes(B, N, K)
         noise_std = self._loguniform(self.config.min_noise, self.config.max_noise, (B, 1, 1))
-        nodes = []
+        nodes = [h]
         for _ in range(L):
             # Sparse-ish random weights: each edge kept with prob 0.5..1 per table.
-            w = self._randn(B, W, W) / math.sqrt(W)
-            keep = (self._rand(B, W, W) < (0.5 + 0.5 * self._rand(B, 1, 1))).float()
+            w_in = h.shape[2]
+            w = self._randn(B, w_in, W) / math.sqrt(w_in)
+            keep = (self._rand(B, w_in, W) < (0.5 + 0.5 * self._rand(B, 1, 1))).float()
             b = self._randn(B, 1, W) * 0.5
             h = torch.bmm(h, w * keep * math.sqrt(2.0)) + b  # (B, N, W)
             act = self._randint(0, len(_ACTIVATIONS) - 1, (B,))
@@ -194,8 +198,8 @@ class TablePrior:
             nodes.append(h)
         return torch.cat(nodes, dim=2)
 
-    def _tree_scm(self, B: int, N: int, W: int, L: int) -> torch.Tensor:
-        """Nodes (B, N, L*W): each layer grows W random oblivious trees on the previous layer and mixes them.
+    def _tree_scm(self, B: int, N: int, W: int, L: int, K: int) -> torch.Tensor:
+        """Nodes (B, N, K + L*W) over ``K`` root causes: each layer grows W random oblivious trees on the previous layer and mixes them.
 
         A tree of depth D picks one split feature and threshold per level (threshold = a random row's value,
         so splits land inside the data); its leaf index is the D-bit pattern of the row's split outcomes.
@@ -203,12 +207,12 @@ class TablePrior:
         """
         cfg = self.config
         D = cfg.tree_depth
-        h = self._causes(B, N, W)
+        h = self._causes(B, N, K)
         noise_std = self._loguniform(cfg.min_noise, cfg.max_noise, (B, 1, 1))
         powers = (2 ** torch.arange(D, device=self.device)).view(1, 1, 1, D)
-        nodes = []
+        nodes = [h]
         for _ in range(L):
-            feat = self._randint(0, W - 1, (B, W * D))  # split feature per (tree, level)
+            feat = self._randint(0, h.shape[2] - 1, (B, W * D))  # split feature per (tree, level)
             vals = torch.gather(h, 2, feat[:, None, :].expand(B, N, -1))  # (B, N, W*D)
             row = self._randint(0, N - 1, (B, 1, W * D))
             thr = torch.gather(vals, 1, row)  # (B, 1, W*D)
@@ -272,17 +276,18 @@ class TablePrior:
             raise ValueError(f"n_features must be >= 1, got {F}")
         L = int(self._randint(cfg.min_layers, cfg.max_layers, (1,)).item())
         W = int(self._randint(cfg.min_width, cfg.max_width, (1,)).item())
+        K = int(self._randint(1, cfg.max_causes, (1,)).item())  # root causes: few, so nodes are related
         W = max(W, math.ceil((F + 1) / L))  # enough nodes to pick F features + 1 target
         # Split the batch into the two SCM families (one vectorized pass each).
         is_tree = self._rand(B) < cfg.p_tree
-        nodes = torch.empty(B, N, L * W, device=self.device)
+        nodes = torch.empty(B, N, K + L * W, device=self.device)
         n_tree = int(is_tree.sum())
         if n_tree:
-            nodes[is_tree] = self._tree_scm(n_tree, N, W, L)
+            nodes[is_tree] = self._tree_scm(n_tree, N, W, L, K)
         if n_tree < B:
-            nodes[~is_tree] = self._mlp_scm(B - n_tree, N, W, L)
+            nodes[~is_tree] = self._mlp_scm(B - n_tree, N, W, L, K)
         # Pick F + 1 distinct nodes per table: the first is the target.
-        pick = torch.argsort(self._rand(B, L * W), dim=1)[:, : F + 1]  # (B, F+1)
+        pick = torch.argsort(self._rand(B, K + L * W), dim=1)[:, : F + 1]  # (B, F+1)
         chosen = torch.gather(nodes, 2, pick[:, None, :].expand(B, N, -1))
         t, X = chosen[:, :, 0], chosen[:, :, 1:].contiguous()
         # Class counts: 50% binary, else uniform on 2..max_classes.
