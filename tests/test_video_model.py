@@ -172,3 +172,26 @@ def test_all_questions_cover_every_colour_with_true_answers():
     exists = [q for q in qs if q and q.qtype == "exists"]
     assert [q.answer for q in exists] == ["yes" if c in order else "no" for c in range(len(COLOURS))]
     assert (qs[-1] is None) == (len(set(order)) < 2)
+
+
+def test_density_over_time_maps_memory_positions_to_chunks():
+    """Mass at memory position s lands in the chunk that consolidation placed there."""
+    from video.infinite import VideoMemory
+
+    T, tau, C = 1001, 0.75, 4
+    s = torch.linspace(0, 1, T)
+    bounds = [(c / C, (c + 1) / C) for c in range(C)]
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    k = int(rng.integers(0, C))  # chunk k from the end occupies (tau^(k+1), tau^k] (the first: (0, tau^(C-1)])
+    hi, lo = tau**k, (tau ** (k + 1) if k < C - 1 else 0.0)
+    mid = (hi + lo) / 2
+    dens = torch.exp(-((s - mid) ** 2) / (2 * 0.002**2))
+    mem = VideoMemory(path="x", method="infinite", num_frames=400, duration=16.0, frames_read=400,
+                      chunk_outputs=torch.zeros(C, 1, 1), chunk_times=torch.zeros(C), chunk_bounds=bounds,
+                      densities=[dens, dens], tau=tau)
+    times, mass = InfiniteVideo.density_over_time(mem, num_bins=40)
+    chunk = C - 1 - k
+    in_chunk = (times >= bounds[chunk][0] * 16) & (times < bounds[chunk][1] * 16)
+    assert mass[in_chunk].sum() > 0.99
+    # the middle of the chunk's memory span maps to the middle of the chunk in time
+    assert abs(times[mass.argmax()] - (bounds[chunk][0] + bounds[chunk][1]) / 2 * 16) < 16 / C / 4
