@@ -61,13 +61,16 @@ def browser():
         b.close()
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def page(browser, hub_url):
+    """One page for the whole module: the hub is loaded once, then each test visits its tab."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     p = context.new_page()
     errors: list[str] = []
     p.on("pageerror", lambda e: errors.append(str(e)))
-    p.goto(hub_url, wait_until="networkidle", timeout=120_000)
+    # Gradio keeps a live connection open, so wait for the rendered app rather than for network idle.
+    p.goto(hub_url, wait_until="domcontentloaded", timeout=180_000)
+    p.get_by_role("tab", name="Overview").wait_for(timeout=180_000)
     p.page_errors = errors  # type: ignore[attr-defined]
     yield p
     context.close()
