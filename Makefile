@@ -34,8 +34,10 @@ test: $(VENV)/.stamp-dev
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (setup problem)" >&2; exit 1; fi; \
 	exit $$rc
 
+# BENCH_ARGS=--quick for a smoke run of minutes; the full run takes hours on a 2-core CPU.
+BENCH_ARGS ?=
 bench: $(VENV)/.stamp-dev
-	$(PY) -m benchmarks.run_cpu
+	$(PY) -m benchmarks.run_cpu $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
