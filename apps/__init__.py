@@ -31,7 +31,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="One attention() entry point with reference, SDPA, chunked and Triton backends; block-sparse top-k attention.",
         package="core/, kernels/",
         ui_module="apps.attention.ui",
-        status="in progress",
+        status="works: reference, SDPA, chunked and Triton backends, top-k block-sparse attention; Triton kernels verified in the interpreter only (no GPU run yet)",
     ),
     AppSpec(
         key="tabicl",
@@ -47,7 +47,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Query-aware sparse attention over gigapixel whole-slide images, with the slide pipeline around it.",
         package="pathology/",
         ui_module="apps.querent.ui",
-        status="in progress",
+        status="works on synthetic slides: slide pipeline, Querent and MIL baselines, stand-in encoder and demo model; accuracy benchmark not yet run",
     ),
     AppSpec(
         key="infinite_video",
@@ -55,7 +55,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Continuous-time long-term memory for video Q-formers: any video length in bounded memory.",
         package="video/",
         ui_module="apps.infinite_video.ui",
-        status="in progress",
+        status="works: streaming reader, synthetic long-video QA, small trained Q-former, ∞-Video memory with four peers, batch CLI, quick benchmark",
     ),
     AppSpec(
         key="decision_mixer",
@@ -63,7 +63,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Offline RL with dynamic token selection, datasets and training runs.",
         package="rl/",
         ui_module="apps.decision_mixer.ui",
-        status="in progress",
+        status="works end to end on Hopper with a weak behaviour policy: datasets, DT/DM training and evaluation, demo; behaviour policies still training, benchmark not yet run",
     ),
     AppSpec(
         key="comemo",
