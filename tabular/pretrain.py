@@ -237,13 +237,15 @@ def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
         "config": trainer.model_config.to_dict(),
         "parameters": n_params,
         "command": command,
-        "data": "synthetic tables from tabular.prior.TablePrior (70% MLP-SCM, 30% tree-SCM), fresh every step",
+        "data": ("synthetic tables from tabular.prior.TablePrior (70% MLP-SCM, 30% tree-SCM), fresh every step; "
+                 f"the first {trainer.args.easy_steps} steps from the easy warm-up prior tabular.pretrain.EASY_PRIOR"),
         "step": trainer.step,
         "tables_seen": trainer.tables_seen,
         "wall_time_s": round(trainer.wall_time, 1),
         "processes": trainer.world,
         "validation_on_held_out_prior": val,
-        "validation_set": "tabular.pretrain.validation_set(): 64 tables, seed 1000003, 128-1024 rows, 2-40 features",
+        "validation_set": (f"tabular.pretrain.validation_set(): {trainer.args.val_tables} full-prior tables, seed 1000003, "
+                           f"128-1024 rows capped at {trainer.args.max_rows or 1024}, 2-40 features"),
     }
 
 

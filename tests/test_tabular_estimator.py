@@ -28,7 +28,13 @@ def _blobs(n=120, f=4, c=3, seed=None):
     return centers[y] + rng.normal(size=(n, f)), y
 
 
-@parametrize_with_checks([TabICLClassifier(n_estimators=1)])
+# Float32 kernels (matmul blocking, SDPA's query/key split sizes) depend on how many rows are processed
+# together, so predictions on a subset differ from the full batch by ~1e-6 (measured: 6e-7 absolute), above
+# this check's rtol of 1e-7. Invariance at 1e-5 is asserted in test_test_rows_independent_and_batching_invariant.
+_EXPECTED_FAILS = {"check_methods_subset_invariance": "float32 results vary by ~1e-6 with the batch composition"}
+
+
+@parametrize_with_checks([TabICLClassifier(n_estimators=1)], expected_failed_checks=lambda est: _EXPECTED_FAILS)
 def test_sklearn_contract(estimator, check):
     check(estimator)
 
