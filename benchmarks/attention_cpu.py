@@ -14,6 +14,8 @@ Cases:
         per query block, first and diagonal blocks always kept) then ``block_sparse_attention``; selection
         and attention are timed separately and together.
     blocksparse-{P}%: the same with ``K = round(P% · NK)`` blocks (``--density``), the ~10% target.
+    blocksparse-b{N}-{P}%: the ~10% case with key/query blocks of ``N`` rows (``--extra-block-sizes``),
+        ``K = round(P% · S/N)``; the dense rows it is compared with do not depend on the block size.
     flex-k{K} / flex-{P}%: ``torch.nn.attention.flex_attention`` compiled with ``torch.compile`` (eager
         flex ignores block sparsity and materialises the full scores) on a ``BlockMask.from_kv_blocks``
         built from the very same block index, so it computes the same attention; selection time excluded,
@@ -32,6 +34,7 @@ Usage:
     python -m benchmarks.attention_cpu                      # S = 1K, 4K, 16K, 64K
     python -m benchmarks.attention_cpu --sizes 1K,4K --quick
     python -m benchmarks.attention_cpu --sizes 64K --resume # add sizes to an existing JSON
+    python -m benchmarks.attention_cpu --sizes 64K --resume --extra-block-sizes 128 --cases blocksparse-b128
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=64, help="block-sparse block size (default 64)")
     p.add_argument("--topk", type=int, default=8, help="key blocks per query block (default 8)")
     p.add_argument("--density", type=float, default=0.10, help="second block-sparse case at this block fraction (default 0.10; 0 = off)")
+    p.add_argument("--extra-block-sizes", default="",
+                   help="comma-separated further block sizes for the --density case, run as blocksparse-b{N}-{P}%% "
+                        "(e.g. 128; default none)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions at small sizes (default 3)")
     p.add_argument("--max-dense-gb", type=float, default=4.0, help="skip 'reference' when its S×S scores exceed this (default 4)")
     p.add_argument("--case-timeout", type=float, default=3600.0, help="seconds per case before it is recorded as failed")
@@ -180,6 +186,7 @@ def _run_case(cfg: dict) -> dict:
                     ours = block_sparse_attention(q, k, v, idx, block_size=bs)
                     result["max_abs_diff_vs_blocksparse"] = float((flex(q, k, v, block_mask=block_mask) - ours).abs().max())
             result["density"] = block_density(idx, nk)
+            result["block_size"] = bs
             result["blocks_per_query_block"] = int(idx.shape[-1])
     result["peak_mb"] = mem.peak_mb()
     result["memory_method"] = mem.method
@@ -202,10 +209,31 @@ def _cases(args, S: int) -> list[tuple[str, dict]]:
             sparse.append((f"{round(100 * args.density)}%", k_d))
     for tag, k in sparse:
         out.append((f"blocksparse-{tag}", {"topk": k}))
+    if args.density > 0:
+        for bs in _extra_block_sizes(args):
+            k_b = max(1, round(args.density * math.ceil(S / bs)))
+            out.append((f"blocksparse-b{bs}-{round(100 * args.density)}%", {"topk": k_b, "block_size": bs}))
     if not args.no_flex and S >= parse_size(args.flex_min_size):
         for tag, k in sparse:
             out.append((f"flex-{tag}", {"topk": k}))
     return out
+
+
+def _extra_block_sizes(args) -> list[int]:
+    """Block sizes of ``--extra-block-sizes`` other than ``--block-size``, in the given order."""
+    sizes = []
+    for text in args.extra_block_sizes.split(","):
+        if not text.strip():
+            continue
+        try:
+            bs = int(text)
+        except ValueError:
+            raise SystemExit(f"--extra-block-sizes takes positive ints, got {text.strip()!r}") from None
+        if bs < 1:
+            raise SystemExit(f"--extra-block-sizes takes positive ints, got {bs}")
+        if bs != args.block_size and bs not in sizes:
+            sizes.append(bs)
+    return sizes
 
 
 def _skip_reason(args, name: str, S: int) -> str | None:
@@ -250,6 +278,7 @@ def _print_table(rows: list[dict]) -> str:
                 "select s": r.get("select_s"),
                 "reps": r.get("reps"),
                 "peak MB": r.get("peak_mb"),
+                "block": r.get("block_size"),
                 "density": r.get("density"),
                 "GFLOP/s": r.get("gflop_per_s"),
                 "x best dense": r.get("vs_best_dense"),
@@ -272,7 +301,7 @@ def _write(out_path: Path, args, base: dict, commands: list[str], results: list[
     write_json_atomic(out_path, {
         "benchmark": "attention_cpu",
         "commands": commands,
-        "config": {**base, "topk": args.topk, "density": args.density},
+        "config": {**base, "topk": args.topk, "density": args.density, "extra_block_sizes": _extra_block_sizes(args)},
         "flop_formula": "dense 4*B*H*Sq*Sk*D; sparse: dense * density (selected block pairs / all block pairs)",
         "memory_method": "peak RSS growth per case in a fresh subprocess (VmHWM after clear_refs); see benchmarks/common.py",
         "env": env_info(),

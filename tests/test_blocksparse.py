@@ -321,3 +321,25 @@ def test_memory_never_quadratic():
     assert out.shape == (1, 1, S, 16)
     dense = S * S * 4
     assert 0 < LargestOutput.biggest < dense / 8, f"largest tensor {LargestOutput.biggest} bytes vs dense scores {dense}"
+
+
+def test_block_128_unmasked_path_matches_masked_reference():
+    """The benchmarked ~10% configuration at block 128 (no -1 slot, no mask): exact inside the chosen blocks."""
+    bs, S = 128, 1280
+    q, k, v = _qkv(1, 2, 2, S, S, 32, dtype=torch.float64)
+    idx = select_blocks(q, k, block_size=bs, topk=2)
+    assert bool((idx >= 0).all()) and idx.shape[-1] == 2
+    out = block_sparse_attention(q, k, v, idx, block_size=bs)
+    ref = _dense_masked(q, k, v, idx, block_size=bs, causal=False, key_padding_mask=None)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_benchmark_extra_block_size_case():
+    """benchmarks.attention_cpu --extra-block-sizes adds a ~10% case with K counted in the larger blocks."""
+    from benchmarks.attention_cpu import _cases, build_parser
+
+    args = build_parser().parse_args(["--extra-block-sizes", "128,64", "--no-flex"])
+    cases = dict(_cases(args, 65536))
+    assert cases["blocksparse-10%"] == {"topk": 102}
+    assert cases["blocksparse-b128-10%"] == {"topk": 51, "block_size": 128}
+    assert not any(name.startswith("blocksparse-b64") for name in cases)  # the base block size is not repeated
