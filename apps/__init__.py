@@ -39,7 +39,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="In-context classification of large tables, scikit-learn compatible.",
         package="tabular/",
         ui_module="apps.tabicl.ui",
-        status="in progress",
+        status="works end to end: prior, pretraining, scikit-learn estimator, demo; the shipped checkpoint is an early one and below the baselines, pretraining ongoing",
     ),
     AppSpec(
         key="querent",
