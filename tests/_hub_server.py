@@ -58,3 +58,21 @@ def running_hub(module: str = "apps", *, timeout: float = 240.0, log_path: Path 
             proc.wait()
         if log_path:
             log.close()
+
+
+@contextlib.contextmanager
+def served_ui(ui_module: str):
+    """Build one app's UI (``<ui_module>.build_ui()``) in-process, serve it on a free port, yield its URL."""
+    import importlib
+
+    import gradio as gr
+
+    module = importlib.import_module(ui_module)
+    with gr.Blocks() as demo:
+        module.build_ui()
+    port = free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()

@@ -4,32 +4,19 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 
 import pytest
 
 gr = pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests._hub_server import served_ui  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def served():
-    from apps.attention.ui import build_ui
-
-    with gr.Blocks() as demo:
-        build_ui()
-    port = _free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=True)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with served_ui("apps.attention.ui") as url:
+        yield url
 
 
 def test_run_reports_map_errors_and_timings(served):

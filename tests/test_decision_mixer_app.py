@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -10,25 +9,13 @@ import pytest
 gr = pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests._hub_server import served_ui  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def served():
-    from apps.decision_mixer.ui import build_ui
-
-    with gr.Blocks() as demo:
-        build_ui()
-    port = _free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=True)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with served_ui("apps.decision_mixer.ui") as url:
+        yield url
 
 
 def test_run_episode_returns_video_plots_and_status(served):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 
 gr = pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
+
+from tests._hub_server import served_ui  # noqa: E402
 pytest.importorskip("openslide")
 
 from pathology.inference import DEFAULT_SLIDE_MODEL, bundled_samples  # noqa: E402
@@ -20,24 +21,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served():
-    from apps.querent.ui import build_ui
-
-    with gr.Blocks() as demo:
-        build_ui()
-    port = _free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=True)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with served_ui("apps.querent.ui") as url:
+        yield url
 
 
 def test_analyse_bundled_slide(served):
