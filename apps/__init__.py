@@ -47,7 +47,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Query-aware sparse attention over gigapixel whole-slide images, with the slide pipeline around it.",
         package="pathology/",
         ui_module="apps.querent.ui",
-        status="works on synthetic slides: slide pipeline, Querent and MIL baselines, stand-in encoder and demo model; accuracy benchmark not yet run",
+        status="works on synthetic slides: slide pipeline, Querent and MIL baselines, stand-in encoder and demo model; long-range accuracy target not met yet (quick run)",
     ),
     AppSpec(
         key="infinite_video",
