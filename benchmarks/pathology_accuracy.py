@@ -60,13 +60,19 @@ def main(argv=None) -> int:
     rows = []
     for target, task in TASKS:
         bags = load_bags(feats, labels, task=task, target=target)
+        # Folds are stratified (on the event for survival); a small run can have fewer censored slides than
+        # folds, so cap the fold count there and record it in the row rather than stopping the whole run.
+        strat = [b.event if task == "survival" else b.label for b in bags]
+        folds = max(2, min(args.folds, min(strat.count(v) for v in set(strat))))
+        if folds != args.folds:
+            print(f"{target}: {folds} folds instead of {args.folds} (smallest stratum has {folds} slides)", flush=True)
         for name in args.models.split(","):
             cfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=64, depth=2, num_heads=4, region_size=4,
                                 topk=4, dropout=0.1, num_classes=2, task=task)
             tcfg = TrainConfig(epochs=epochs, lr=1e-3, batch_slides=4, seed=args.seed)
             t1 = time.perf_counter()
-            res = cross_validate(name, cfg, bags, tcfg, folds=args.folds)
-            row = {"task": target, "model": name, "seconds": round(time.perf_counter() - t1, 1)}
+            res = cross_validate(name, cfg, bags, tcfg, folds=folds)
+            row = {"task": target, "model": name, "folds": folds, "seconds": round(time.perf_counter() - t1, 1)}
             for k, v in res["summary"].items():
                 row[k] = f"{v['mean']:.3f} ± {v['std']:.3f}"
                 row[k + "_mean"] = v["mean"]
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
             print(row, flush=True)
     write_json_atomic(args.out, {"env": env_info(), "n_slides": n, "size": args.size, "folds": args.folds,
                                  "epochs": epochs, "prep_seconds": round(prep_s, 1), "rows": rows})
-    print(format_table(rows, ["task", "model", "auc", "balanced_accuracy", "c_index", "seconds"]))
+    print(format_table(rows, ["task", "model", "folds", "auc", "balanced_accuracy", "c_index", "seconds"]))
     return 0
 
 
