@@ -109,6 +109,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _remove_dead_temps(paths) -> None:
+    """Delete temp files (``.<name>.<pid>.tmp[.png]``) of these outputs whose writer process is gone.
+
+    A run killed mid-write leaves its temp file behind; the run that takes over the slide clears it, so no
+    partial file survives a kill and rerun. Temps of live processes are left alone.
+    """
+    import glob
+
+    for path in paths:
+        d, b = os.path.split(path)
+        for tmp in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(b)}.*.tmp*")):
+            pid = os.path.basename(tmp)[len(b) + 2:].split(".", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                try:
+                    os.remove(tmp)
+                except FileNotFoundError:
+                    pass
+
+
 class _Lock:
     """An exclusive lock file; a lock left by a dead process on this host is taken over."""
 
@@ -292,6 +311,7 @@ def run_batch(cfg: BatchConfig) -> list[dict]:
             _write_csv_atomic(manifest_path, list(rows.values()))
             continue
         try:
+            _remove_dead_temps(runner.outputs(sid).values())
             rows[sid] = runner.process(path)
         except Exception as e:  # noqa: BLE001 - every failure is recorded; re-raised unless skip_errors
             msg = f"{type(e).__name__}: {e}"

@@ -357,3 +357,21 @@ def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
     res = json.loads((out / f"{specs[0].name}.json").read_text())
     assert res["n_patches"] == a.n_patches and set(res["probabilities"]) == {"neg", "pos"}
     assert (out / f"{specs[0].name}_heatmap.png").exists() and (out / f"{specs[0].name}_overview.png").exists()
+
+
+def test_dead_writers_temp_files_are_cleared(tmp_path):
+    """Temp files of a killed writer are removed when a run takes the slide over; a live writer's are kept."""
+    from pathology.batch import _remove_dead_temps
+
+    final = tmp_path / "slide_001.h5"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".slide_001.h5.{dead.pid}.tmp"
+    stale_png = tmp_path / f".slide_001.h5.{dead.pid}.tmp.png"
+    live = tmp_path / f".slide_001.h5.{os.getppid()}.tmp"
+    other = tmp_path / f".slide_002.h5.{dead.pid}.tmp"
+    for f in (stale, stale_png, live, other):
+        f.write_bytes(b"partial")
+    _remove_dead_temps([str(final)])
+    assert not stale.exists() and not stale_png.exists()
+    assert live.exists() and other.exists()
