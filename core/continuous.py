@@ -44,6 +44,7 @@ __all__ = [
     "trapezoid_grid",
     "continuous_attention",
     "attention_density",
+    "continuous_attention_with_density",
     "mix_attention",
     "density_histogram",
     "sticky_positions",
@@ -73,10 +74,14 @@ class BoxBasis:
             raise ValueError(f"num_basis must be >= 1, got {num_basis}")
         self.num_basis = num_basis
 
+    def index(self, t: torch.Tensor) -> torch.Tensor:
+        """The box each position falls in (long, same shape as ``t``); positions are not checked."""
+        return (t * self.num_basis).floor().long().clamp_(0, self.num_basis - 1)
+
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """Evaluate at positions ``t`` (``(T,)`` in ``[0, 1]``); returns ``(N, T)``."""
         _check_positions(t)
-        idx = (t * self.num_basis).floor().long().clamp_(0, self.num_basis - 1)  # (T,)
+        idx = self.index(t)  # (T,)
         out = torch.zeros(self.num_basis, t.numel(), dtype=t.dtype, device=t.device)
         out[idx, torch.arange(t.numel(), device=t.device)] = 1.0
         return out
@@ -127,31 +132,60 @@ def ridge_fit(x_BLD: torch.Tensor, t_L: torch.Tensor, basis, *, ridge: float = 0
 
     Args:
         x_BLD: signal, ``(B, L, D)`` (or ``(L, D)``), one vector per position.
-        t_L: positions in ``[0, 1]``, ``(L,)``.
+        t_L: positions in ``[0, 1]``: ``(L,)`` shared by every row, or ``(B, L)`` one set per row.
         basis: a basis (callable ``t -> (N, T)``).
         ridge: the ridge penalty ``lambda`` (>= 0; 0 only works when ``F F^T`` is invertible).
 
     Returns:
         Coefficients ``(B, N, D)`` (or ``(N, D)``), in float32 or the input's wider float dtype.
+
+    A box basis takes a closed form: ``F F^T`` is diagonal (the number of points in each box), so
+    ``B_j = sum_{t_i in box j} x_i / (count_j + lambda)``, one scatter-add instead of a linear solve.
+    Other bases solve the ``N x N`` system by Cholesky (``lambda > 0``) or LU, all rows at once.
     """
     squeeze = x_BLD.dim() == 2
     if squeeze:
         x_BLD = x_BLD[None]
     if x_BLD.dim() != 3:
         raise ValueError(f"x must be (B, L, D) or (L, D), got shape {tuple(x_BLD.shape)}")
-    if t_L.dim() != 1 or t_L.numel() != x_BLD.shape[1]:
-        raise ValueError(f"positions must be ({x_BLD.shape[1]},), got shape {tuple(t_L.shape)}")
+    Bsz, L, _ = x_BLD.shape
+    if not (t_L.dim() == 1 and t_L.numel() == L) and not (t_L.dim() == 2 and tuple(t_L.shape) == (Bsz, L)):
+        raise ValueError(f"positions must be ({L},) or ({Bsz}, {L}), got shape {tuple(t_L.shape)}")
     if ridge < 0:
         raise ValueError(f"ridge must be >= 0, got {ridge}")
+    _check_positions(t_L.reshape(-1))
     dtype = torch.promote_types(x_BLD.dtype, torch.float32)
-    F_NL = basis(t_L.to(device=x_BLD.device, dtype=dtype))  # (N, L)
-    N = F_NL.shape[0]
-    G_NN = F_NL @ F_NL.T + ridge * torch.eye(N, dtype=dtype, device=x_BLD.device)
-    rhs_NBD = torch.einsum("nl,bld->nbd", F_NL, x_BLD.to(dtype))  # F X, per batch
-    # B = (F F^T + lambda I)^-1 F X  (the transpose of X F^T (F F^T + lambda I)^-1; G is symmetric)
-    coef = torch.linalg.solve(G_NN, rhs_NBD.reshape(N, -1)).reshape(rhs_NBD.shape)  # (N, B, D)
-    coef_BND = coef.permute(1, 0, 2).contiguous()
+    coef_BND = _ridge_fit(x_BLD.to(dtype), t_L.to(device=x_BLD.device, dtype=dtype), basis, ridge)
     return coef_BND[0] if squeeze else coef_BND
+
+
+def _ridge_fit(x_BLD: torch.Tensor, t: torch.Tensor, basis, ridge: float) -> torch.Tensor:
+    """:func:`ridge_fit` without checks: ``x (B, L, D)`` float, ``t (L,)`` or ``(B, L)`` in ``[0, 1]``."""
+    B, L, D = x_BLD.shape
+    N = basis.num_basis
+    if isinstance(basis, BoxBasis):
+        idx_BL = basis.index(t).expand(B, L)
+        sums = torch.zeros(B, N, D, dtype=x_BLD.dtype, device=x_BLD.device)
+        sums.scatter_add_(1, idx_BL[..., None].expand(B, L, D), x_BLD)
+        counts = torch.zeros(B, N, dtype=x_BLD.dtype, device=x_BLD.device)
+        counts.scatter_add_(1, idx_BL, torch.ones_like(idx_BL, dtype=x_BLD.dtype))
+        denom = counts + ridge
+        if (denom <= 0).any():
+            raise ValueError("ridge = 0 needs a point in every box (F F^T is singular); use ridge > 0")
+        return sums / denom[..., None]
+    if t.dim() == 1:
+        F = basis(t)[None]  # (1, N, L)
+    else:
+        F = basis(t.reshape(-1)).reshape(N, B, L).transpose(0, 1)  # (B, N, L)
+    G = F @ F.transpose(1, 2) + ridge * torch.eye(N, dtype=x_BLD.dtype, device=x_BLD.device)  # (1|B, N, N)
+    rhs = F @ x_BLD  # (B, N, D): F X per row
+    # B = (F F^T + lambda I)^-1 F X  (the transpose of X F^T (F F^T + lambda I)^-1; G is symmetric)
+    if ridge > 0:
+        chol, info = torch.linalg.cholesky_ex(G)
+        if not bool((info == 0).all()):  # numerically not positive definite: fall back to LU
+            return torch.linalg.solve(G.expand(B, N, N), rhs)
+        return torch.cholesky_solve(rhs, chol.expand(B, N, N))
+    return torch.linalg.solve(G.expand(B, N, N), rhs)
 
 
 def evaluate_signal(coef_BND: torch.Tensor, t_T: torch.Tensor, basis) -> torch.Tensor:
@@ -228,6 +262,39 @@ def attention_density(
     scores = torch.einsum("bhqd,bhtd->bhqt", q_BHQD.float(), k) * scale + logw_T.float()
     probs = scores.softmax(dim=-1)  # quadrature probabilities w_i p(t_i)
     return probs.mean(dim=(1, 2)) / logw_T.float().exp()  # (B, T) density
+
+
+def continuous_attention_with_density(
+    q_BHQD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    v_BHTD: torch.Tensor,
+    logw_T: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`continuous_attention` and :func:`attention_density` from one softmax over the points.
+
+    The two read the same quadrature probabilities ``w_i p(t_i)``; computing them once halves the
+    score work of a memory read. Scores and probabilities are float32.
+
+    Returns:
+        ``(context (B, H, Q, D_v)`` in the queries' dtype, ``density (B, T)`` float32).
+    """
+    B, H, Q, D = q_BHQD.shape
+    Hkv, T = k_BHTD.shape[1], k_BHTD.shape[2]
+    if logw_T.shape != (T,):
+        raise ValueError(f"logw must be ({T},) to match the keys' integration points, got {tuple(logw_T.shape)}")
+    if H % Hkv:
+        raise ValueError(f"key heads ({Hkv}) must divide query heads ({H})")
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    g = H // Hkv
+    q = q_BHQD.float().reshape(B, Hkv, g * Q, D)  # query heads grouped under their key head
+    logw = logw_T.float()
+    probs = torch.baddbmm(logw.expand(B * Hkv, g * Q, T), q.reshape(B * Hkv, g * Q, D),
+                          k_BHTD.float().reshape(B * Hkv, T, D).transpose(1, 2), alpha=scale).softmax(dim=-1)
+    out = torch.bmm(probs, v_BHTD.float().reshape(B * Hkv, T, -1))  # (B*Hkv, g*Q, D_v)
+    density = probs.reshape(B, H * Q, T).mean(dim=1) / logw.exp()
+    return out.reshape(B, H, Q, -1).to(q_BHQD.dtype), density
 
 
 def mix_attention(short_term: torch.Tensor, long_term: torch.Tensor | None, alpha: float) -> torch.Tensor:
@@ -351,6 +418,9 @@ class ContinuousMemory:
         kw = {"width": self.config.gaussian_width} if self.config.basis == "gaussian" else {}
         self.basis = make_basis(self.config.basis, self.config.num_basis, **kw)
         self._seed = seed
+        # Tensors that depend only on the configuration (positions, basis values, the ridge solve for fixed
+        # positions), built on first use per device and kept across reset(): see _cached.
+        self._cache: dict = {}
         self.reset()
 
     def reset(self) -> None:
@@ -369,44 +439,99 @@ class ContinuousMemory:
     def is_empty(self) -> bool:
         return self.coef is None
 
+    def _cached(self, key: tuple, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
     def grid(self, *, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The integration points and their log trapezoid weights."""
-        return trapezoid_grid(self.config.num_points, device=device, dtype=dtype)
+        return self._cached(("grid", str(device), dtype),
+                            lambda: trapezoid_grid(self.config.num_points, device=device, dtype=dtype))
+
+    def _grid_basis(self, device) -> torch.Tensor:
+        """The basis at the integration points, ``(N, T)`` float32."""
+        return self._cached(("psi_T", str(device)), lambda: self.basis(self.grid(device=device)[0]))
+
+    def _new_positions(self, L: int, first: bool, device) -> torch.Tensor:
+        """Where a chunk of ``L`` frames goes: frame centres on ``(0, 1)`` (first chunk) or on ``(tau, 1)``."""
+        def build():
+            c = (torch.arange(L, device=device, dtype=torch.float32) + 0.5) / L
+            return c if first else self.config.tau + (1 - self.config.tau) * c
+        return self._cached(("t_new", L, first, str(device)), build)
+
+    def _fixed_maps(self, L: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consolidation with evenly spaced resampling as two matrices: ``coef' = R_old coef + R_new x``.
+
+        The positions do not change from chunk to chunk, so ``A = (F F^T + lambda I)^-1 F`` is solved once;
+        ``R_old = A[:, :M] psi(s)^T`` (``N x N``) carries the old coefficients through sampling at ``s`` and
+        squeezing, ``R_new = A[:, M:]`` (``N x L``) fits the new frames.
+        """
+        def build():
+            cfg = self.config
+            s_M = uniform_positions(cfg.num_samples, device=device)
+            t_all = torch.cat([cfg.tau * s_M, self._new_positions(L, False, device)])
+            eye = torch.eye(t_all.numel(), device=device)[None]  # fitting the identity gives A^T
+            A_NP = _ridge_fit(eye, t_all, self.basis, cfg.ridge)[0]  # (N, M + L): row p of the identity -> A[:, p]
+            M = cfg.num_samples
+            return A_NP[:, :M] @ self.basis(s_M).T, A_NP[:, M:].contiguous()
+        return self._cached(("maps", L, str(device)), build)
 
     def resample_positions(self, batch: int, device=None) -> torch.Tensor:
         """Positions ``(B, M)`` in ``(0, 1]`` at which the old signal is sampled for consolidation."""
         cfg = self.config
         if cfg.sticky and self.density is not None:
-            t_T, _ = self.grid(device=self.density.device)
-            hist = density_histogram(self.density, t_T, cfg.num_bins)
-            return sticky_positions(hist, cfg.num_samples, generator=self._generator).to(device)
+            return sticky_positions(self._histogram(), cfg.num_samples, generator=self._generator).to(device)
         return uniform_positions(cfg.num_samples, device=device).expand(batch, -1)
 
+    def _histogram(self) -> torch.Tensor:
+        """:func:`density_histogram` of the recorded density, with the bin of each point and the weights cached."""
+        cfg, dev = self.config, self.density.device
+
+        def build():
+            t_T, logw_T = self.grid(device=dev)
+            return (t_T * cfg.num_bins).floor().long().clamp_(0, cfg.num_bins - 1), logw_T.exp()
+        idx_T, w_T = self._cached(("hist", str(dev)), build)
+        hist = torch.zeros(self.density.shape[0], cfg.num_bins, dtype=torch.float32, device=dev)
+        hist.index_add_(1, idx_T, self.density * w_T)
+        total = hist.sum(dim=1, keepdim=True)
+        if (total <= 0).any():
+            raise ValueError("density has zero mass")
+        return hist / total
+
     def update(self, x_BLD: torch.Tensor) -> None:
-        """Consolidate a new chunk ``(B, L, D)`` (one vector per frame) into the memory."""
+        """Consolidate a new chunk ``(B, L, D)`` (one vector per frame) into the memory.
+
+        Evenly spaced resampling (not sticky, or no density yet) is linear in the old coefficients and the
+        new frames with matrices that depend only on ``L`` (cached, see :meth:`_fixed_maps`); sticky
+        positions change every chunk and are refitted, all rows at once (a scatter-add for the box basis).
+        """
         if x_BLD.dim() != 3 or x_BLD.shape[1] < 1:
             raise ValueError(f"chunk must be (B, L, D) with L >= 1, got shape {tuple(x_BLD.shape)}")
         cfg = self.config
         B, L, D = x_BLD.shape
         x = x_BLD.float()
+        dev = x.device
         if self.coef is None:
-            t_new = (torch.arange(L, device=x.device, dtype=torch.float32) + 0.5) / L  # frame centres
-            self.coef = ridge_fit(x, t_new, self.basis, ridge=cfg.ridge)
+            self.coef = _ridge_fit(x, self._new_positions(L, True, dev), self.basis, cfg.ridge)
         else:
             if self.coef.shape[0] != B or self.coef.shape[2] != D:
                 raise ValueError(f"chunk {tuple(x_BLD.shape)} does not match the memory's (B, D) = "
                                  f"({self.coef.shape[0]}, {self.coef.shape[2]}); reset() between videos")
-            s_BM = self.resample_positions(B, device=x.device)
-            # old signal at s_m, placed at tau * s_m in (0, tau]
-            psi_NBM = self.basis(s_BM.reshape(-1)).reshape(cfg.num_basis, B, -1)
-            old_BMD = torch.einsum("nbm,bnd->bmd", psi_NBM, self.coef)
-            t_new = cfg.tau + (1 - cfg.tau) * (torch.arange(L, device=x.device, dtype=torch.float32) + 0.5) / L
-            coefs = []
-            for b in range(B):  # positions differ per row when sticky
-                t_all = torch.cat([cfg.tau * s_BM[b], t_new])
-                x_all = torch.cat([old_BMD[b], x[b]], dim=0)
-                coefs.append(ridge_fit(x_all, t_all, self.basis, ridge=cfg.ridge))
-            self.coef = torch.stack(coefs)
+            if not (cfg.sticky and self.density is not None):
+                R_old, R_new = self._fixed_maps(L, dev)
+                self.coef = torch.matmul(R_old, self.coef) + torch.matmul(R_new, x)
+            else:
+                s_BM = self.resample_positions(B, device=dev)
+                # old signal at s_m, placed at tau * s_m in (0, tau]
+                if isinstance(self.basis, BoxBasis):
+                    idx = self.basis.index(s_BM)  # (B, M)
+                    old_BMD = self.coef.gather(1, idx[..., None].expand(B, idx.shape[1], D))
+                else:
+                    psi_NBM = self.basis(s_BM.reshape(-1)).reshape(cfg.num_basis, B, -1)
+                    old_BMD = torch.einsum("nbm,bnd->bmd", psi_NBM, self.coef)
+                t_all = torch.cat([cfg.tau * s_BM, self._new_positions(L, False, dev).expand(B, L)], dim=1)
+                self.coef = _ridge_fit(torch.cat([old_BMD, x], dim=1), t_all, self.basis, cfg.ridge)
         self.num_chunks += 1
         self.num_frames += L
 
@@ -414,8 +539,34 @@ class ContinuousMemory:
         """The signal at the integration points ``(B, T, D)`` and the log weights ``(T,)``."""
         if self.coef is None:
             raise ValueError("the memory is empty: call update() with a chunk first")
-        t_T, logw_T = self.grid(device=self.coef.device)
-        return evaluate_signal(self.coef, t_T, self.basis), logw_T
+        _, logw_T = self.grid(device=self.coef.device)
+        psi_NT = self._grid_basis(self.coef.device)
+        return torch.matmul(psi_NT.T, self.coef), logw_T
+
+    def project_points(self, fn) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """An affine map of the signal at the integration points, computed on the ``N`` coefficients.
+
+        ``fn`` maps vectors ``(B, n, D)`` to a tensor or tuple of tensors whose axis ``-2`` runs over the
+        ``n`` inputs (e.g. an attention layer's key/value projection ``(B, H, n, d)``) and must be affine
+        along it (``f(x) = W x + b``). Since ``x(t) = sum_j psi_j(t) c_j``,
+        ``f(x(t)) = psi(t)^T (f(c) - f(0)) + f(0)``: ``fn`` sees ``N + 1`` vectors instead of ``T`` points.
+
+        Returns:
+            ``(outputs, logw_T)``: a tuple with each output evaluated at the ``T`` points, and the log weights.
+        """
+        if self.coef is None:
+            raise ValueError("the memory is empty: call update() with a chunk first")
+        B, N, D = self.coef.shape
+        out = fn(torch.cat([self.coef, self.coef.new_zeros(B, 1, D)], dim=1))
+        outs = out if isinstance(out, tuple) else (out,)
+        psi_NT = self._grid_basis(self.coef.device)
+        res = []
+        for o in outs:
+            if o.shape[-2] != N + 1:
+                raise ValueError(f"fn must keep the {N + 1} inputs on axis -2, got shape {tuple(o.shape)}")
+            f0 = o[..., N:, :]
+            res.append(torch.matmul(psi_NT.T.to(o.dtype), o[..., :N, :] - f0) + f0)
+        return tuple(res), self.grid(device=self.coef.device)[1]
 
     def set_density(self, density_BT: torch.Tensor) -> None:
         """Record the attention density ``(B, T)`` at the integration points (used by sticky resampling)."""

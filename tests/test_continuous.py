@@ -15,6 +15,7 @@ from core.continuous import (
     GaussianBasis,
     attention_density,
     continuous_attention,
+    continuous_attention_with_density,
     density_histogram,
     evaluate_signal,
     make_basis,
@@ -242,3 +243,97 @@ def test_config_validation():
         mem.update(torch.randn(1, 4, 7))
     with pytest.raises(ValueError, match="density"):
         mem.set_density(torch.rand(1, 49))
+
+
+# -- the fast paths equal the plain formulas ----------------------------------------------------------------
+
+
+def _dense_ridge(x_LD: torch.Tensor, t_L: torch.Tensor, basis, ridge: float) -> torch.Tensor:
+    """``B = (F F^T + lambda I)^-1 F X`` written out, in float64."""
+    F = basis(t_L.double())
+    G = F @ F.T + ridge * torch.eye(F.shape[0], dtype=torch.float64)
+    return torch.linalg.inv(G) @ F @ x_LD.double()
+
+
+@pytest.mark.parametrize("kind", ["box", "gaussian"])
+def test_ridge_fit_fast_paths_equal_the_formula_per_row(kind):
+    """Box closed form (scatter-add) and batched Cholesky with one position set per row match the formula."""
+    B, L, N, D = 3, 50, 13, 4
+    x = torch.randn(B, L, D)
+    t = torch.rand(B, L)
+    basis = make_basis(kind, N)
+    lam = float(torch.rand(()) + 0.1)
+    coef = ridge_fit(x, t, basis, ridge=lam)
+    for b in range(B):
+        torch.testing.assert_close(coef[b].double(), _dense_ridge(x[b], t[b], basis, lam), rtol=1e-4, atol=1e-5)
+    shared = ridge_fit(x, t[0], basis, ridge=lam)
+    torch.testing.assert_close(shared[2].double(), _dense_ridge(x[2], t[0], basis, lam), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="positions"):
+        ridge_fit(x, torch.rand(B + 1, L), basis)
+
+
+def test_box_ridge_zero_needs_every_box_filled():
+    with pytest.raises(ValueError, match="ridge"):
+        ridge_fit(torch.randn(5, 2), torch.full((5,), 0.1), BoxBasis(4), ridge=0.0)
+    t = (torch.arange(8) + 0.5) / 8
+    x = torch.randn(8, 2)
+    torch.testing.assert_close(ridge_fit(x, t, BoxBasis(4), ridge=0.0), x.reshape(4, 2, 2).mean(1))
+
+
+@pytest.mark.parametrize("kind,sticky", [("box", True), ("box", False), ("gaussian", True), ("gaussian", False)])
+def test_memory_update_equals_the_plain_consolidation(kind, sticky):
+    """Cached maps / batched refits give the coefficients of sampling, squeezing and refitting row by row."""
+    cfg = ContinuousMemoryConfig(basis=kind, num_basis=24, num_samples=96, num_bins=16, num_points=120,
+                                 sticky=sticky, ridge=float(torch.rand(()) * 0.9 + 0.1))
+    seed = int(torch.randint(0, 2**30, (1,)))
+    fast, ref = ContinuousMemory(cfg, seed=seed), ContinuousMemory(cfg, seed=seed)
+    B, D = 2, 5
+    for n in range(5):
+        L = int(torch.randint(4, 40, (1,)))
+        x = torch.randn(B, L, D)
+        fast.update(x)
+        c = (torch.arange(L, dtype=torch.float64) + 0.5) / L
+        if ref.coef is None:
+            ref.coef = torch.stack([_dense_ridge(x[b], c, ref.basis, cfg.ridge) for b in range(B)])
+        else:
+            s = ref.resample_positions(B).double()  # the same draws as the fast memory (same seed)
+            rows = []
+            for b in range(B):
+                old = ref.basis(s[b]).T @ ref.coef[b]  # the old signal at s
+                t_all = torch.cat([cfg.tau * s[b], cfg.tau + (1 - cfg.tau) * c])
+                rows.append(_dense_ridge(torch.cat([old, x[b].double()]), t_all, ref.basis, cfg.ridge))
+            ref.coef = torch.stack(rows)
+        torch.testing.assert_close(fast.coef.double(), ref.coef, rtol=1e-4, atol=1e-4)
+        dens = torch.rand(B, cfg.num_points) ** 4 + 1e-3
+        fast.set_density(dens)
+        ref.set_density(dens)
+    x_T, _ = fast.points()
+    t_T, _ = trapezoid_grid(cfg.num_points, dtype=torch.float64)
+    torch.testing.assert_close(x_T.double(), evaluate_signal(ref.coef, t_T, ref.basis), rtol=1e-4, atol=1e-4)
+
+
+def test_continuous_attention_with_density_equals_the_two_reads():
+    B, H, Hkv, Q, T, D = 2, 4, 2, 3, 90, 8
+    q, k, v = torch.randn(B, H, Q, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, 6)
+    _, logw = trapezoid_grid(T)
+    out, dens = continuous_attention_with_density(q, k, v, logw)
+    torch.testing.assert_close(out, continuous_attention(q, k, v, logw), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dens, attention_density(q, k, logw), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="logw"):
+        continuous_attention_with_density(q, k, v, logw[:-1])
+
+
+@pytest.mark.parametrize("kind", ["box", "gaussian"])
+def test_project_points_equals_projecting_every_point(kind):
+    """An affine layer applied on the coefficients equals the layer applied to the signal at every point."""
+    mem = ContinuousMemory(ContinuousMemoryConfig(basis=kind, num_basis=16, num_points=150), seed=0)
+    D = 6
+    mem.update(torch.randn(2, 20, D))
+    lin_k, lin_v = torch.nn.Linear(D, 8), torch.nn.Linear(D, 4)
+    with torch.no_grad():
+        lin_k.bias.normal_()
+        (k, v), logw = mem.project_points(lambda c: (lin_k(c)[:, None], lin_v(c)[:, None]))
+        x_T, logw_ref = mem.points()
+        torch.testing.assert_close(k[:, 0], lin_k(x_T), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v[:, 0], lin_v(x_T), rtol=1e-4, atol=1e-5)
+    assert torch.equal(logw, logw_ref)

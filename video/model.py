@@ -23,12 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from core.continuous import (
-    ContinuousMemory,
-    attention_density,
-    continuous_attention,
-    mix_attention,
-)
+from core.continuous import ContinuousMemory, continuous_attention_with_density, mix_attention
 from core.layers import QFormerBlock
 from video.encoders import build_frame_encoder
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES
@@ -93,11 +88,12 @@ class _MemoryCrossAttention:
         B, N, D = context_BND.shape
         frames_BLD = context_BND.reshape(B, N // self.tpf, self.tpf, D).mean(2)  # one vector per frame
         self.memory.update(frames_BLD)
-        x_BTD, logw_T = self.memory.points()  # the signal at the integration points
-        k, v = attn.project_kv(x_BTD.to(context_BND.dtype))  # (B, H, T, hd)
+        # keys and values of the signal at the integration points (B, H, T, hd), through the same projections;
+        # they are affine, so they are applied to the N basis coefficients rather than the T points
+        (k, v), logw_T = self.memory.project_points(lambda c: attn.project_kv(c.to(context_BND.dtype)))
         q = attn.project_q(queries_BQD)  # (B, H, Q, hd)
-        long = attn.merge(continuous_attention(q, k, v, logw_T, backend=attn.backend))
-        density = attention_density(q, k, logw_T)  # (B, T)
+        ctx_BHQD, density = continuous_attention_with_density(q, k, v, logw_T)  # one softmax for both
+        long = attn.merge(ctx_BHQD)
         self.memory.set_density(density)
         if self.record is not None:
             self.record.append(density)
