@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None, help="comma list of methods (default: all)")
     p.add_argument("--peak-methods", default="uniform,chunks,infinite,moviechat", help="methods whose peak memory is measured")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
-    p.add_argument("--aggregate", default="attention", choices=("attention", "mean"),
-                   help="answer head pooling over chunks: attention over all, or mean over chunks (as published)")
+    p.add_argument("--aggregate", default="attention", choices=("attention", "mean", "last"),
+                   help="answer head pooling over chunks: attention over all, mean over chunks (as published), "
+                        "or the last chunk only (the past reaches it only through the memory)")
     p.add_argument("--data", default="artifacts/video_bench_data", help="cache folder for the generated videos")
     p.add_argument("--out", default=None, help="JSON result path")
     p.add_argument("--seed", type=int, default=1234, help="dataset seed")
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.videos = min(args.videos, 6)
         args.peak_methods = "infinite,chunks"
-    name = ("video_bench_quick" if args.quick else "video_bench") + ("_mean" if args.aggregate == "mean" else "")
+    name = ("video_bench_quick" if args.quick else "video_bench") + ("" if args.aggregate == "attention" else f"_{args.aggregate}")
     args.out = args.out or str(RESULTS / f"{name}.json")
     result = run(args)
     table = report(result, Path(args.out).with_suffix(".png"))

@@ -195,3 +195,24 @@ def test_density_over_time_maps_memory_positions_to_chunks():
     assert mass[in_chunk].sum() > 0.99
     # the middle of the chunk's memory span maps to the middle of the chunk in time
     assert abs(times[mass.argmax()] - (bounds[chunk][0] + bounds[chunk][1]) / 2 * 16) < 16 / C / 4
+
+
+def test_answer_aggregates(small_model):
+    """'last' reads only the last chunk's queries, 'mean' their average; both differ from attention over all."""
+    C, Q, D = 3, 4, 32
+    out = torch.randn(2, C, Q, D)
+    times = torch.sort(torch.rand(2, C), dim=1).values
+    qs = torch.tensor([[0, 0, 0], [2, 3, 0]])
+    with torch.no_grad():
+        last = small_model.answer(out, qs, times, aggregate="last")
+        only_last = small_model.answer(out[:, -1:], qs, times[:, -1:], aggregate="attention")
+        torch.testing.assert_close(last, only_last)
+        full = small_model.answer(out, qs, times, aggregate="attention")
+        assert not torch.allclose(last, full)
+        out2 = out.clone()
+        out2[:, :-1] = torch.randn(2, C - 1, Q, D)  # earlier chunks do not matter to 'last'
+        torch.testing.assert_close(small_model.answer(out2, qs, times, aggregate="last"), last)
+    with pytest.raises(ValueError, match="aggregate"):
+        small_model.answer(out, qs, times, aggregate="max")
+    with pytest.raises(ValueError, match="aggregate"):
+        InfiniteVideoConfig(aggregate="max")

@@ -33,7 +33,7 @@ import torch
 
 from core.continuous import ContinuousMemory, ContinuousMemoryConfig
 from video.io import VideoStream
-from video.model import VideoQAModel, question_tensor
+from video.model import AGGREGATES, VideoQAModel, question_tensor
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES, Question
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class InfiniteVideoConfig:
     num_bins: int = 128  # density histogram bins for sticky resampling
     num_points: int = 1000  # integration points of the continuous attention
     num_frames: int = 32  # frames kept by "uniform" and "moviechat" (the training length)
-    aggregate: str = "attention"  # how the answer head pools chunk outputs: "attention" or "mean"
+    aggregate: str = "attention"  # how the answer head pools chunk outputs: "attention", "mean" or "last" chunk only
     max_frames: int | None = None  # stop reading after this many frames
     seed: int = 0  # sticky draws
 
@@ -75,8 +75,8 @@ class InfiniteVideoConfig:
             raise ValueError(f"chunk_size ({self.chunk_size}) and num_frames ({self.num_frames}) must be >= 1")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
-        if self.aggregate not in ("attention", "mean"):
-            raise ValueError(f"aggregate must be 'attention' or 'mean', got {self.aggregate!r}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
 
     def memory_config(self) -> ContinuousMemoryConfig:
         return ContinuousMemoryConfig(num_basis=self.num_basis, basis=self.basis, ridge=self.ridge, tau=self.tau,

@@ -28,7 +28,9 @@ from core.layers import QFormerBlock
 from video.encoders import build_frame_encoder
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES
 
-__all__ = ["VideoQAConfig", "VideoQAModel", "time_embedding", "question_tensor"]
+__all__ = ["AGGREGATES", "VideoQAConfig", "VideoQAModel", "time_embedding", "question_tensor"]
+
+AGGREGATES = ("attention", "mean", "last")  # how the answer head pools the chunks' query outputs
 
 
 @dataclass(kw_only=True)
@@ -179,15 +181,19 @@ class VideoQAModel(nn.Module):
             chunk_out_BCQD: query outputs of the ``C`` chunks.
             questions_B3: see :func:`question_tensor`.
             chunk_times_BC: centre time of each chunk in [0, 1].
-            aggregate: ``"attention"`` (the question attends over every chunk's queries) or ``"mean"``
-                (queries averaged over chunks first, as the published pipelines feed the LLM).
+            aggregate: ``"attention"`` (the question attends over every chunk's queries), ``"mean"``
+                (queries averaged over chunks first, as the published pipelines feed the LLM) or ``"last"``
+                (only the last chunk's queries: whatever the answer needs from earlier chunks must come
+                through the long-term memory).
         """
         B, C, Q, D = chunk_out_BCQD.shape
         x = chunk_out_BCQD + self.chunk_time(time_embedding(chunk_times_BC, D))[:, :, None, :]
         if aggregate == "mean":
             x = x.mean(1, keepdim=True)
+        elif aggregate == "last":
+            x = x[:, -1:]
         elif aggregate != "attention":
-            raise ValueError(f"aggregate must be 'attention' or 'mean', got {aggregate!r}")
+            raise ValueError(f"aggregate must be one of {list(AGGREGATES)}, got {aggregate!r}")
         x = x.reshape(B, -1, D)
         qv = self.q_type(questions_B3[:, 0]) + self.q_arg1(questions_B3[:, 1]) + self.q_arg2(questions_B3[:, 2])
         pooled, _ = self.pool(qv[:, None, :], x, x, need_weights=False)  # (B, 1, D)
