@@ -54,6 +54,8 @@ def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
                  "num_layers": args.dm_layers if algo == "dm" else args.dt_layers}
     if algo == "dm":
         overrides["routed_layers"] = tuple(int(x) for x in args.routed_layers.split(","))
+        if args.capacity_cost is not None:
+            overrides["capacity_cost_weight"] = args.capacity_cost
     cfg = TrainConfig(algo=algo, steps=args.steps, seed=seed, batch_size=args.batch_size, lr=args.lr,
                       warmup_steps=min(args.warmup, args.steps), log_every=max(1, min(100, args.steps // 4)),
                       eval_episodes=0, checkpoint_every=args.steps)
@@ -72,6 +74,57 @@ def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
         scores[f"{tr:g}"] = float(normalized_score(env_id, rets).mean())
     res["scores"] = scores
     res["score"] = scores[f"{ENV_DEFAULTS[env_id]['targets'][0]:g}"]
+    return res
+
+
+def _timing(path, args) -> dict:
+    """DM and DT training steps interleaved on the same batches in one process (same load for both).
+
+    Per iteration one batch is sampled and each model runs one full training step on it (forward, backward,
+    clipping, AdamW); the median seconds per step are compared. DT is built with ``--dt-layers`` and, if that
+    differs, also with ``--dm-layers`` (the same depth as DM).
+    """
+    import torch
+
+    from rl.data import load_dataset
+    from rl.envs import make_env
+    from rl.models import build_model
+    from rl.train import SegmentSampler, TrainConfig, Trainer, _model_config
+
+    ds = load_dataset(path)
+    env = make_env(ds.metadata["env"])
+    base = {"context": args.context, "embed_dim": args.embed_dim, "num_heads": args.heads, "dropout": 0.1}
+    cases = {"dm": ("dm", {**base, "num_layers": args.dm_layers,
+                           "routed_layers": tuple(int(x) for x in args.routed_layers.split(","))}),
+             f"dt-{args.dt_layers}L": ("dt", {**base, "num_layers": args.dt_layers})}
+    if args.dm_layers != args.dt_layers:
+        cases[f"dt-{args.dm_layers}L"] = ("dt", {**base, "num_layers": args.dm_layers})
+    if args.capacity_cost is not None:
+        cases["dm"][1]["capacity_cost_weight"] = args.capacity_cost
+    trainers = {}
+    for name, (algo, ov) in cases.items():
+        torch.manual_seed(0)
+        model = build_model(algo, _model_config(algo, ds, env, ov))
+        trainers[name] = Trainer(model, TrainConfig(algo=algo, steps=args.timing_steps, lr=args.lr,
+                                                    warmup_steps=min(args.warmup, args.timing_steps)),
+                                 SegmentSampler(ds, args.context, seed=0))
+    env.close()
+    sampler = SegmentSampler(ds, args.context, seed=1)
+    times: dict[str, list[float]] = {n: [] for n in trainers}
+    routed = []
+    for _ in range(args.timing_steps):
+        batch = sampler.sample(args.batch_size)
+        for name, tr in trainers.items():
+            t0 = time.perf_counter()
+            m = tr.train_step(batch)
+            times[name].append(time.perf_counter() - t0)
+            if name == "dm":
+                routed.append(m["routed_fraction"])
+    skip = min(5, args.timing_steps // 5)  # first steps: allocator warm-up
+    med = {n: float(np.median(v[skip:])) * 1000.0 for n, v in times.items()}
+    res = {"steps": args.timing_steps, "batch_size": args.batch_size, "ms_per_step_median": med,
+           "dm_routed_fraction": float(np.mean(routed)),
+           "ratio_dm_over_dt": {n: med["dm"] / med[n] for n in med if n != "dm"}}
     return res
 
 
@@ -153,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dt-layers", type=int, default=3)
     p.add_argument("--dm-layers", type=int, default=6)
     p.add_argument("--routed-layers", default="1,3,5")
+    p.add_argument("--capacity-cost", type=float, default=None,
+                   help="DM capacity_cost_weight (default: DMConfig's); choose it with `python -m rl.tune`")
+    p.add_argument("--timing-steps", type=int, default=0,
+                   help="per dataset, also time DM and DT steps interleaved on the same batches (0: skip)")
+    p.add_argument("--merge", default="",
+                   help="comma-separated result JSONs (same settings, e.g. algos run in parallel processes) whose "
+                        "cases are merged into --out before the table")
     p.add_argument("--data-dir", default="data/rl")
     p.add_argument("--work-dir", default="runs/rl_bench")
     p.add_argument("--out", default="benchmarks/results/rl_bench.json")
@@ -169,7 +229,7 @@ def main(argv=None) -> None:
         args.datasets, args.dataset_steps, args.seeds = "hopper-random", 5000, "0"
         args.steps, args.d3rlpy_steps, args.eval_episodes = 60, 10, 2
         args.embed_dim, args.context, args.dm_layers, args.dt_layers, args.routed_layers = 32, 10, 4, 2, "1,3"
-        args.warmup, args.batch_size = 10, 16
+        args.warmup, args.batch_size, args.timing_steps = 10, 16, min(args.timing_steps, 10)
         if args.out == build_parser().get_default("out"):
             args.out = "benchmarks/results/rl_bench_quick.json"
         args.work_dir = args.work_dir + "_quick"
@@ -182,8 +242,20 @@ def main(argv=None) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     results = read_json(args.out) or {"env": env_info(), "settings": {}, "cases": {}}
     results["settings"] = {k: v for k, v in vars(args).items()}
+    for other in (m for m in args.merge.split(",") if m):
+        got = read_json(other)
+        if got is None:
+            raise SystemExit(f"--merge: {other!r} not found")
+        for key, res in got.get("cases", {}).items():
+            results["cases"].setdefault(key, res)
+        for key, res in got.get("timing", {}).items():
+            results.setdefault("timing", {}).setdefault(key, res)
     for name in args.datasets.split(","):
         path = _dataset_path(data_dir, name, args.dataset_steps, 0)
+        if args.timing_steps and name not in results.get("timing", {}):
+            logger.info("timing dm vs dt on %s", name)
+            results.setdefault("timing", {})[name] = _timing(path, args)
+            write_json_atomic(args.out, results)
         for algo in algos:
             for seed in seeds:
                 key = f"{name}/{algo}/{seed}"
@@ -212,6 +284,14 @@ def main(argv=None) -> None:
             if r["dataset"] == name and r["algo"] == "dm" and dt_time:
                 r["time vs dt"] = r["s/1K steps"] / dt_time
     table = format_table(rows, ["dataset", "algo", "score", "seeds", "s/1K steps", "time vs dt", "routed"])
+    trows = []
+    for name, t in results.get("timing", {}).items():
+        for n, ms in t["ms_per_step_median"].items():
+            trows.append({"dataset": name, "model": n, "ms/step (median)": ms,
+                          "dm / this": (f"{t['ms_per_step_median']['dm'] / ms:.2f}" if n != "dm" else "-")})
+    if trows:
+        table += "\n\nInterleaved step timing (same batches, same process):\n\n" + format_table(
+            trows, ["dataset", "model", "ms/step (median)", "dm / this"])
     results["table"] = table
     write_json_atomic(args.out, results)
     print(table)

@@ -4,8 +4,9 @@
 ``python -m rl.sac`` run; ``behaviour_<env>.json`` beside it is the card: the exact command, per snapshot the
 training step and measured returns, and which snapshots the dataset qualities use:
 
-    medium         the snapshot whose evaluated return is closest to 1/3 of the best one (D4RL's definition)
-    expert         the best snapshot
+    medium         the snapshot whose evaluated return is closest to 1/3 of the best one (D4RL's definition), searched
+                   over all snapshots: SAC's returns are not monotone, the best one can come early
+    expert         the best snapshot (highest mean evaluated return)
     medium-replay  every snapshot up to and including medium, in training order
 
 Export a finished (or running) SAC run with ``python -m rl.policies --run RUN_DIR --env ENV``.
@@ -98,7 +99,7 @@ def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLi
     means = np.array([s["mean_return"] for s in snaps])
     best = int(means.argmax())
     target = means[best] / 3.0
-    medium = int(np.abs(means[: best + 1] - target).argmin())
+    medium = int(np.abs(means - target).argmin())
     card = {
         "env": env_id,
         "algorithm": "SAC (rl/sac.py), stochastic tanh-Gaussian actor",
@@ -111,6 +112,8 @@ def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLi
             "medium": snaps[medium]["name"], "expert": snaps[best]["name"],
             "medium-replay": [s["name"] for s in snaps[: medium + 1]],
         },
+        "quality_rule": "expert: highest mean return; medium: mean return closest to 1/3 of expert's, over all "
+                        "snapshots; medium-replay: every snapshot up to and including medium, in training order",
         "note": "returns: undiscounted, deterministic actor, env seeds 10000+step+i; datasets use the stochastic actor",
     }
     out_dir = Path(out_dir)
