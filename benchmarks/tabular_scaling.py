@@ -1,11 +1,15 @@
 """TabICL predict time and peak memory as the number of train rows grows.
 
-For each (train rows, features) case a fresh process builds a synthetic 2-class table (NumPy: a random linear
-rule plus noise), fits :class:`tabular.TabICLClassifier` (``n_estimators`` members) and predicts 1,000 test rows.
-Peak memory is the case's resident-set growth (``benchmarks.common.PeakRSS``); time is the wall time of the
-first ``predict_proba`` (it includes the train-side pass; the train cache makes a second call cheaper, also
-timed). A case that times out or runs out of memory is recorded as an error, not dropped. The slope of peak
-memory against rows (least squares over the completed cases of one feature count) is reported in MB per 1K rows.
+For each (train rows, features) case a fresh process builds a synthetic 2-class table (NumPy float32: a random
+linear rule plus noise), fits :class:`tabular.TabICLClassifier` (``n_estimators`` members, ``memory_budget_mb``)
+and predicts ``--test-rows`` test rows twice: the first call includes the train-side pass, the second hits the
+train-side cache (as far as it fits half the budget). Recorded per case: fit, first and repeated predict time
+(wall and CPU seconds of the process), the process's peak resident set (``VmHWM``, everything included: Python,
+torch, the table, the fitted estimator), the growth of that peak during the two predictions
+(``benchmarks.common.PeakRSS``), and the bytes of the kept train cache. A case that times out or runs out of
+memory is recorded as an error, not dropped; results are rewritten after every case. The slope of peak memory
+against train rows (least squares over the completed cases of one feature count, with its R²) is reported in
+MB per 1K rows.
 
     python -m benchmarks.tabular_scaling --quick          # 1K and 10K rows, 20 features
     python -m benchmarks.tabular_scaling                  # 1K, 10K, 100K, 500K rows x 20, 100 features
@@ -22,34 +26,63 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PeakRSS, env_info, format_table, run_isolated, write_json_atomic
+from benchmarks.common import PeakRSS, _status_kb, env_info, format_table, run_isolated, write_json_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tabular_scaling.json"
 
 
-def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: float, checkpoint=None) -> dict:
+def _timed(fn):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: float, test_rows: int = 1000,
+          checkpoint=None) -> dict:
     import torch
 
     from tabular import TabICLClassifier
 
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
-    X = rng.normal(size=(rows + 1000, features)).astype(np.float32)
-    w = rng.normal(size=features)
-    y = (X @ w + 0.5 * rng.normal(size=len(X)) > 0).astype(int)
+    X = rng.standard_normal(size=(rows + test_rows, features), dtype=np.float32)
+    w = rng.normal(size=features).astype(np.float32)
+    y = (X @ w + 0.5 * rng.standard_normal(len(X), dtype=np.float32) > 0).astype(int)
     clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu", checkpoint=checkpoint)
-    clf.fit(X[:rows], y[:rows])
+    _, fit_s, fit_cpu = _timed(lambda: clf.fit(X[:rows], y[:rows]))
     peak = PeakRSS()
     peak.start()
-    t0 = time.perf_counter()
-    proba = clf.predict_proba(X[rows:])
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    clf.predict_proba(X[rows:])
-    second = time.perf_counter() - t0
+    proba, first, first_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
+    _, second, second_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
+    hwm = _status_kb("VmHWM")
     acc = float((proba.argmax(1) == y[rows:]).mean())
-    return {"status": "ok", "rows": rows, "features": features, "predict_s": first, "repeat_predict_s": second,
-            "peak_mb": peak.peak_mb(), "peak_method": peak.method, "accuracy": acc}
+    n_ctx = sum(1 for _ in _contexts(clf._tree))
+    return {"status": "ok", "rows": rows, "features": features, "test_rows": test_rows,
+            "fit_s": fit_s, "fit_cpu_s": fit_cpu, "predict_s": first, "predict_cpu_s": first_cpu,
+            "repeat_predict_s": second, "repeat_predict_cpu_s": second_cpu,
+            "peak_rss_mb": (hwm or 0) / 1024 if peak.method.startswith("VmHWM") else None,
+            "predict_peak_growth_mb": peak.peak_mb(), "peak_method": peak.method,
+            "table_mb": X.nbytes / 2**20, "cache_mb": clf._cache.nbytes / 2**20, "cached_contexts": n_ctx,
+            "folds": len(clf._folds(clf._y_train)), "accuracy": acc}
+
+
+def _contexts(node):
+    """Kept train contexts of a fitted estimator's class tree."""
+    if node is None:
+        return
+    yield from node.cache.values()
+    for child in node.children:
+        yield from _contexts(child)
+
+
+def slope(rows: list[int], mb: list[float]) -> dict:
+    """Least-squares line of ``mb`` against ``rows`` (in thousands): slope (MB per 1K rows), intercept, R²."""
+    x = np.asarray(rows, dtype=float) / 1000
+    yv = np.asarray(mb, dtype=float)
+    k, c = np.polyfit(x, yv, 1)
+    ss = float(((yv - yv.mean()) ** 2).sum())
+    r2 = 1.0 - float(((yv - (k * x + c)) ** 2).sum()) / ss if ss > 0 else 1.0
+    return {"mb_per_1k_rows": float(k), "intercept_mb": float(c), "r2": r2, "points": len(x)}
 
 
 def prior_speed(seconds: float = 10.0, threads: int = 1) -> list[dict]:
@@ -71,26 +104,71 @@ def prior_speed(seconds: float = 10.0, threads: int = 1) -> list[dict]:
     return out
 
 
+def _fmt(v, nd=1):
+    return "" if v is None else f"{v:,.{nd}f}"
+
+
+def markdown(results: list[dict], slopes: dict, args) -> str:
+    """The results as a Markdown table plus the slope lines."""
+    lines = [
+        f"TabICL scaling: {args.n_estimators} members, memory_budget_mb={args.memory_mb:g}, {args.test_rows:,} test rows, "
+        f"{args.threads} torch thread(s); times in seconds (wall / CPU), memory in MB.",
+        "",
+        "| train rows | features | folds | fit (s) | first predict (s) | repeat predict, cached (s) | peak RSS (MB) "
+        "| peak growth in predict (MB) | train cache (MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['rows']:,} | {r['features']} | | {r.get('reason', 'error')} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['rows']:,} | {r['features']} | {r['folds']} | {_fmt(r['fit_s'])} | {_fmt(r['predict_s'])} / "
+            f"{_fmt(r['predict_cpu_s'])} | {_fmt(r['repeat_predict_s'])} / {_fmt(r['repeat_predict_cpu_s'])} | "
+            f"{_fmt(r['peak_rss_mb'], 0)} | {_fmt(r['predict_peak_growth_mb'], 0)} | {_fmt(r['cache_mb'], 0)} |"
+        )
+    lines.append("")
+    for f, by in slopes.items():
+        for what, s in by.items():
+            lines.append(f"- {f} features, {what}: {s['mb_per_1k_rows']:.2f} MB per 1K train rows "
+                         f"(intercept {s['intercept_mb']:.0f} MB, R² {s['r2']:.4f}, {s['points']} points)")
+    return "\n".join(lines) + "\n"
+
+
+def _slopes(results: list[dict], features: list[int]) -> dict:
+    out = {}
+    for f in features:
+        ok = [r for r in results if r.get("status") == "ok" and r["features"] == f]
+        if len(ok) >= 2:
+            out[str(f)] = {
+                "peak_rss": slope([r["rows"] for r in ok], [r["peak_rss_mb"] for r in ok]),
+                "predict_peak_growth": slope([r["rows"] for r in ok], [r["predict_peak_growth_mb"] for r in ok]),
+            }
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tabular_scaling", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="*", type=int, default=[1_000, 10_000, 100_000, 500_000], help="train rows")
     p.add_argument("--features", nargs="*", type=int, default=[20, 100], help="feature counts")
     p.add_argument("--n-estimators", type=int, default=4, help="ensemble members")
-    p.add_argument("--memory-mb", type=float, default=4096, help="the estimator's memory budget")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per case")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per case")
+    p.add_argument("--memory-mb", type=float, default=4096, help="the estimator's memory budget (memory_budget_mb)")
+    p.add_argument("--test-rows", type=int, default=1000, help="test rows predicted per case")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per case")
+    p.add_argument("--timeout", type=float, default=2400, help="seconds per case")
     p.add_argument("--quick", action="store_true", help="1K and 10K rows, 20 features")
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: the shipped one)")
     p.add_argument("--prior", action="store_true", help="only measure the prior's tables/s")
     p.add_argument("--case", nargs=2, type=int, metavar=("ROWS", "FEATURES"), help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (a Markdown table is written beside it)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.case:
-        print(json.dumps(_case(args.case[0], args.case[1], args.n_estimators, args.threads, args.memory_mb, args.checkpoint)))
+        print(json.dumps(_case(args.case[0], args.case[1], args.n_estimators, args.threads, args.memory_mb,
+                               args.test_rows, args.checkpoint)))
         return 0
     if args.prior:
         rows = prior_speed()
@@ -99,28 +177,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.rows, args.features = [1_000, 10_000], [20]
+    env = env_info()
+    arg_rec = {k: (v.name if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    if arg_rec["checkpoint"]:
+        arg_rec["checkpoint"] = Path(arg_rec["checkpoint"]).name
     results = []
     for f in args.features:
         for n in args.rows:
             cmd = [sys.executable, "-m", "benchmarks.tabular_scaling", "--case", str(n), str(f),
                    "--n-estimators", str(args.n_estimators), "--threads", str(args.threads),
-                   "--memory-mb", str(args.memory_mb)] + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
+                   "--memory-mb", str(args.memory_mb), "--test-rows", str(args.test_rows)]
+            cmd += ["--checkpoint", args.checkpoint] if args.checkpoint else []
             res = run_isolated(cmd, timeout_s=args.timeout)
             res.setdefault("rows", n)
             res.setdefault("features", f)
-            print(f"{n} rows x {f} features: {res}", file=sys.stderr)
+            print(f"{n} rows x {f} features: {res}", file=sys.stderr, flush=True)
             results.append(res)
-    slopes = {}
-    for f in args.features:
-        ok = [r for r in results if r.get("status") == "ok" and r["features"] == f]
-        if len(ok) >= 2:
-            x = np.array([r["rows"] for r in ok], dtype=float) / 1000
-            yv = np.array([r["peak_mb"] for r in ok])
-            slopes[str(f)] = float(np.polyfit(x, yv, 1)[0])
-    write_json_atomic(args.out, {"env": env_info(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                                 "cases": results, "peak_mb_per_1k_rows": slopes})
-    print(format_table(results, ["rows", "features", "status", "predict_s", "repeat_predict_s", "peak_mb", "accuracy"]))
-    print(f"peak memory slope (MB per 1K train rows): {slopes}")
+            slopes = _slopes(results, args.features)
+            write_json_atomic(args.out, {"env": env, "args": arg_rec, "cases": results, "peak_mb_per_1k_rows": slopes})
+            md = args.out.with_suffix(".md")
+            tmp = md.with_name(md.name + ".tmp")
+            tmp.write_text(markdown(results, slopes, args))
+            tmp.replace(md)
+    print(markdown(results, _slopes(results, args.features), args))
     return 0
 
 

@@ -9,9 +9,9 @@ groups (≤ ``max_classes`` groups per node); probabilities multiply down the tr
 
 Train sets above ``max_context`` rows are split into stratified folds that act as separate contexts (logits
 averaged), so time and memory grow linearly in rows. Test rows and ensemble members are processed in batches
-sized from ``memory_budget_mb``; the train-side representation (column summaries and ICL keys/values) of every
-ensemble member is cached after the first ``predict`` when it fits in half of that budget, so repeated
-predictions skip the train rows.
+sized from ``memory_budget_mb`` (half of it bounds the activations, every stage runs in row chunks); the
+train-side representation (column summaries and ICL keys/values) of each (fold, member batch) is cached after
+the first ``predict`` while the cache fits in the other half, so repeated predictions skip those train rows.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["TabICLClassifier"]
 
 _MODEL_CACHE: dict[tuple, TabICL] = {}
+_POWER_FIT_ROWS = 65_536  # Yeo-Johnson exponents are fitted on at most this many train rows (random subset)
+_MIN_CHUNK = 16  # fewest rows per chunk the memory plan picks (below it Python overhead dominates)
 
 
 def _get_model(checkpoint, device: torch.device) -> TabICL:
@@ -58,6 +60,13 @@ class _Member:
     perm: np.ndarray  # feature order
     shift: int  # cyclic class shift
     power: bool  # Yeo-Johnson transform of numeric columns
+
+
+@dataclass(kw_only=True, eq=False)
+class _CacheLedger:
+    """Bytes held by the train-side cache of a fitted estimator (mutated by ``predict``, so not a plain attribute)."""
+
+    nbytes: int = 0  # sum of the kept contexts' tensor bytes
 
 
 @dataclass(kw_only=True)
@@ -87,8 +96,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         checkpoint: path of a ``.safetensors`` (or pretraining ``.pt``) checkpoint; None = the shipped default.
         device: "cpu", "cuda", ... ; None picks CUDA when available, else CPU.
         random_state: seed of the ensemble's feature permutations.
-        memory_budget_mb: memory the inference may use for activations; sets the test-row and member batch
-            sizes and whether the train-side cache is kept.
+        memory_budget_mb: memory the inference may use: half bounds the activations (sets the row chunk and
+            member batch sizes), half the train-side cache (contexts beyond it are recomputed per call).
         batch_size: test rows per forward pass; None derives it from ``memory_budget_mb``.
         max_context: most train rows in one context; larger tables are split into stratified folds, each a
             separate context whose logits are averaged (cost and memory linear in rows instead of quadratic).
@@ -202,6 +211,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         if any(m.power for m in self._members):
             self._power = self._fit_power(Xv)
         self._tree = _balanced_tree(np.arange(C), self._max_classes) if C > 1 else None
+        self._cache = _CacheLedger()  # bytes of train contexts kept for later predict calls
         self.n_features_in_ = df.shape[1]
         return self
 
@@ -213,10 +223,13 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         if not num.any():
             return None
         pt = PowerTransformer(method="yeo-johnson", standardize=True)
+        rows = np.arange(len(Xv))
+        if len(rows) > _POWER_FIT_ROWS:  # the per-column exponents settle long before this many rows
+            rows = np.sort(np.random.default_rng(self.random_state).choice(rows, _POWER_FIT_ROWS, replace=False))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                pt.fit(Xv[:, num].astype(np.float64))
+                pt.fit(Xv[np.ix_(rows, np.flatnonzero(num))].astype(np.float64))
         except (ValueError, FloatingPointError):
             return None
         return pt
@@ -231,14 +244,48 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         return Xv[:, m.perm]
 
     # -- predict ----------------------------------------------------------------------------------------
-    def _bytes_per_row(self, model: TabICL, F: int, n_ctx: int) -> int:
-        """Rough activation bytes per (row, member) in the forward pass."""
+    @staticmethod
+    def _memory_model(model: TabICL, F: int) -> tuple[int, int, int]:
+        """Bytes of the forward pass, per (row, ensemble member), from the model's sizes (fp32).
+
+        Returns ``(full, chunked, cached)``: ``full`` is held for every train row of a context at once (the
+        column stage's hidden cells and the key/value transients of its inducing step, the row vectors, the
+        ICL stream); ``chunked`` is held per row of one chunk only (broadcast blocks, row interaction, ICL
+        queries and MLP); ``cached`` is what the train-side cache keeps per train row (ICL keys/values).
+        Measured peak resident memory stays below the estimate (``benchmarks/tabular_scaling.py``).
+        """
         c = model.config
-        tokens = F + c.n_cls
-        cells = F * c.embed_dim * (8 + 2 * c.mlp_ratio) + F * c.col_heads * c.col_inducing
-        row = tokens * c.embed_dim * (8 + 2 * c.mlp_ratio) + c.row_heads * tokens * tokens
-        icl = c.icl_dim * 8 + c.icl_ffn * 2 + c.icl_heads * min(n_ctx, 8192)
-        return 4 * int(cells + row + icl)
+        d, D, tokens = c.embed_dim, c.icl_dim, F + c.n_cls
+        act = 8 + 2 * c.mlp_ratio  # live (row, width) tensors inside one block, MLP hidden included
+        cached = 2 * D * c.icl_blocks
+        full = 4 * F * d + 3 * D + cached + 3 * F
+        chunked = (F * d + tokens * d) * act + c.row_heads * tokens + 8 * D + 2 * c.icl_ffn
+        return 4 * int(full), 4 * int(chunked), 4 * int(cached)
+
+    def _plan(self, model: TabICL, F: int, n_ctx: int, n_members: int, n_test: int) -> tuple[int, int]:
+        """``(members per batch, rows per chunk)`` so that one batch's working memory fits the budget.
+
+        Half of ``memory_budget_mb`` is kept for the train-side cache; the other half bounds the activations:
+        as many members per batch as fit with at least ``_MIN_CHUNK`` rows per chunk, then the largest chunk
+        that fits. ``batch_size`` (if given) sets the chunk directly. A context too large for the budget even
+        with one member runs with the smallest chunk (and says so in the log): lower ``max_context``.
+        """
+        full, chunked, _ = self._memory_model(model, F)
+        act = self.memory_budget_mb * 2**20 / 2
+        per_member = full * n_ctx + chunked * _MIN_CHUNK
+        per_batch = max(1, min(n_members, int(act // max(1, per_member))))
+        if self.batch_size:
+            return per_batch, int(self.batch_size)
+        room = act - per_batch * full * n_ctx
+        chunk = int(room // max(1, per_batch * chunked))
+        if chunk < _MIN_CHUNK:
+            logger.warning(
+                "memory_budget_mb=%s is below what one %d-row context needs (~%.0f MB); running with %d-row "
+                "chunks; lower max_context to stay inside the budget",
+                self.memory_budget_mb, n_ctx, 2 * per_member / 2**20, _MIN_CHUNK,
+            )
+            chunk = _MIN_CHUNK
+        return per_batch, max(1, min(chunk, max(n_ctx, n_test)))
 
     def _folds(self, y: np.ndarray) -> list[np.ndarray]:
         """Train-row index sets of at most ``max_context`` rows each, stratified by label (one set if it fits)."""
@@ -261,8 +308,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         group_of = np.full(len(self.classes_), -1, dtype=np.int64)
         for g, members in enumerate(node.groups):
             group_of[members] = g
-        sel = np.isin(self._y_train, node.classes)
-        Xtr_all, ytr_all = self._X_train[sel], group_of[self._y_train[sel]]
+        rows_at = np.flatnonzero(np.isin(self._y_train, node.classes))  # train rows under this node (no copy)
+        ytr_all = group_of[self._y_train[rows_at]]
         G = len(node.groups)
         n_test = X_test.shape[0]
         folds = self._folds(ytr_all)
@@ -273,11 +320,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         budget = self.memory_budget_mb * 2**20
         total = np.zeros((n_test, G), dtype=np.float64)
         for f, members in views.items():
-            Xtr, ytr = Xtr_all[folds[f]], ytr_all[folds[f]]
-            per_row = self._bytes_per_row(model, Xtr.shape[1], len(Xtr))
-            # Members batched so that the train pass fits; test rows chunked so each forward fits.
-            per_batch = max(1, min(len(members), int(budget // max(1, per_row * len(Xtr)))))
-            chunk = int(self.batch_size) if self.batch_size else max(1, int(budget // max(1, per_row * per_batch)))
+            Xtr, ytr = self._X_train[rows_at[folds[f]]], ytr_all[folds[f]]
+            per_batch, chunk = self._plan(model, Xtr.shape[1], len(Xtr), len(members), n_test)
             for b0 in range(0, len(members), per_batch):
                 batch = members[b0 : b0 + per_batch]
                 key = (f, b0)
@@ -286,15 +330,18 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                     xs = torch.from_numpy(np.stack([self._view(Xtr, m) for m in batch])).to(self._device)
                     ys = torch.from_numpy(np.stack([(ytr + m.shift) % G for m in batch])).to(self._device)
                     ctx = model.build_context(xs, ys, chunk=chunk)
-                    if ctx.nbytes() * math.ceil(n_views / per_batch) <= budget / 2:
+                    del xs, ys
+                    if self._cache.nbytes + ctx.nbytes() <= budget / 2:  # keep contexts while half the budget lasts
                         node.cache[key] = ctx
+                        self._cache.nbytes += ctx.nbytes()
                 xt = torch.from_numpy(np.stack([self._view(X_test, m) for m in batch])).to(self._device)
                 logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()  # (b, n, G)
+                del ctx
                 for j, m in enumerate(batch):
                     # Undo the class shift: shifted id (g + s) % G holds group g.
                     total += logits[j][:, (np.arange(G) + m.shift) % G]
                 if self.verbose:
-                    logger.info("fold %d/%d: %d member(s) done", f + 1, len(folds), b0 + len(batch))
+                    logger.info("fold %d/%d: %d member(s) done (chunk %d rows)", f + 1, len(folds), b0 + len(batch), chunk)
         return total / n_views
 
     def _node_proba(self, node: _Node, X_test: np.ndarray) -> np.ndarray:

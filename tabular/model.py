@@ -165,13 +165,38 @@ class ColumnEmbedding(nn.Module):
 
     def summaries(self, x_SN1: torch.Tensor, n_train: int) -> list[torch.Tensor]:
         """Per-block inducing summaries ``(S, M, d)`` of columns ``x (S, N, 1)``; reads rows ``[:n_train]``."""
-        h = self.lift(x_SN1[:, :n_train])
+        return self.encode_train(x_SN1[:, :n_train], chunk=max(1, n_train), cells=False)[0]
+
+    def encode_train(
+        self, x_SN1: torch.Tensor, *, chunk: int, cells: bool = True
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """One pass over train columns ``x (S, n, 1)``: the per-block summaries and (``cells``) the cell embeddings.
+
+        The inducing points of block ``i`` read all rows of block ``i``'s input; the broadcast step and the
+        output heads act on each row alone, so they run ``chunk`` rows at a time (bounded working memory). The
+        train cells come out of the same pass that builds the summaries (no second pass over the train rows).
+
+        Returns:
+            ``(summaries, cells)``: summaries ``[(S, M, d)] * col_blocks``; cells ``(S, n, d)`` or None.
+        """
+        h = self.lift(x_SN1)  # (S, n, d)
         out = []
-        for blk in self.blocks:
-            H = blk.induce(h)  # (S, M, d): inducing points attend to train rows
+        last = len(self.blocks) - 1
+        for i, blk in enumerate(self.blocks):
+            H = blk.induce(h)  # (S, M, d): inducing points attend to the train rows
             out.append(H)
-            h = blk.broadcast_block(h, H)
-        return out
+            if i == last and not cells:
+                break  # the last broadcast only feeds the cells
+            nxt = torch.empty_like(h)
+            for s in range(0, h.shape[1], chunk):
+                nxt[:, s : s + chunk] = blk.broadcast_block(h[:, s : s + chunk], H)
+            h = nxt
+        if not cells:
+            return out, None
+        for s in range(0, h.shape[1], chunk):
+            hn = self.norm(h[:, s : s + chunk])
+            h[:, s : s + chunk] = x_SN1[:, s : s + chunk] * self.weight_head(hn) + self.bias_head(hn)
+        return out, h
 
     def apply(self, x_SN1: torch.Tensor, summaries: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
         """Cell embeddings ``(S, N, d)`` of any rows given the column summaries (rows are independent)."""
@@ -253,17 +278,29 @@ class ICLTransformer(nn.Module):
         onehot = nn.functional.one_hot(y_train, self.max_classes).to(rows_train.dtype)
         return rows_train + self.label_embed(onehot)
 
-    def context(self, rows_train: torch.Tensor, y_train: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context(
+        self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-block train keys/values: the train-side cache that test rows attend to.
 
-        ``rows_train`` must already be standardized (see :meth:`row_stats`).
+        ``rows_train`` must already be standardized (see :meth:`row_stats`). Keys/values of a block need all
+        train rows; the queries, the attention over those keys and the MLP run ``chunk`` rows at a time
+        (None = all at once).
         """
         x = self.embed_train(rows_train, y_train)
+        n = x.shape[1]
+        chunk = n if chunk is None else max(1, int(chunk))
         cache = []
         for blk in self.blocks:
             k, v = blk.attn.project_kv(blk.norm1(x))
             cache.append((k, v))
-            x = self._block(blk, x, k, v)
+            if chunk >= n:
+                x = self._block(blk, x, k, v)
+            else:
+                nxt = torch.empty_like(x)
+                for s in range(0, n, chunk):
+                    nxt[:, s : s + chunk] = self._block(blk, x[:, s : s + chunk], k, v)
+                x = nxt
         return cache
 
     def predict(self, rows_test: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -363,26 +400,46 @@ class TabICL(nn.Module):
     def build_context(self, X_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int = 4096) -> TrainContext:
         """Run the train rows once: column summaries, column statistics and the ICL keys/values.
 
+        Working memory: the full-width tensors are the column stage's hidden cells ``(B·F, n, d)``, the row
+        vectors ``(B, n, D)`` and the cached keys/values; everything else (broadcast blocks, row interaction,
+        ICL queries and MLPs) runs ``chunk`` rows at a time. Results do not depend on ``chunk`` (up to float
+        rounding).
+
         Args:
             X_train: ``(B, n_train, F)`` raw train rows (NaN = missing).
             y_train: ``(B, n_train)`` labels in ``[0, max_classes)``.
             chunk: rows per chunk in the row-wise stages (memory bound).
         """
+        if not (isinstance(chunk, int) and chunk >= 1):
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         mean, std = column_stats(X_train)
         Z = standardize(X_train, mean, std, self.config.clip_value)
         B, n, F = Z.shape
-        summaries = self.col.summaries(Z.permute(0, 2, 1).reshape(B * F, n, 1), n)
-        rows = self._rows_from_cells(Z, summaries, chunk)
+        cols = Z.permute(0, 2, 1).reshape(B * F, n, 1)
+        del Z
+        summaries, cells = self.col.encode_train(cols, chunk=chunk)  # cells (B*F, n, d)
+        del cols
+        cells = cells.view(B, F, n, -1)
+        rows = cells.new_empty(B, n, self.config.icl_dim)
+        for s in range(0, n, chunk):
+            c = cells[:, :, s : s + chunk]  # (B, F, c, d)
+            m = c.shape[2]
+            rows[:, s : s + m] = self.row(c.permute(0, 2, 1, 3).reshape(B * m, F, -1)).view(B, m, -1)
+        del cells
         row_mean, row_std = self.icl.row_stats(rows)
-        kv = self.icl.context((rows - row_mean) / row_std, y_train)
+        rows.sub_(row_mean).div_(row_std)
+        kv = self.icl.context(rows, y_train, chunk=chunk)
         return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, row_mean=row_mean, row_std=row_std, n_train=n)
 
     @torch.no_grad()
     def predict_logits(self, X_test: torch.Tensor, ctx: TrainContext, *, chunk: int = 4096) -> torch.Tensor:
-        """Logits ``(B, n_test, max_classes)`` of raw test rows ``(B, n_test, F)`` against a train context."""
-        Z = standardize(X_test, ctx.mean, ctx.std, self.config.clip_value)
+        """Logits ``(B, n_test, max_classes)`` of raw test rows ``(B, n_test, F)`` against a train context,
+        ``chunk`` test rows at a time (test rows are independent, so the result does not depend on ``chunk``)."""
+        if not (isinstance(chunk, int) and chunk >= 1):
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         out = []
-        for s in range(0, Z.shape[1], chunk):
-            rows = (self._rows_from_cells(Z[:, s : s + chunk], ctx.summaries, chunk) - ctx.row_mean) / ctx.row_std
+        for s in range(0, X_test.shape[1], chunk):
+            Z = standardize(X_test[:, s : s + chunk], ctx.mean, ctx.std, self.config.clip_value)
+            rows = (self._rows_from_cells(Z, ctx.summaries, chunk) - ctx.row_mean) / ctx.row_std
             out.append(self.icl.predict(rows, ctx.kv))
         return torch.cat(out, dim=1)

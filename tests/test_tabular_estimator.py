@@ -10,7 +10,7 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from tabular import TabICLClassifier
 from tabular.estimator import _balanced_tree
-from tabular.model import TabICL
+from tabular.model import TabICL, tabicl_small
 
 
 @pytest.fixture(autouse=True)
@@ -165,3 +165,34 @@ def test_large_train_sets_split_into_stratified_folds(monkeypatch):
     assert max(sizes) <= 30 and len(sizes) == 4  # one context per fold (members batched within a fold)
     with pytest.raises(ValueError, match="max_context"):
         TabICLClassifier(max_context=1).fit(X, y)
+
+
+def test_tiny_memory_budget_forces_chunks_with_unchanged_predictions(monkeypatch):
+    X, y = _blobs(400, 5, 3)
+    Xt = X[300:]
+    chunks = []
+    orig = TabICL.build_context
+    monkeypatch.setattr(TabICL, "build_context", lambda self, *a, **k: chunks.append(k["chunk"]) or orig(self, *a, **k))
+    big = TabICLClassifier(n_estimators=3, random_state=2).fit(X[:300], y[:300])
+    p_big = big.predict_proba(Xt)
+    assert min(chunks) >= 300  # a roomy budget runs every stage in one chunk
+    chunks.clear()
+    small = TabICLClassifier(n_estimators=3, random_state=2, memory_budget_mb=0.05).fit(X[:300], y[:300])
+    p_small = small.predict_proba(Xt)
+    assert max(chunks) <= 20 and len(chunks) == 3  # ~16-row chunks: > 15 chunks per stage, one member per batch
+    assert not small._tree.cache  # too small to keep the train-side cache
+    np.testing.assert_allclose(p_small, p_big, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_plan_grows_with_the_budget():
+    model = TabICL(tabicl_small())
+    plans = [TabICLClassifier(memory_budget_mb=mb)._plan(model, 20, 8192, 4, 1000) for mb in (64, 512, 4096, 65536)]
+    per_batch, chunk = zip(*plans)
+    assert list(per_batch) == sorted(per_batch) and list(chunk[:3]) == sorted(chunk[:3])
+    assert per_batch[0] == 1 and per_batch[-1] == 4 and chunk[0] < chunk[2]
+    full, chunked, cached = TabICLClassifier._memory_model(model, 20)
+    assert full > cached > 0 and chunked > 0
+    # The plan respects the activation half of the budget whenever a minimal chunk fits.
+    b, c = plans[1]
+    assert b * (full * 8192 + chunked * c) <= 512 * 2**20 / 2
+    assert TabICLClassifier(batch_size=7)._plan(model, 20, 8192, 4, 1000)[1] == 7
