@@ -150,8 +150,9 @@ class Trainer:
         self.step = 0
         self.tables_seen = 0
         self.wall_time = 0.0
-        self.best_val_loss = math.inf
+        self.best_val_loss = math.inf  # the selection score: val loss, or -val accuracy with --select acc
         self.best_step = -1
+        self.val_signature = _val_signature(args)
 
     def _lr_factor(self, step: int) -> float:
         warm = max(1, self.args.warmup)
@@ -195,6 +196,7 @@ class Trainer:
             "wall_time": self.wall_time,
             "best_val_loss": self.best_val_loss,
             "best_step": self.best_step,
+            "val_signature": self.val_signature,
             "prior_rng": self.prior.get_state(),
             "easy_prior_rng": self.easy_prior.get_state(),
             "size_rng": self.size_rng.getstate(),
@@ -212,8 +214,12 @@ class Trainer:
         self.step = state["step"]
         self.tables_seen = state["tables_seen"]
         self.wall_time = state["wall_time"]
-        self.best_val_loss = state["best_val_loss"]
-        self.best_step = state["best_step"]
+        if state.get("val_signature") == self.val_signature:
+            self.best_val_loss = state["best_val_loss"]
+            self.best_step = state["best_step"]
+        else:  # another validation set or selection rule: earlier scores are not comparable, start the best anew
+            logger.warning("validation set / selection changed (%s -> %s): best checkpoint selection restarts",
+                           state.get("val_signature"), self.val_signature)
         if state.get("world", 1) == self.world:
             self.prior.set_state(state["prior_rng"])  # per-rank streams differ; rank 0's state restores rank 0 exactly
             if "easy_prior_rng" in state:
@@ -227,6 +233,10 @@ def _atomic_torch_save(obj: dict, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _val_signature(args) -> dict:
+    return {"val_tables": args.val_tables, "val_max_rows": args.val_max_rows, "select": args.select}
 
 
 def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
@@ -245,7 +255,7 @@ def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
         "processes": trainer.world,
         "validation_on_held_out_prior": val,
         "validation_set": (f"tabular.pretrain.validation_set(): {trainer.args.val_tables} full-prior tables, seed 1000003, "
-                           f"128-1024 rows capped at {trainer.args.max_rows or 1024}, 2-40 features"),
+                           f"128-1024 rows capped at {trainer.args.val_max_rows}, 2-40 features; best by val {trainer.args.select}"),
     }
 
 
@@ -269,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")
     p.add_argument("--val-every", type=int, default=500, help="steps between validations (and best exports)")
     p.add_argument("--val-tables", type=int, default=64, help="held-out prior tables for validation")
+    p.add_argument("--val-max-rows", type=int, default=512,
+                   help="row cap of the validation tables (fixed, independent of the training caps)")
+    p.add_argument("--select", choices=("acc", "loss"), default="acc",
+                   help="which validation score picks the best checkpoint (accuracy, or log-loss)")
     p.add_argument("--export", type=Path, default=None, help="also write the best model here (.safetensors + card)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
@@ -301,7 +315,7 @@ _RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables"):
+    for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables", "val_max_rows"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -329,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     val_batches = []
     if rank == 0:
         val_batches = validation_set(args.val_tables, max_classes=trainer.model_config.max_classes,
-                                     max_rows=args.max_rows or 1024)
+                                     max_rows=args.val_max_rows)
     metrics_path = out / "metrics.jsonl"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -355,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             if trainer.step % args.val_every == 0 or trainer.step == args.steps:
                 val = evaluate(trainer.model, val_batches, device)
                 rec.update(val)
-                if val["val_loss"] < trainer.best_val_loss:
-                    trainer.best_val_loss, trainer.best_step = val["val_loss"], trainer.step
+                score = val["val_loss"] if args.select == "loss" else -val["val_acc"]
+                if score < trainer.best_val_loss:
+                    trainer.best_val_loss, trainer.best_step = score, trainer.step
                     card = model_card(trainer, val, command)
                     save_model(trainer.model, out / "best.safetensors", extra=card)
                     atomic_write_text(out / "best.json", json.dumps(card, indent=2) + "\n")
