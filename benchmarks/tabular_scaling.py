@@ -37,22 +37,56 @@ def _timed(fn):
     return out, time.perf_counter() - w, time.process_time() - c
 
 
+class _ProgressLog:
+    """Appends one JSON line per logged estimator step (wall / CPU seconds since start, RSS, peak RSS) to a file,
+    so a case that is stopped early still tells how far it got and how its memory grew."""
+
+    def __init__(self, path: Path) -> None:
+        import logging
+
+        self.path, self.phase = Path(path), "fit"
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        self.path.write_text("")
+        log = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record) -> None:
+                log.write(record.getMessage())
+
+        logger = logging.getLogger("tabular.estimator")
+        logger.addHandler(_Handler(level=logging.INFO))
+        logger.setLevel(logging.INFO)
+
+    def write(self, msg: str) -> None:
+        rec = {"phase": self.phase, "wall_s": time.perf_counter() - self.w0, "cpu_s": time.process_time() - self.c0,
+               "rss_mb": (_status_kb("VmRSS") or 0) / 1024, "hwm_mb": (_status_kb("VmHWM") or 0) / 1024, "msg": msg}
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: float, test_rows: int = 1000,
-          checkpoint=None) -> dict:
+          checkpoint=None, progress: Path | None = None) -> dict:
     import torch
 
     from tabular import TabICLClassifier
 
     torch.set_num_threads(threads)
+    plog = _ProgressLog(progress) if progress else None
     rng = np.random.default_rng(0)
     X = rng.standard_normal(size=(rows + test_rows, features), dtype=np.float32)
     w = rng.normal(size=features).astype(np.float32)
     y = (X @ w + 0.5 * rng.standard_normal(len(X), dtype=np.float32) > 0).astype(int)
-    clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu", checkpoint=checkpoint)
+    clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu", checkpoint=checkpoint,
+                           verbose=plog is not None)
     _, fit_s, fit_cpu = _timed(lambda: clf.fit(X[:rows], y[:rows]))
     peak = PeakRSS()
     peak.start()
+    if plog:
+        plog.phase = "first predict"
+        plog.write("fit done")
     proba, first, first_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
+    if plog:
+        plog.phase = "repeat predict"
     _, second, second_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
     hwm = _status_kb("VmHWM")
     acc = float((proba.argmax(1) == y[rows:]).mean())
@@ -123,7 +157,7 @@ def markdown(results: list[dict], slopes: dict, args) -> str:
             lines.append(f"| {r['rows']:,} | {r['features']} | | {r.get('reason', 'error')} | | | | | |")
             continue
         lines.append(
-            f"| {r['rows']:,} | {r['features']} | {r['folds']} | {_fmt(r['fit_s'])} | {_fmt(r['predict_s'])} / "
+            f"| {r['rows']:,} | {r['features']} | {r['folds']} | {_fmt(r['fit_s'])} / {_fmt(r['fit_cpu_s'])} | {_fmt(r['predict_s'])} / "
             f"{_fmt(r['predict_cpu_s'])} | {_fmt(r['repeat_predict_s'])} / {_fmt(r['repeat_predict_cpu_s'])} | "
             f"{_fmt(r['peak_rss_mb'], 0)} | {_fmt(r['predict_peak_growth_mb'], 0)} | {_fmt(r['cache_mb'], 0)} |"
         )
@@ -136,15 +170,45 @@ def markdown(results: list[dict], slopes: dict, args) -> str:
 
 
 def _slopes(results: list[dict], features: list[int]) -> dict:
+    """Per feature count: slopes of peak RSS and of its growth in predict, over all completed cases and over
+    the multi-fold ones (train rows above ``max_context``: contexts at their full size, only their number grows)."""
     out = {}
     for f in features:
         ok = [r for r in results if r.get("status") == "ok" and r["features"] == f]
-        if len(ok) >= 2:
-            out[str(f)] = {
-                "peak_rss": slope([r["rows"] for r in ok], [r["peak_rss_mb"] for r in ok]),
-                "predict_peak_growth": slope([r["rows"] for r in ok], [r["predict_peak_growth_mb"] for r in ok]),
-            }
+        by = {}
+        for tag, sel in (("all", ok), ("multi-fold", [r for r in ok if r.get("folds", 1) > 1])):
+            if len(sel) >= 2:
+                by[f"peak_rss ({tag})"] = slope([r["rows"] for r in sel], [r["peak_rss_mb"] for r in sel])
+                by[f"predict_peak_growth ({tag})"] = slope([r["rows"] for r in sel], [r["predict_peak_growth_mb"] for r in sel])
+        if by:
+            out[str(f)] = by
     return out
+
+
+def _merge(args) -> int:
+    """One result file (and Markdown table) from the cases of several runs; a later file's case replaces an
+    earlier one of the same (rows, features)."""
+    runs = [json.loads(Path(p).read_text()) for p in args.merge]
+    cases: dict[tuple, dict] = {}
+    for run in runs:
+        for c in run["cases"]:
+            cases[(c["features"], c["rows"])] = {**c, "run_started_utc": run["env"].get("time_utc")}
+    results = [cases[k] for k in sorted(cases)]
+    features = sorted({c["features"] for c in results})
+    first = runs[0]["args"]
+    for k in ("n_estimators", "memory_mb", "test_rows", "threads"):
+        if any(r["args"].get(k) != first.get(k) for r in runs):
+            raise ValueError(f"runs to merge differ in {k}: {[r['args'].get(k) for r in runs]}")
+    slopes = _slopes(results, features)
+    envs = [r["env"] for r in runs]
+    write_json_atomic(args.out, {"env": envs[0], "envs": envs, "args": {**first, "rows": sorted({c["rows"] for c in results}),
+                                 "features": features, "merged_from": [Path(p).name for p in args.merge]},
+                                 "cases": results, "peak_mb_per_1k_rows": slopes})
+    ns = argparse.Namespace(**{**vars(args), **{k: first[k] for k in ("n_estimators", "memory_mb", "test_rows", "threads")}})
+    md = markdown(results, slopes, ns)
+    args.out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: the shipped one)")
     p.add_argument("--prior", action="store_true", help="only measure the prior's tables/s")
     p.add_argument("--case", nargs=2, type=int, metavar=("ROWS", "FEATURES"), help=argparse.SUPPRESS)
+    p.add_argument("--progress", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="combine the cases of result files written by separate runs (e.g. run in parallel) into --out")
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (a Markdown table is written beside it)")
     return p
 
@@ -168,13 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.case:
         print(json.dumps(_case(args.case[0], args.case[1], args.n_estimators, args.threads, args.memory_mb,
-                               args.test_rows, args.checkpoint)))
+                               args.test_rows, args.checkpoint, args.progress)))
         return 0
     if args.prior:
         rows = prior_speed()
         write_json_atomic(args.out.with_name("tabular_prior_speed.json"), {"env": env_info(), "rows": rows})
         print(format_table(rows, ["family", "rows", "features", "tables_per_s"]))
         return 0
+    if args.merge:
+        return _merge(args)
     if args.quick:
         args.rows, args.features = [1_000, 10_000], [20]
     env = env_info()
@@ -188,7 +257,14 @@ def main(argv: list[str] | None = None) -> int:
                    "--n-estimators", str(args.n_estimators), "--threads", str(args.threads),
                    "--memory-mb", str(args.memory_mb), "--test-rows", str(args.test_rows)]
             cmd += ["--checkpoint", args.checkpoint] if args.checkpoint else []
-            res = run_isolated(cmd, timeout_s=args.timeout)
+            prog = args.out.with_name(f"{args.out.stem}.progress_{n}x{f}.jsonl")
+            res = run_isolated(cmd + ["--progress", str(prog)], timeout_s=args.timeout)
+            if res.get("status") != "ok" and prog.exists():  # how far the stopped case got
+                steps = [json.loads(line) for line in prog.read_text().splitlines() if line.strip()]
+                if steps:
+                    res["progress"] = {"steps_logged": len(steps), "last": steps[-1],
+                                       "peak_rss_mb": max(st["hwm_mb"] for st in steps)}
+            prog.unlink(missing_ok=True)
             res.setdefault("rows", n)
             res.setdefault("features", f)
             print(f"{n} rows x {f} features: {res}", file=sys.stderr, flush=True)
