@@ -72,7 +72,7 @@ class DMConfig(DTConfig):
     soft_rank_temperature: float = 2.0  # straight-through soft-mask temperature, in ranks
     router_hidden: int = 64  # width of the capacity and auxiliary predictors
     aux_loss_weight: float = 0.1  # weight of the auxiliary predictor's BCE in the training loss
-    capacity_cost_weight: float = 0.01  # weight of the mean predicted capacity (compute cost) in the loss
+    capacity_cost_weight: float = 0.0  # weight of the mean predicted capacity (compute cost) in the loss; 0 chosen by `python -m rl.tune` on hopper-medium (rl/README.md)
 
     def __post_init__(self) -> None:
         super().__post_init__()
