@@ -3,8 +3,17 @@
 Each (model, N, mode) case runs in a fresh process (``benchmarks.common.run_isolated``) on a bag of N
 random D=512 features laid on a square patch grid. ``forward``: one eval-mode forward without autograd;
 ``train``: forward + backward + AdamW step. Peak memory is the case's resident-set growth
-(``PeakRSS``; on CUDA, ``torch.cuda.max_memory_allocated``). A case that times out or runs out of memory
-is recorded as an error, not dropped. Ratios are dense / Querent at the same N.
+(``PeakRSS``; on CUDA, ``torch.cuda.max_memory_allocated``). Time is recorded on two clocks: wall
+seconds and CPU seconds of the case's process (``cpu_s``; with one thread this is what the case takes on
+an idle core, so it is robust to other jobs sharing the machine). Ratios are dense / Querent at the same N
+on CPU seconds (``--clock wall`` for wall seconds).
+
+A case that runs out of memory or crashes is recorded as an error, not dropped. A case that needs more
+than ``--cpu-limit`` CPU seconds (or ``--timeout`` wall seconds) is stopped and recorded as timed out, with what it had reached when it was stopped (``cpu_s_at_timeout``, ``peak_mb_at_timeout``, read
+from a progress file the case rewrites every second): lower bounds of its time and memory, from which the
+table gives lower bounds of the ratios (``≥``). Once a model times out, its larger sizes in that mode,
+and its training step at that size and above, are recorded as skipped, not run. Results are written after
+every case; ``--resume`` keeps the finished cases of an earlier run with the same settings.
 
 Attention FLOPs per layer (self-attention part only, multiply-adds ×2):
 dense ``4·N²·dim``; Querent ``4·N·(M + topk)·R²·dim`` with ``M ≤ 9`` neighbour regions, plus the region
@@ -20,17 +29,37 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import PeakRSS, env_info, format_table, parse_size, run_isolated, write_json_atomic
+from benchmarks.common import PeakRSS, env_info, format_table, parse_size, read_json, run_isolated, write_json_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pathology_efficiency.json"
 MODELS = ("querent", "dense", "transmil", "abmil")
 
 
-def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_score: str = "max") -> dict:
+def _progress_writer(path: str, peak: PeakRSS, wall0: float, cpu0: float) -> threading.Event:
+    """Rewrite ``path`` every second with the case's CPU seconds, wall seconds and peak so far (daemon thread)."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(1.0):
+            try:
+                write_json_atomic(path, {"cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0,
+                                         "peak_mb": peak.peak_mb()})
+            except OSError:
+                return
+
+    threading.Thread(target=loop, daemon=True).start()
+    return stop
+
+
+def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_score: str = "max",
+          progress_file: str | None = None, cpu_limit: float | None = None) -> dict:
     import torch
 
     from pathology.mil import build_model
@@ -69,21 +98,91 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    if cpu_limit:  # the kernel stops the case (SIGXCPU) once it has used cpu_limit CPU seconds from here
+        import resource
+
+        soft = int(math.ceil(time.process_time() + cpu_limit))
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
     peak.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
+    stop = _progress_writer(progress_file, peak, t0, c0) if progress_file and not cuda else None
     step()
-    first = time.perf_counter() - t0
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
+    if stop is not None:
+        stop.set()
     peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else peak.peak_mb()
-    times = [first]
+    times, cpu_times = [first], [first_cpu]
     if first < 5.0:  # small cases: median of a few more runs
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
     times.sort()
+    cpu_times.sort()
     return {"status": "ok", "model": model_name, "n": n, "mode": mode, "seconds": times[len(times) // 2],
-            "first_s": first, "peak_mb": peak_mb, "peak_method": "cuda max_memory_allocated" if cuda else peak.method,
+            "cpu_s": cpu_times[len(cpu_times) // 2], "first_s": first, "peak_mb": peak_mb,
+            "peak_method": "cuda max_memory_allocated" if cuda else peak.method,
             "device": device, "threads": threads, "region_score": region_score}
+
+
+def _run_case(args, model: str, n: int, mode: str) -> dict:
+    """One case in a fresh process; a timeout comes back with the progress the case had reached."""
+    fd, progress = tempfile.mkstemp(prefix="pathology_efficiency_", suffix=".json")
+    os.close(fd)
+    os.unlink(progress)
+    try:
+        r = run_isolated([sys.executable, "-m", "benchmarks.pathology_efficiency", "--case", model, str(n), mode,
+                          "--device", args.device, "--threads", str(args.threads), "--region-score", args.region_score,
+                          "--progress-file", progress, "--cpu-limit", str(args.cpu_limit)], timeout_s=args.timeout)
+        reason = str(r.get("reason", ""))
+        if r.get("status") != "ok" and (reason.startswith("timed out") or reason.startswith("exit code -24")):
+            r["status"] = "timeout"
+            r["reason"] = (f"stopped at the CPU limit of {args.cpu_limit:.0f} s" if reason.startswith("exit code -24")
+                           else reason)
+            reached = read_json(progress) if os.path.exists(progress) else None
+            if reached:
+                r.update(cpu_s_at_timeout=reached["cpu_s"], wall_s_at_timeout=reached["wall_s"],
+                         peak_mb_at_timeout=reached["peak_mb"])
+    finally:
+        if os.path.exists(progress):
+            os.unlink(progress)
+    r.update(model=model, n=n, mode=mode)
+    return r
+
+
+def _skip_reason(rows: list[dict], model: str, n: int, mode: str) -> str | None:
+    """Why a case is not run: the same model already timed out at a smaller size, or in forward at this size."""
+    for r in rows:
+        if r["model"] != model or r.get("status") != "timeout":
+            continue
+        if r["mode"] == mode and r["n"] < n:
+            return f"skipped: {model} {mode} timed out at N={r['n']}"
+        if mode == "train" and r["mode"] == "forward" and r["n"] <= n:
+            return f"skipped: {model} forward timed out at N={r['n']}"
+    return None
+
+
+def _ratios(rows: list[dict], clock: str) -> None:
+    """Dense / Querent time and memory at each N and mode (lower bounds where dense timed out)."""
+    key = "cpu_s" if clock == "cpu" else "seconds"
+    for r in rows:
+        for k in ("dense_over_querent_time", "dense_over_querent_memory", "ratio_note"):
+            r.pop(k, None)
+        if r.get("status") != "ok" or r["model"] != "querent":
+            continue
+        d = next((x for x in rows if x["model"] == "dense" and x["n"] == r["n"] and x["mode"] == r["mode"]), None)
+        if d is None:
+            continue
+        if d.get("status") == "ok":
+            r["dense_over_querent_time"] = d[key] / max(r[key], 1e-9)
+            r["dense_over_querent_memory"] = d["peak_mb"] / max(r["peak_mb"], 1e-9)
+        elif d.get("status") == "timeout" and "cpu_s_at_timeout" in d:
+            reached = d["cpu_s_at_timeout"] if clock == "cpu" else d["wall_s_at_timeout"]
+            r["dense_over_querent_time"] = reached / max(r[key], 1e-9)
+            r["dense_over_querent_memory"] = d["peak_mb_at_timeout"] / max(r["peak_mb"], 1e-9)
+            r["ratio_note"] = "lower bounds: dense timed out"
 
 
 def main(argv=None) -> int:
@@ -95,39 +194,55 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--region-score", default="max", choices=("max", "mean"), help="Querent region scoring")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
+    p.add_argument("--timeout", type=float, default=3600.0, help="wall seconds per case (safety net)")
+    p.add_argument("--cpu-limit", type=float, default=600.0,
+                   help="CPU seconds per case; a case that needs more is stopped and recorded as timed out")
+    p.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="time used for the ratios")
+    p.add_argument("--resume", action="store_true", help="keep finished cases of an earlier run in --out")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--case", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--progress-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(_case(args.case[0], int(args.case[1]), args.case[2], args.device, args.threads,
-                               args.region_score)))
+                               args.region_score, args.progress_file, args.cpu_limit)))
         return 0
     env = env_info()  # machine state when the run starts
     sizes = [parse_size(s) for s in (args.sizes or ("1K,4K,16K" if args.quick else "1K,4K,16K,64K,100K")).split(",")]
-    rows = []
+    config = {"in_dim": 512, "dim": 256, "depth": 2, "heads": 4, "region_size": 8, "topk": 8,
+              "region_score": args.region_score, "device": args.device, "threads": args.threads,
+              "timeout_s": args.timeout, "cpu_limit_s": args.cpu_limit, "clock": args.clock}
+    rows: list[dict] = []
+    if args.resume:
+        old = read_json(args.out)
+        if old and old.get("config") == config:
+            rows = [r for r in old["rows"] if r.get("status") in ("ok", "timeout", "error")]
+            env = old.get("env", env)
+
+    def save():
+        _ratios(rows, args.clock)
+        write_json_atomic(args.out, {"env": env, "config": config, "rows": rows})
+
     for mode in args.modes.split(","):
         for n in sizes:
             for m in args.models.split(","):
-                r = run_isolated([sys.executable, "-m", "benchmarks.pathology_efficiency", "--case", m, str(n), mode,
-                                  "--device", args.device, "--threads", str(args.threads),
-                                  "--region-score", args.region_score], timeout_s=args.timeout)
-                r.update(model=m, n=n, mode=mode)
+                if any(r["model"] == m and r["n"] == n and r["mode"] == mode for r in rows):
+                    continue
+                why = _skip_reason(rows, m, n, mode)
+                r = {"status": "skipped", "reason": why, "model": m, "n": n, "mode": mode} if why else _run_case(args, m, n, mode)
                 rows.append(r)
-                print(f"{mode:7s} N={n:6d} {m:9s} " + (f"{r['seconds']:.3f}s peak {r['peak_mb']:.0f} MB"
-                      if r.get("status") == "ok" else r.get("reason", "error")), flush=True)
-    for r in rows:
-        if r.get("status") != "ok" or r["model"] != "querent":
-            continue
-        d = next((x for x in rows if x["model"] == "dense" and x["n"] == r["n"] and x["mode"] == r["mode"]), None)
-        if d and d.get("status") == "ok":
-            r["dense_over_querent_time"] = d["seconds"] / r["seconds"]
-            r["dense_over_querent_memory"] = d["peak_mb"] / max(r["peak_mb"], 1e-9)
-    write_json_atomic(args.out, {"env": env, "config": {"in_dim": 512, "dim": 256, "depth": 2, "heads": 4,
-                                                               "region_size": 8, "topk": 8, "region_score": args.region_score},
-                                 "rows": rows})
-    print(format_table(rows, ["mode", "n", "model", "status", "seconds", "peak_mb", "dense_over_querent_time",
-                              "dense_over_querent_memory"]))
+                if r.get("status") == "ok":
+                    msg = f"{r['seconds']:.3f}s wall {r['cpu_s']:.3f}s cpu peak {r['peak_mb']:.0f} MB"
+                elif r.get("status") == "timeout":
+                    msg = (f"timed out; reached {r.get('cpu_s_at_timeout', float('nan')):.0f}s cpu, "
+                           f"peak {r.get('peak_mb_at_timeout', float('nan')):.0f} MB")
+                else:
+                    msg = r.get("reason", "error")
+                print(f"{mode:7s} N={n:6d} {m:9s} {msg}", flush=True)
+                save()
+    save()
+    print(format_table(rows, ["mode", "n", "model", "status", "seconds", "cpu_s", "peak_mb", "dense_over_querent_time",
+                              "dense_over_querent_memory", "ratio_note"]))
     return 0
 
 

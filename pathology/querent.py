@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.blocksparse import block_sparse_attention, block_summaries, block_upper_bound, query_block_upper_bound
+from core.blocksparse import block_sparse_attention, block_summaries, block_upper_bound
 from core.layers import MLP, MultiHeadAttention
 
 __all__ = ["QuerentConfig", "Querent", "RegionLayout", "build_regions", "MILOutput", "GatedAttentionPool",
@@ -55,6 +55,7 @@ class QuerentConfig:
     region_score: str = "max"  # "max": per-query bound, max over the region's queries (tight, O(N·N/R²·D));
     # "mean": bound for the region's mean query (cheaper, O((N/R²)²·D), for very large bags; not a bound for every query)
     backend: str = "auto"  # block-sparse backend: "auto" (Triton on CUDA when available), "torch", "triton"
+    select_budget_mb: float = 32.0  # working-set budget (MiB) of one batch of query regions in region selection
 
     def __post_init__(self) -> None:
         if self.in_dim < 1 or self.dim < 1:
@@ -67,6 +68,8 @@ class QuerentConfig:
             raise ValueError(f"region_size ({self.region_size}) must be >= 1")
         if self.topk < 0 or self.neighbourhood < 0:
             raise ValueError(f"topk ({self.topk}) and neighbourhood ({self.neighbourhood}) must be >= 0")
+        if not self.select_budget_mb > 0:
+            raise ValueError(f"select_budget_mb ({self.select_budget_mb}) must be > 0")
         if self.region_score not in ("max", "mean"):
             raise ValueError(f"region_score ({self.region_score!r}) must be 'max' or 'mean'")
         if self.task not in ("cls", "survival"):
@@ -173,42 +176,79 @@ def build_regions(coords_N2: torch.Tensor, patch_size_level0: float, region_size
                         region_size=R, fill_src=fill_src)
 
 
+def _region_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, budget_bytes: int) -> int:
+    """Query regions scored per step so that one step's working set stays under ``budget_bytes``.
+
+    A step over ``C`` regions holds the queries' bounds against every region (``B·H·C·R²·NR`` fp32), the
+    split queries (``B·H·C·R²·2·head_dim``) and the per-region maxima (``B·H·C·NR``).
+    """
+    bs = layout.region_size**2
+    nr = max(1, layout.num_regions)
+    per_region = 4 * B * H * (bs * nr + 2 * bs * head_dim + 3 * nr) + 8 * bs
+    return max(1, min(nr, budget_bytes // max(1, per_region)))
+
+
+def _region_summaries(k_BHSD: torch.Tensor, key_padding_mask: torch.Tensor, bs: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-region min and max of the real keys, ``(B, H, NR, D)`` fp32, computed ``chunk`` regions at a time."""
+    B, H, S, D = k_BHSD.shape
+    nr = S // bs
+    kmin = torch.empty(B, H, nr, D, dtype=torch.float32, device=k_BHSD.device)
+    kmax = torch.empty_like(kmin)
+    for c0 in range(0, nr, chunk):
+        c1 = min(nr, c0 + chunk)
+        lo, hi, _ = block_summaries(k_BHSD[:, :, c0 * bs : c1 * bs], bs, key_padding_mask=key_padding_mask[:, c0 * bs : c1 * bs])
+        kmin[:, :, c0:c1], kmax[:, :, c0:c1] = lo, hi
+    return kmin, kmax
+
+
 def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLayout, topk: int,
-                   key_padding_mask: torch.Tensor, score: str = "max") -> torch.Tensor:
+                   key_padding_mask: torch.Tensor, score: str = "max", budget_bytes: int = 32 * 2**20) -> torch.Tensor:
     """Region ids per query region: the neighbourhood plus the ``topk`` best other regions by the Quest bound.
 
     ``score="max"``: the bound of each real query of the region, maxed over them; ``score="mean"``: the bound
     of the region's mean query (one row per region, so the scoring costs O(NR²·D) instead of O(N·NR·D)).
 
+    Memory-bounded: query regions are scored and ranked a batch at a time, the batch sized so its working
+    set (bounds of its queries against every region) stays under ``budget_bytes``; only the chosen ids are
+    kept, so no ``N × NR`` (or ``NR × NR`` score) tensor is ever built for the whole bag.
+
     Returns:
         int64 (B, H, NR, K) in the :mod:`core.blocksparse` format (ascending ids, then -1).
     """
     bs = layout.region_size**2
-    B, H = q_BHSD.shape[:2]
+    B, H, _, hd = q_BHSD.shape
     nr = layout.num_regions
-    kmin, kmax, _ = block_summaries(k_BHSD, bs, key_padding_mask=key_padding_mask)  # (B, H, NR, D)
-    if score == "mean":
-        valid = (~key_padding_mask).to(q_BHSD.dtype).view(B, 1, nr, bs, 1)  # (B, 1, NR, bs, 1)
-        q_sum = (q_BHSD.detach().view(B, H, nr, bs, -1) * valid).sum(3)  # (B, H, NR, D)
-        q_mean = q_sum / valid.sum(3).clamp(min=1)
-        scores = block_upper_bound(q_mean, kmin, kmax)  # (B, H, NR, NR)
-    else:
-        # Padded query rows copy a real query of their region, so the block max is over real queries only.
-        scores = query_block_upper_bound(q_BHSD[:, :, layout.fill_src], kmin, kmax, bs)  # (B, H, NR, NR)
+    chunk = _region_chunk(layout, B, H, hd, budget_bytes)
+    kmin, kmax = _region_summaries(k_BHSD, key_padding_mask, bs, chunk)  # (B, H, NR, hd) each
     neigh = layout.neighbours  # (NR, M)
-    forced = torch.zeros(nr, nr + 1, dtype=torch.bool, device=scores.device)
-    forced.scatter_(1, torch.where(neigh < 0, nr, neigh), True)
-    forced = forced[:, :nr]  # (NR, NR)
-    scores = scores.masked_fill(forced[None, None], float("-inf"))  # neighbours are added below, not ranked
+    M = neigh.shape[1]
     k_extra = min(topk, nr)
-    if k_extra > 0:
-        top = scores.topk(k_extra, dim=-1)
-        extra = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
-    else:
-        extra = scores.new_zeros(B, H, nr, 0, dtype=torch.long)
-    own = torch.where(neigh < 0, nr, neigh)[None, None].expand(B, H, nr, neigh.shape[1])
-    idx = torch.cat([own, extra], dim=-1).sort(dim=-1).values  # (B, H, NR, M + topk), nr = unused
-    return torch.where(idx >= nr, -1, idx)
+    out = torch.empty(B, H, nr, M + k_extra, dtype=torch.long, device=q_BHSD.device)
+    q = q_BHSD.detach()
+    for c0 in range(0, nr, chunk):
+        c1 = min(nr, c0 + chunk)
+        C = c1 - c0
+        if score == "mean":
+            valid = (~key_padding_mask[:, c0 * bs : c1 * bs]).to(q.dtype).view(B, 1, C, bs, 1)
+            q_sum = (q[:, :, c0 * bs : c1 * bs].reshape(B, H, C, bs, hd) * valid).sum(3)  # (B, H, C, hd)
+            scores = block_upper_bound(q_sum / valid.sum(3).clamp(min=1), kmin, kmax)  # (B, H, C, NR)
+        else:
+            # Padded query rows copy a real query of their region, so the max is over real queries only.
+            rows = q[:, :, layout.fill_src[c0 * bs : c1 * bs]]  # (B, H, C·bs, hd)
+            scores = block_upper_bound(rows, kmin, kmax).view(B, H, C, bs, nr).amax(dim=3)  # (B, H, C, NR)
+        own = neigh[c0:c1]  # (C, M)
+        # Neighbours are always attended (added below), so they are not ranked: their score becomes -inf.
+        forced = torch.zeros(C, nr + 1, dtype=torch.bool, device=scores.device)
+        forced.scatter_(1, torch.where(own < 0, nr, own), True)
+        scores = scores.masked_fill(forced[None, None, :, :nr], float("-inf"))
+        if k_extra > 0:
+            top = scores.topk(k_extra, dim=-1)
+            extra = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
+        else:
+            extra = scores.new_zeros(B, H, C, 0, dtype=torch.long)
+        own_ids = torch.where(own < 0, nr, own)[None, None].expand(B, H, C, M)
+        out[:, :, c0:c1] = torch.cat([own_ids, extra], dim=-1).sort(dim=-1).values  # nr = unused slot
+    return torch.where(out >= nr, -1, out)
 
 
 # ------------------------------------------------------------------------------------------------ layers
@@ -258,10 +298,13 @@ class QuerentLayer(nn.Module):
         h = self.norm1(x_BSD)
         q = self.attn.project_q(h)  # (B, H, S, hd)
         k, v = self.attn.project_kv(h)  # (B, H, S, hd) each
-        idx = select_regions(q, k, layout, self.cfg.topk, pad_BS, self.cfg.region_score)  # (B, H, NR, K)
+        idx = select_regions(q, k, layout, self.cfg.topk, pad_BS, self.cfg.region_score,
+                             budget_bytes=int(self.cfg.select_budget_mb * 2**20))  # (B, H, NR, K)
         o = block_sparse_attention(q, k, v, idx, block_size=self.cfg.block_size, key_padding_mask=pad_BS,
                                    backend=self.cfg.backend)
+        del h, q, k, v  # without autograd their memory is free for the MLP below
         x_BSD = x_BSD + self.attn.merge(o)
+        del o
         return x_BSD + self.mlp(self.norm2(x_BSD)), idx
 
 
@@ -298,7 +341,8 @@ class Querent(nn.Module):
         S = layout.padded_len
         x = h.new_zeros(1, S, self.cfg.dim)
         x[0, layout.slot] = h  # (1, S, dim) region-padded sequence
-        pad = torch.ones(1, S, dtype=torch.bool, device=h.device)
+        del h
+        pad = torch.ones(1, S, dtype=torch.bool, device=x.device)
         pad[0, layout.slot] = False
         indices = []
         for layer in self.layers:

@@ -274,3 +274,34 @@ def test_mean_region_score_ranks_by_the_mean_query_bound():
     assert torch.isfinite(out.logits).all()
     with pytest.raises(ValueError, match="region_score"):
         QuerentConfig(in_dim=8, region_score="median")
+
+
+@pytest.mark.parametrize("score", ["max", "mean"])
+def test_region_selection_is_memory_bounded_and_chunk_invariant(score, monkeypatch):
+    import pathology.querent as qmod
+
+    coords = _bag_coords(23, 21, 0.8)
+    lay = build_regions(coords, 256, region_size=4, neighbourhood=1)
+    S = lay.padded_len
+    pad = torch.ones(1, S, dtype=torch.bool)
+    pad[0, lay.slot] = False
+    q, k = torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+    whole = select_regions(q, k, lay, 3, pad, score=score, budget_bytes=2**30)  # one batch of all regions
+    sizes = []
+    real = qmod.block_upper_bound
+
+    def recording(*a, **kw):
+        out = real(*a, **kw)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(qmod, "block_upper_bound", recording)
+    budget = 40_000  # bytes: a few query regions per batch
+    small = select_regions(q, k, lay, 3, pad, score=score, budget_bytes=budget)
+    assert torch.equal(small, whole)
+    nr = lay.num_regions
+    assert len(sizes) > 1  # the regions were scored in several batches
+    assert max(sizes) * 4 <= budget  # each batch's bounds stay inside the budget...
+    assert max(sizes) < (S if score == "max" else nr) * nr  # ...and never cover the whole bag at once
+    with pytest.raises(ValueError, match="select_budget_mb"):
+        QuerentConfig(in_dim=8, select_budget_mb=0)
