@@ -8,6 +8,10 @@ Slides and features are cached in ``--work`` (resumable).
 
     python -m benchmarks.pathology_accuracy --quick     # 24 slides, 5 folds, 15 epochs
     python -m benchmarks.pathology_accuracy             # 60 slides, 5 folds, 30 epochs
+
+Parts of a run can go to separate processes and be merged afterwards (same ``--work``): ``--prep-only``
+makes the slides and features once; ``--skip-prep --tasks longrange --models dense --out A.json`` runs one
+part on them; ``--merge A.json B.json ... --out ALL.json`` joins the parts' rows into one file and table.
 """
 
 from __future__ import annotations
@@ -36,8 +40,17 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--tasks", default=",".join(t for t, _ in TASKS), help="comma-separated subset of the tasks")
+    p.add_argument("--prep-only", action="store_true", help="make the slides and features, train nothing")
+    p.add_argument("--skip-prep", action="store_true", help="use the slides and features already in --work")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join the rows of these result files into --out")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.out)
+    tasks = [t for t in TASKS if t[0] in args.tasks.split(",")]
+    if not tasks and not args.prep_only:
+        raise SystemExit(f"--tasks {args.tasks!r}: choose from {[t for t, _ in TASKS]}")
 
     import torch
 
@@ -51,15 +64,20 @@ def main(argv=None) -> int:
     epochs = args.epochs or (15 if args.quick else 30)
     slides = os.path.join(args.work, "slides")
     t0 = time.perf_counter()
-    generate_dataset(slides, n=n, seed=args.seed, size=args.size, mpp=0.5, progress=True)
     bags_dir = os.path.join(args.work, "bags")
-    run_batch(BatchConfig(slides=slides, out=bags_dir, mpp=1.0, patch_size=128, skip_errors=True, device="cpu"))
+    if not args.skip_prep:
+        generate_dataset(slides, n=n, seed=args.seed, size=args.size, mpp=0.5, progress=True)
+        run_batch(BatchConfig(slides=slides, out=bags_dir, mpp=1.0, patch_size=128, skip_errors=True, device="cpu"))
     prep_s = time.perf_counter() - t0
+    if args.prep_only:
+        return 0
     feats = os.path.join(bags_dir, "features", "default")
     labels = os.path.join(slides, "labels.csv")
     rows = []
-    for target, task in TASKS:
+    for target, task in tasks:
         bags = load_bags(feats, labels, task=task, target=target)
+        if len(bags) != n:
+            raise SystemExit(f"{target}: {len(bags)} of {n} slides have features in {feats}; rerun without --skip-prep")
         # Folds are stratified (on the event for survival); a small run can have fewer censored slides than
         # folds, so cap the fold count there and record it in the row rather than stopping the whole run.
         strat = [b.event if task == "survival" else b.label for b in bags]
@@ -80,6 +98,28 @@ def main(argv=None) -> int:
             print(row, flush=True)
     write_json_atomic(args.out, {"env": env_info(), "n_slides": n, "size": args.size, "folds": args.folds,
                                  "epochs": epochs, "prep_seconds": round(prep_s, 1), "rows": rows})
+    print(format_table(rows, ["task", "model", "folds", "auc", "balanced_accuracy", "c_index", "seconds"]))
+    return 0
+
+
+def _merge(paths: list[str], out: str) -> int:
+    """Join the rows of several result files of one setting (slides, size, epochs) into ``out``."""
+    from benchmarks.common import read_json
+
+    parts = [read_json(p) for p in paths]
+    missing = [p for p, d in zip(paths, parts) if d is None]
+    if missing:
+        raise SystemExit(f"result files not found: {missing}")
+    keys = ("n_slides", "size", "folds", "epochs")
+    if len({tuple(d.get(k) for k in keys) for d in parts}) != 1:
+        raise SystemExit(f"the files differ in {keys}: " + "; ".join(f"{p}: {[d.get(k) for k in keys]}" for p, d in zip(paths, parts)))
+    order = {t: i for i, (t, _) in enumerate(TASKS)}
+    rows = sorted((r for d in parts for r in d["rows"]), key=lambda r: (order.get(r["task"], 99), MODELS.index(r["model"])
+                                                                        if r["model"] in MODELS else 99))
+    merged = {k: parts[0][k] for k in keys}
+    merged.update(env=[d["env"] for d in parts], prep_seconds=parts[0].get("prep_seconds"), merged_from=[os.path.basename(p) for p in paths],
+                  rows=rows)
+    write_json_atomic(out, merged)
     print(format_table(rows, ["task", "model", "folds", "auc", "balanced_accuracy", "c_index", "seconds"]))
     return 0
 

@@ -8,8 +8,12 @@ generic tiled TIFF.
 
 Tasks written to ``labels.csv``:
 - ``lesion`` (local task): 1 if the slide holds lesion texture anywhere, else 0.
-- ``longrange``: 1 if both pattern A and pattern B occur, in two distant regions; 0 if only one does.
-  A single region cannot tell the label; the model must relate two far-apart places.
+- ``longrange``: every slide holds exactly two pattern sites of the same size, placed far apart, each
+  wholly inside tissue. Label 1: one site of pattern A and one of pattern B; label 0: two sites of A, or
+  two of B (``generate_dataset`` makes half the slides positive and splits the negatives evenly between
+  AA and BB). The amount of pattern tissue is the same in every slide and each pattern occurs in both
+  classes, so neither a single site nor the bag's average (positives sit halfway between AA and BB) tells
+  the label; a model has to relate the two far-apart sites.
 - ``time``, ``event`` (survival): exponential time with hazard growing with lesion burden, uniform
   censoring.
 
@@ -34,6 +38,7 @@ __all__ = [
     "CLASSES",
     "SlideSpec",
     "sample_spec",
+    "balanced_labels",
     "render_layout",
     "write_slide",
     "generate_dataset",
@@ -57,9 +62,10 @@ class SlideSpec:
     mpp: float  # micrometres per pixel at level 0
     seed: int  # seed of every random choice inside the slide
     lesion: int  # local task label: lesion texture present (1) or not (0)
-    longrange: int  # long-range task label: patterns A and B both present (1) or only one (0)
+    longrange: int  # long-range task label: the two pattern sites are A and B (1), or both A / both B (0)
     has_a: bool  # pattern A present
     has_b: bool  # pattern B present
+    sites: str = ""  # patterns of the two sites: "AB", "AA" or "BB" (derived from has_a/has_b when empty)
     time: float = 0.0  # survival time (filled after rendering, from the lesion burden)
     event: int = 0  # 1 = death observed, 0 = censored
     burden: float = 0.0  # lesion area / tissue area (filled after rendering)
@@ -69,21 +75,50 @@ class SlideSpec:
             raise ValueError(f"slide size ({self.width}x{self.height}) must be at least {TILE} px per side")
         if not self.mpp > 0:
             raise ValueError(f"mpp ({self.mpp}) must be > 0")
+        if not self.sites:
+            self.sites = "AB" if self.has_a and self.has_b else ("AA" if self.has_a else "BB")
+        if self.sites not in ("AB", "AA", "BB"):
+            raise ValueError(f"sites ({self.sites!r}) must be 'AB', 'AA' or 'BB'")
+        if (self.sites == "AB") != bool(self.longrange) or self.has_a != ("A" in self.sites) or self.has_b != ("B" in self.sites):
+            raise ValueError(f"sites ({self.sites!r}) disagree with longrange={self.longrange}, has_a={self.has_a}, "
+                             f"has_b={self.has_b}")
 
 
-def sample_spec(rng: np.random.Generator, *, name: str, width: int, height: int, mpp: float) -> SlideSpec:
-    """Draw the labels of one slide: balanced lesion and long-range labels, independent of each other."""
-    lesion = int(rng.random() < 0.5)
-    longrange = int(rng.random() < 0.5)
-    if longrange:
-        has_a = has_b = True
-    else:
-        has_a = bool(rng.random() < 0.5)
-        has_b = not has_a
+def sample_spec(rng: np.random.Generator, *, name: str, width: int, height: int, mpp: float,
+                lesion: int | None = None, sites: str | None = None) -> SlideSpec:
+    """Draw the labels of one slide: lesion and long-range labels independent of each other.
+
+    ``lesion`` and ``sites`` ("AB", "AA", "BB") override the draws (the random numbers are consumed either
+    way, so the slide's seed does not depend on them); by default each label is 1 with probability 1/2 and
+    a negative long-range slide is AA or BB with probability 1/2 each.
+    """
+    drawn_lesion = int(rng.random() < 0.5)
+    drawn_longrange = int(rng.random() < 0.5)
+    drawn_a = bool(rng.random() < 0.5) if not drawn_longrange else True
+    lesion = drawn_lesion if lesion is None else int(lesion)
+    if sites is None:
+        sites = "AB" if drawn_longrange else ("AA" if drawn_a else "BB")
+    if sites not in ("AB", "AA", "BB"):
+        raise ValueError(f"sites ({sites!r}) must be 'AB', 'AA' or 'BB'")
     return SlideSpec(
         name=name, width=width, height=height, mpp=mpp, seed=int(rng.integers(2**31)), lesion=lesion,
-        longrange=longrange, has_a=has_a, has_b=has_b,
+        longrange=int(sites == "AB"), has_a="A" in sites, has_b="B" in sites, sites=sites,
     )
+
+
+def balanced_labels(n: int, rng: np.random.Generator) -> tuple[list[int], list[str]]:
+    """Lesion labels and pattern sites, balanced in every consecutive group of four slides.
+
+    Each group holds two lesion and two lesion-free slides, and the sites "AB", "AB", "AA", "BB", each
+    shuffled independently; so half the slides are long-range positives, a quarter each AA and BB. Groups
+    are drawn in order, so the first ``m`` labels do not depend on ``n`` (a larger dataset extends a smaller one).
+    """
+    lesion: list[int] = []
+    sites: list[str] = []
+    for _ in range(0, n, 4):
+        lesion += [int(v) for v in rng.permutation([0, 1, 0, 1])]
+        sites += [str(v) for v in rng.permutation(["AB", "AB", "AA", "BB"])]
+    return lesion[:n], sites[:n]
 
 
 # --------------------------------------------------------------------------------------------- textures
@@ -201,18 +236,10 @@ def render_layout(spec: SlideSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             cy, cx = place(r)
             blob = _disk((h, w), cy, cx, r) & (_smooth_noise(rng, (h, w), r / 3) > -0.8)
             classes[blob & tissue] = CLASSES["lesion"]
-    # Patterns A and B: one site each, the second as far as possible from the first.
-    r_pat = 0.035 * max(h, w)
-    sites: list[tuple[int, tuple[float, float]]] = []
-    first = place(r_pat)
-    if spec.has_a and spec.has_b:
-        sites = [(CLASSES["pattern_a"], first), (CLASSES["pattern_b"], place(r_pat, far_from=first))]
-    elif spec.has_a:
-        sites = [(CLASSES["pattern_a"], first)]
-    elif spec.has_b:
-        sites = [(CLASSES["pattern_b"], first)]
-    for cls, (cy, cx) in sites:
-        classes[_disk((h, w), cy, cx, r_pat) & tissue] = cls
+    # Two pattern sites of equal size (AB, AA or BB), each wholly inside tissue where the tissue allows it,
+    # the second as far as possible from the first: the same amount of pattern tissue in every slide.
+    r_pat = 0.07 * max(h, w)
+    _place_sites(rng, classes, tissue, spec.sites, r_pat)
     # Artifacts: pen strokes, dust specks, a tissue fold.
     art = np.zeros((h, w), np.uint8)
     for _ in range(int(rng.integers(0, 3))):
@@ -229,6 +256,27 @@ def render_layout(spec: SlideSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         band = np.abs((yy - ys[i]) * 0.6 - (xx - xs[i]) * 0.8) < 0.006 * max(h, w)
         art[band & tissue & (np.hypot(yy - ys[i], xx - xs[i]) < 0.15 * max(h, w))] = 3
     return classes, alpha, art
+
+
+def _place_sites(rng: np.random.Generator, classes: np.ndarray, tissue: np.ndarray, sites: str, r: float) -> None:
+    """Paint the two pattern disks of ``sites`` into ``classes`` (in place)."""
+    from scipy.ndimage import distance_transform_edt
+
+    h, w = tissue.shape
+    depth = distance_transform_edt(np.pad(tissue, 1))[1:-1, 1:-1]  # distance to the nearest non-tissue cell
+    inside = depth > r  # centres whose whole disk lies in tissue
+    if not inside.any():  # small or thin tissue: the deepest cells (the disks get clipped by the tissue)
+        inside = depth >= max(1.0, float(depth.max()) * 0.8)
+    cy, cx = np.nonzero(inside)
+    i = int(rng.integers(len(cy)))
+    first = (float(cy[i]), float(cx[i]))
+    # Second centre: the candidate farthest from the first (on a tiny slide the disks may overlap).
+    d = np.hypot(cy - first[0], cx - first[1])
+    j = int(np.argmax(d))
+    second = (float(cy[j]), float(cx[j]))
+    code = {"A": CLASSES["pattern_a"], "B": CLASSES["pattern_b"]}
+    for letter, (y, x) in zip(sites, (first, second)):
+        classes[_disk((h, w), y, x, r) & tissue] = code[letter]
 
 
 # -------------------------------------------------------------------------------------------- rendering
@@ -376,7 +424,8 @@ def write_slide(spec: SlideSpec, path: str | os.PathLike, *, quality: int = 85) 
     return spec
 
 
-LABEL_FIELDS = ["slide_id", "lesion", "longrange", "time", "event", "burden", "has_a", "has_b", "mpp", "width", "height"]
+LABEL_FIELDS = ["slide_id", "lesion", "longrange", "time", "event", "burden", "has_a", "has_b", "sites", "mpp",
+                "width", "height"]
 
 
 def generate_dataset(out: str | os.PathLike, *, n: int, seed: int = 0, size: int = 8192, mpp: float = 0.5,
@@ -392,11 +441,13 @@ def generate_dataset(out: str | os.PathLike, *, n: int, seed: int = 0, size: int
         raise ValueError(f"size ({size}) must be >= {TILE}")
     os.makedirs(out, exist_ok=True)
     rng = np.random.default_rng(seed)
+    lesions, sites = balanced_labels(n, np.random.default_rng([seed, 1]))
     specs = []
     for i in range(n):
         w = int(size * rng.uniform(1 - size_jitter, 1 + size_jitter))
         h = int(size * rng.uniform(1 - size_jitter, 1 + size_jitter))
-        specs.append(sample_spec(rng, name=f"slide_{i:03d}", width=w, height=h, mpp=mpp))
+        specs.append(sample_spec(rng, name=f"slide_{i:03d}", width=w, height=h, mpp=mpp, lesion=lesions[i],
+                                 sites=sites[i]))
     it: Sequence[SlideSpec] | Iterator[SlideSpec] = specs
     if progress:
         from tqdm import tqdm
@@ -416,7 +467,7 @@ def generate_dataset(out: str | os.PathLike, *, n: int, seed: int = 0, size: int
         for s in specs:
             wr.writerow({"slide_id": s.name, "lesion": s.lesion, "longrange": s.longrange, "time": s.time,
                          "event": s.event, "burden": round(s.burden, 5), "has_a": int(s.has_a),
-                         "has_b": int(s.has_b), "mpp": s.mpp, "width": s.width, "height": s.height})
+                         "has_b": int(s.has_b), "sites": s.sites, "mpp": s.mpp, "width": s.width, "height": s.height})
     os.replace(tmp, os.path.join(out, "labels.csv"))
     return specs
 

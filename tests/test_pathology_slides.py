@@ -88,6 +88,32 @@ def test_synthetic_tiff_structure(dataset):
         assert bool((truth == CLASSES["pattern_a"]).any()) == s.has_a
 
 
+def test_longrange_sites_have_equal_pattern_area_and_balanced_labels():
+    from pathology.synthetic import _disk, _pad, balanced_labels, render_layout, sample_spec
+
+    rng = np.random.default_rng()
+    lesion, sites = balanced_labels(12, np.random.default_rng(int(rng.integers(1_000_000))))
+    assert sites.count("AB") == 6 and sites.count("AA") == 3 and sites.count("BB") == 3 and sum(lesion) == 6
+    # a larger set extends a smaller one (resumable datasets keep their labels)
+    seed = int(rng.integers(1_000_000))
+    assert balanced_labels(8, np.random.default_rng(seed)) == tuple(x[:8] for x in balanced_labels(20, np.random.default_rng(seed)))
+    for kind in ("AB", "AA", "BB"):
+        spec = sample_spec(rng, name="s", width=3072, height=3072, mpp=0.5, sites=kind)
+        assert spec.longrange == int(kind == "AB") and spec.has_a == ("A" in kind) and spec.has_b == ("B" in kind)
+        _pad(spec)
+        classes = render_layout(spec)[0]
+        r = 0.07 * max(classes.shape)
+        disk = int(_disk((int(4 * r), int(4 * r)), int(2 * r), int(2 * r), r).sum())  # one whole site
+        n_a, n_b = int((classes == CLASSES["pattern_a"]).sum()), int((classes == CLASSES["pattern_b"]).sum())
+        # two whole sites of the same size in every slide: the label is not in the amount of pattern
+        assert n_a + n_b == 2 * disk
+        assert (n_a, n_b) == {"AB": (disk, disk), "AA": (2 * disk, 0), "BB": (0, 2 * disk)}[kind]
+        ys, xs = np.nonzero(classes >= CLASSES["pattern_a"])
+        assert np.hypot(np.ptp(ys), np.ptp(xs)) > 4 * r  # the two sites lie apart
+    with pytest.raises(ValueError, match="sites"):
+        sample_spec(rng, name="s", width=512, height=512, mpp=0.5, sites="AC")
+
+
 def test_openslide_reads_synthetic(dataset):
     out, specs = dataset
     s = Slide(os.path.join(out, specs[1].name + ".tiff"))
