@@ -84,7 +84,7 @@ def run(args) -> dict:
         records = _dataset(data, length, n, args.seed)
         for m in methods:
             iv = readers[m]
-            correct, total, per_type = 0, 0, {}
+            correct, total, per_type, marks = 0, 0, {}, []
             times = {"decode": 0.0, "encode": 0.0, "memory": 0.0}
             frames = 0
             t0 = time.perf_counter()
@@ -97,13 +97,15 @@ def run(args) -> dict:
                     ans, _ = iv.answer(mem, q)
                     ok = int(ans == q.answer)
                     correct += ok
+                    marks.append(str(ok))
                     total += 1
                     c = per_type.setdefault(q.qtype, [0, 0])
                     c[0] += ok
                     c[1] += 1
             wall = time.perf_counter() - t0
             row = {"method": m, "frames": length, "videos": len(records), "questions": total,
-                   "accuracy": correct / total, **{f"acc_{k}": v[0] / v[1] for k, v in per_type.items()}}
+                   "accuracy": correct / total, **{f"acc_{k}": v[0] / v[1] for k, v in per_type.items()},
+                   "correct": "".join(marks)}  # per question, same order for every method: paired comparisons
             result["accuracy"].append(row)
             result["throughput"].append({"method": m, "frames": length, "frames_read": frames, "wall_s": wall,
                                          "frames_per_s": frames / max(wall, 1e-9),
@@ -112,7 +114,8 @@ def run(args) -> dict:
             write_json_atomic(args.out, result)
     # peak memory against length, one fresh process per case
     peak_lengths = [L for L in lengths if L >= 1024] or lengths[-1:]
-    for m in [m for m in methods if m in args.peak_methods.split(",")]:
+    peak_methods = [] if args.skip_peak else args.peak_methods.split(",")
+    for m in [m for m in methods if m in peak_methods]:
         for length in peak_lengths:
             n = args.videos if length < 8192 else max(2, args.videos // 4)
             path = _dataset(data, length, n, args.seed)[0]["path"]
@@ -129,6 +132,10 @@ def run(args) -> dict:
 def report(result: dict, plot: Path | None) -> str:
     acc_cols = ["method", "frames", "videos", "accuracy", "acc_first", "acc_last", "acc_count", "acc_order", "acc_exists"]
     text = ["## Accuracy", format_table(result["accuracy"], acc_cols)]
+    paired = _paired_rows(result["accuracy"])
+    if paired:
+        text += ["", "## Paired: questions one method gets right and the other wrong",
+                 format_table(paired, ["frames", "a", "b", "questions", "a_only", "b_only", "diff", "se_diff"])]
     text += ["", "## Throughput (frames/s of ingest; seconds split)",
              format_table(result["throughput"], ["method", "frames", "frames_per_s", "decode_s", "encode_s", "memory_s"])]
     if result["peak_memory"]:
@@ -161,6 +168,28 @@ def report(result: dict, plot: Path | None) -> str:
     return "\n".join(text)
 
 
+PAIRS = (("infinite", "chunks"), ("infinite", "infinite_nosticky"), ("infinite", "uniform"))
+
+
+def _paired_rows(accuracy: list[dict]) -> list[dict]:
+    """Per length and method pair: questions only ``a`` answers right, only ``b``, and the accuracy
+    difference with its paired standard error ``sqrt(a_only + b_only - (a_only - b_only)^2 / n) / n``."""
+    by_key = {(r["method"], r["frames"]): r.get("correct") for r in accuracy}
+    rows = []
+    for length in sorted({r["frames"] for r in accuracy}):
+        for a, b in PAIRS:
+            ca, cb = by_key.get((a, length)), by_key.get((b, length))
+            if not ca or not cb or len(ca) != len(cb):
+                continue
+            n = len(ca)
+            a_only = sum(x == "1" and y == "0" for x, y in zip(ca, cb))
+            b_only = sum(x == "0" and y == "1" for x, y in zip(ca, cb))
+            var = max(a_only + b_only - (a_only - b_only) ** 2 / n, 0.0)
+            rows.append({"frames": length, "a": a, "b": b, "questions": n, "a_only": a_only, "b_only": b_only,
+                         "diff": (a_only - b_only) / n, "se_diff": var**0.5 / n})
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.video_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small run: 6 videos per length (2 from 8K up)")
@@ -168,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--videos", type=int, default=16, help="videos per length (a quarter, at least 2, from 8K up)")
     p.add_argument("--methods", default=None, help="comma list of methods (default: all)")
     p.add_argument("--peak-methods", default="uniform,chunks,infinite,moviechat", help="methods whose peak memory is measured")
+    p.add_argument("--skip-peak", action="store_true", help="do not measure peak memory")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
     p.add_argument("--aggregate", default="attention", choices=("attention", "mean", "last"),
                    help="answer head pooling over chunks: attention over all, mean over chunks (as published), "

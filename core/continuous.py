@@ -164,15 +164,13 @@ def _ridge_fit(x_BLD: torch.Tensor, t: torch.Tensor, basis, ridge: float) -> tor
     B, L, D = x_BLD.shape
     N = basis.num_basis
     if isinstance(basis, BoxBasis):
-        idx_BL = basis.index(t).expand(B, L)
-        sums = torch.zeros(B, N, D, dtype=x_BLD.dtype, device=x_BLD.device)
-        sums.scatter_add_(1, idx_BL[..., None].expand(B, L, D), x_BLD)
-        counts = torch.zeros(B, N, dtype=x_BLD.dtype, device=x_BLD.device)
-        counts.scatter_add_(1, idx_BL, torch.ones_like(idx_BL, dtype=x_BLD.dtype))
-        denom = counts + ridge
+        # row b's box j is entry b * N + j of one flat (B * N) table: a single index_add_ for every row
+        idx = (basis.index(t).expand(B, L) + N * torch.arange(B, device=x_BLD.device)[:, None]).reshape(-1)
+        sums = torch.zeros(B * N, D, dtype=x_BLD.dtype, device=x_BLD.device).index_add_(0, idx, x_BLD.reshape(B * L, D))
+        denom = torch.bincount(idx, minlength=B * N).to(x_BLD.dtype) + ridge
         if (denom <= 0).any():
             raise ValueError("ridge = 0 needs a point in every box (F F^T is singular); use ridge > 0")
-        return sums / denom[..., None]
+        return (sums / denom[:, None]).reshape(B, N, D)
     if t.dim() == 1:
         F = basis(t)[None]  # (1, N, L)
     else:
@@ -557,16 +555,26 @@ class ContinuousMemory:
         if self.coef is None:
             raise ValueError("the memory is empty: call update() with a chunk first")
         B, N, D = self.coef.shape
-        out = fn(torch.cat([self.coef, self.coef.new_zeros(B, 1, D)], dim=1))
+        dev = self.coef.device
+        box = isinstance(self.basis, BoxBasis)
+        # a box basis is one-hot at every point (x(t_i) = c_{box(t_i)}), so f(x(t_i)) = f(c_{box(t_i)}): a gather
+        out = fn(self.coef if box else torch.cat([self.coef, self.coef.new_zeros(B, 1, D)], dim=1))
         outs = out if isinstance(out, tuple) else (out,)
-        psi_NT = self._grid_basis(self.coef.device)
         res = []
         for o in outs:
-            if o.shape[-2] != N + 1:
-                raise ValueError(f"fn must keep the {N + 1} inputs on axis -2, got shape {tuple(o.shape)}")
+            if o.shape[-2] != N + (not box):
+                raise ValueError(f"fn must keep its {N + (not box)} inputs on axis -2, got shape {tuple(o.shape)}")
+            if box:
+                idx_T = self._cached(("box_T", str(dev)), lambda: self.basis.index(self.grid(device=dev)[0]))
+                res.append(o.index_select(-2, idx_T))
+                continue
+            psi_TN = self._cached(("psi_TN", str(dev)), lambda: self._grid_basis(dev).T.contiguous())
             f0 = o[..., N:, :]
-            res.append(torch.matmul(psi_NT.T.to(o.dtype), o[..., :N, :] - f0) + f0)
-        return tuple(res), self.grid(device=self.coef.device)[1]
+            lead, E = o.shape[:-2], o.shape[-1]
+            diff = (o[..., :N, :] - f0).movedim(-2, 0).reshape(N, -1)  # (N, prod(lead) * E): one 2-D product
+            val = (psi_TN.to(o.dtype) @ diff).reshape(-1, *lead, E).movedim(0, -2)  # (..., T, E)
+            res.append(val + f0)
+        return tuple(res), self.grid(device=dev)[1]
 
     def set_density(self, density_BT: torch.Tensor) -> None:
         """Record the attention density ``(B, T)`` at the integration points (used by sticky resampling)."""
