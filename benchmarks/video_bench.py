@@ -79,7 +79,7 @@ def run(args) -> dict:
                for m in methods}
     from tqdm import tqdm
 
-    for length in lengths:
+    for length in [] if args.peak_only else lengths:
         n = args.videos if length < 8192 else max(2, args.videos // 4)
         records = _dataset(data, length, n, args.seed)
         for m in methods:
@@ -126,6 +126,24 @@ def run(args) -> dict:
             result["peak_memory"].append({"method": m, "frames": length, **out})
             write_json_atomic(args.out, result)
     write_json_atomic(args.out, result)
+    return result
+
+
+def merge(paths: list[str], out: str) -> dict:
+    """Rows of several result files in one (sorted by length, then method); each part's args and env are kept."""
+    from video.infinite import METHODS
+
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    order = {m: i for i, m in enumerate(METHODS)}
+    result = {"parts": [{"file": Path(p).name, "env": r["env"], "args": r["args"]} for p, r in zip(paths, parts)]}
+    for key in ("accuracy", "throughput", "peak_memory"):
+        rows = [row for r in parts for row in r.get(key, [])]
+        if key == "peak_memory":
+            rows.sort(key=lambda r: (order.get(r["method"], 99), r["frames"]))
+        else:
+            rows.sort(key=lambda r: (r["frames"], order.get(r["method"], 99)))
+        result[key] = rows
+    write_json_atomic(out, result)
     return result
 
 
@@ -198,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None, help="comma list of methods (default: all)")
     p.add_argument("--peak-methods", default="uniform,chunks,infinite,moviechat", help="methods whose peak memory is measured")
     p.add_argument("--skip-peak", action="store_true", help="do not measure peak memory")
+    p.add_argument("--peak-only", action="store_true", help="measure only peak memory (no accuracy runs)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="combine result files of runs made side by side (other lengths / methods) into --out")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
     p.add_argument("--aggregate", default="attention", choices=("attention", "mean", "last"),
                    help="answer head pooling over chunks: attention over all, mean over chunks (as published), "
@@ -222,7 +243,7 @@ def main(argv=None) -> int:
         args.peak_methods = "infinite,chunks"
     name = ("video_bench_quick" if args.quick else "video_bench") + ("" if args.aggregate == "attention" else f"_{args.aggregate}")
     args.out = args.out or str(RESULTS / f"{name}.json")
-    result = run(args)
+    result = merge(args.merge, args.out) if args.merge else run(args)
     table = report(result, Path(args.out).with_suffix(".png"))
     print(table)
     md = Path(args.out).with_suffix(".md")
