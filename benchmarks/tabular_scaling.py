@@ -154,7 +154,14 @@ def markdown(results: list[dict], slopes: dict, args) -> str:
     ]
     for r in results:
         if r.get("status") != "ok":
-            lines.append(f"| {r['rows']:,} | {r['features']} | | {r.get('reason', 'error')} | | | | | |")
+            why = r.get("note") or r.get("reason", "error")
+            pr = r.get("progress")
+            if pr:
+                last = pr["last"]
+                why += (f"; got to {last['msg'].split(':')[0]} ({last['phase']}) in {last['wall_s']:,.0f} s wall / "
+                        f"{last['cpu_s']:,.0f} s CPU")
+            peak = f"{pr['peak_rss_mb']:,.0f} (so far)" if pr else ""
+            lines.append(f"| {r['rows']:,} | {r['features']} | | {why} | | | {peak} | | |")
             continue
         lines.append(
             f"| {r['rows']:,} | {r['features']} | {r['folds']} | {_fmt(r['fit_s'])} / {_fmt(r['fit_cpu_s'])} | {_fmt(r['predict_s'])} / "
