@@ -10,7 +10,10 @@ target returns, and records wall time per 1K training steps (training only: samp
 optimizer, evaluation excluded) and, for the Decision Mixer, the fraction of tokens routed through the routed
 layers. Datasets are generated with ``python -m rl.generate`` when missing (medium / medium-replay need the
 shipped behaviour policies). Results accumulate in a JSON file: a finished case is not rerun.
-The table reports mean ± std over seeds and, per dataset, DM/DT time ratios (same run, same machine).
+The table reports mean ± std over seeds and, per dataset, DM/DT time ratios (same machine; runs in separate
+processes see different load). ``--timing-steps N`` adds the fairer speed comparison: DM and DT training steps
+interleaved on the same batches in one process. ``--merge A.json,B.json`` folds in the cases of runs split over
+parallel processes (same settings, different ``--algos`` / ``--seeds`` / ``--out``) before the table is made.
 """
 
 from __future__ import annotations
