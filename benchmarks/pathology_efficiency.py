@@ -2,8 +2,9 @@
 
 Each (model, N, mode) case runs in a fresh process (``benchmarks.common.run_isolated``) on a bag of N
 random D=512 features laid on a square patch grid. ``forward``: one eval-mode forward without autograd;
-``train``: forward + backward + AdamW step. Peak memory is the case's resident-set growth
-(``PeakRSS``; on CUDA, ``torch.cuda.max_memory_allocated``). Time is recorded on two clocks: wall
+``train``: forward + backward + AdamW step. Peak memory is the case's growth of anonymous resident
+memory (:class:`AnonPeak`, sampled every 5 ms; the file-page-inclusive ``VmHWM`` growth is recorded too as
+``peak_hwm_mb``, but under memory pressure it under-reads; on CUDA, ``torch.cuda.max_memory_allocated``). Time is recorded on two clocks: wall
 seconds and CPU seconds of the case's process (``cpu_s``; with one thread this is what the case takes on
 an idle core, so it is robust to other jobs sharing the machine). Ratios are dense / Querent at the same N
 on CPU seconds (``--clock wall`` for wall seconds).
@@ -42,7 +43,53 @@ RESULTS = Path(__file__).resolve().parent / "results" / "pathology_efficiency.js
 MODELS = ("querent", "dense", "transmil", "abmil")
 
 
-def _progress_writer(path: str, peak: PeakRSS, wall0: float, cpu0: float) -> threading.Event:
+def _anon_mb() -> float:
+    """Anonymous resident memory of this process (MB): RSS without file pages, which the kernel may evict."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class AnonPeak:
+    """Peak growth of anonymous resident memory, sampled every ``period_s`` by a daemon thread.
+
+    ``VmHWM`` (:class:`benchmarks.common.PeakRSS`) counts file-backed pages too (the mapped torch
+    libraries); under memory pressure the kernel evicts some of them during a long case, which hides
+    part of the case's own growth. Anonymous memory cannot be evicted without swap, so its growth is the
+    case's allocations; sampling can miss a spike shorter than the period.
+    """
+
+    method = "RssAnon growth, sampled every 5 ms"
+
+    def __init__(self, period_s: float = 0.005):
+        self.period_s = period_s
+        self.base = _anon_mb()
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, _anon_mb() - self.base)
+
+    def start(self) -> AnonPeak:
+        self.base = _anon_mb()
+        self.peak = 0.0
+        self._thread.start()
+        return self
+
+    def peak_mb(self) -> float:
+        return max(self.peak, _anon_mb() - self.base)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_mb()
+
+
+def _progress_writer(path: str, peak: AnonPeak, wall0: float, cpu0: float) -> threading.Event:
     """Rewrite ``path`` every second with the case's CPU seconds, wall seconds and peak so far (daemon thread)."""
     stop = threading.Event()
 
@@ -105,13 +152,15 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_
         hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
         resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
     peak.start()
+    anon = None if cuda else AnonPeak().start()
     t0, c0 = time.perf_counter(), time.process_time()
-    stop = _progress_writer(progress_file, peak, t0, c0) if progress_file and not cuda else None
+    stop = _progress_writer(progress_file, anon, t0, c0) if progress_file and not cuda else None
     step()
     first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
     if stop is not None:
         stop.set()
-    peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else peak.peak_mb()
+    hwm_mb = None if cuda else peak.peak_mb()
+    peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else anon.stop()
     times, cpu_times = [first], [first_cpu]
     if first < 5.0:  # small cases: median of a few more runs
         for _ in range(3):
@@ -122,8 +171,8 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_
     times.sort()
     cpu_times.sort()
     return {"status": "ok", "model": model_name, "n": n, "mode": mode, "seconds": times[len(times) // 2],
-            "cpu_s": cpu_times[len(cpu_times) // 2], "first_s": first, "peak_mb": peak_mb,
-            "peak_method": "cuda max_memory_allocated" if cuda else peak.method,
+            "cpu_s": cpu_times[len(cpu_times) // 2], "first_s": first, "peak_mb": peak_mb, "peak_hwm_mb": hwm_mb,
+            "peak_method": "cuda max_memory_allocated" if cuda else AnonPeak.method,
             "device": device, "threads": threads, "region_score": region_score}
 
 
@@ -200,6 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="time used for the ratios")
     p.add_argument("--resume", action="store_true", help="keep finished cases of an earlier run in --out")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="join the rows of result files made with the same settings into --out (ratios recomputed)")
     p.add_argument("--case", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
     p.add_argument("--progress-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -207,6 +258,8 @@ def main(argv=None) -> int:
         print(json.dumps(_case(args.case[0], int(args.case[1]), args.case[2], args.device, args.threads,
                                args.region_score, args.progress_file, args.cpu_limit)))
         return 0
+    if args.merge:
+        return _merge(args.merge, args.out, args.clock)
     env = env_info()  # machine state when the run starts
     sizes = [parse_size(s) for s in (args.sizes or ("1K,4K,16K" if args.quick else "1K,4K,16K,64K,100K")).split(",")]
     config = {"in_dim": 512, "dim": 256, "depth": 2, "heads": 4, "region_size": 8, "topk": 8,
@@ -241,6 +294,28 @@ def main(argv=None) -> int:
                 print(f"{mode:7s} N={n:6d} {m:9s} {msg}", flush=True)
                 save()
     save()
+    print(format_table(rows, ["mode", "n", "model", "status", "seconds", "cpu_s", "peak_mb", "dense_over_querent_time",
+                              "dense_over_querent_memory", "ratio_note"]))
+    return 0
+
+
+def _merge(paths: list[str], out: str, clock: str) -> int:
+    """Join result files of parts of one run (same settings, e.g. models or sizes run side by side)."""
+    parts = [read_json(p) for p in paths]
+    if any(d is None for d in parts):
+        raise SystemExit(f"result files not found: {[p for p, d in zip(paths, parts) if d is None]}")
+    # Parts may differ in their limits (recorded per part); the model settings must agree.
+    configs = [{k: v for k, v in d["config"].items() if k not in ("clock", "cpu_limit_s", "timeout_s")} for d in parts]
+    if any(c != configs[0] for c in configs):
+        raise SystemExit(f"the files were made with different settings: {configs}")
+    for d in parts:
+        for r in d["rows"]:
+            r.setdefault("cpu_limit_s", d["config"].get("cpu_limit_s"))
+    order = {m: i for i, m in enumerate(MODELS)}
+    rows = sorted((r for d in parts for r in d["rows"]), key=lambda r: (r["mode"] != "forward", r["n"], order.get(r["model"], 99)))
+    _ratios(rows, clock)
+    write_json_atomic(out, {"env": [d["env"] for d in parts], "config": {**parts[0]["config"], "clock": clock},
+                            "merged_from": [os.path.basename(p) for p in paths], "rows": rows})
     print(format_table(rows, ["mode", "n", "model", "status", "seconds", "cpu_s", "peak_mb", "dense_over_querent_time",
                               "dense_over_querent_memory", "ratio_note"]))
     return 0
