@@ -2,7 +2,7 @@
 
 Pipeline: ``pathology.synthetic`` slides -> ``pathology.batch`` (tissue, 128-px patches at 1 µm/px, default
 encoder) -> ``pathology.training.cross_validate`` for each model on
-(a) ``lesion`` (local), (b) ``longrange`` (both patterns A and B present, far apart), (c) survival.
+(a) ``lesion`` (local), (b) ``longrange`` (two far-apart pattern sites: AB vs AA or BB), (c) survival.
 Reports AUC / balanced accuracy (classification) or C-index (survival), mean ± std over folds.
 Slides and features are cached in ``--work`` (resumable).
 
