@@ -119,7 +119,7 @@ def test_generate_random_is_deterministic_and_valid(tmp_path):
     b = generate("Hopper-v5", "random", 150, seed)
     for k in a.arrays():
         np.testing.assert_array_equal(a.arrays()[k], b.arrays()[k])
-    assert len(a) == 150 and a.timeouts[-1]
+    assert len(a) == 150 and (a.timeouts[-1] or a.terminals[-1])  # cut (timeout) unless it fell right then
     assert a.metadata["env"] == "Hopper-v5" and a.metadata["seed"] == seed
     ends = int((a.terminals | a.timeouts).sum())  # the cut last episode has no complete return
     assert len(a.metadata["episode_returns"]) in (ends - 1, ends)
