@@ -130,14 +130,21 @@ def run(args) -> dict:
 
 
 def merge(paths: list[str], out: str) -> dict:
-    """Rows of several result files in one (sorted by length, then method); each part's args and env are kept."""
+    """Rows of several result files in one (sorted by length, then method); each part's args and env are kept.
+
+    A (method, length) case found in several files is taken from the first file that has it."""
     from video.infinite import METHODS
 
     parts = [json.loads(Path(p).read_text()) for p in paths]
     order = {m: i for i, m in enumerate(METHODS)}
     result = {"parts": [{"file": Path(p).name, "env": r["env"], "args": r["args"]} for p, r in zip(paths, parts)]}
     for key in ("accuracy", "throughput", "peak_memory"):
-        rows = [row for r in parts for row in r.get(key, [])]
+        seen, rows = set(), []
+        for r in parts:
+            for row in r.get(key, []):
+                if (row["method"], row["frames"]) not in seen:
+                    seen.add((row["method"], row["frames"]))
+                    rows.append(row)
         if key == "peak_memory":
             rows.sort(key=lambda r: (order.get(r["method"], 99), r["frames"]))
         else:
