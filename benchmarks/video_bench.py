@@ -53,7 +53,7 @@ def _peak_case(method: str, path: str, weights: str | None) -> None:
     peak.start()
     mem = iv.ingest(path)
     print(json.dumps({"status": "ok", "peak_mb": peak.peak_mb(), "peak_method": peak.method,
-                      "frames": mem.frames_read, "timings": mem.timings}))
+                      "frames_read": mem.frames_read, "timings": mem.timings}))
 
 
 def run(args) -> dict:
