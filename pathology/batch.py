@@ -137,22 +137,49 @@ class _Lock:
 
     def acquire(self) -> bool:
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
-        for _ in range(2):
+        # The lock appears whole or not at all: its content goes to a temp file that is then hard-linked to
+        # the lock's name (atomic, fails if the name exists), so a kill never leaves an empty lock behind.
+        self._remove_dead_temps()
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(me)
+        try:
+            for _ in range(2):
+                try:
+                    os.link(tmp, self.path)
+                except FileExistsError:
+                    if self._stale():
+                        try:
+                            os.remove(self.path)
+                        except FileNotFoundError:
+                            pass
+                        continue
+                    return False
+                self.held = True
+                return True
+            return False
+        finally:
+            os.remove(tmp)
+
+    def clear_if_stale(self) -> None:
+        """Remove the lock if its process is gone (e.g. killed after writing the output, before unlocking)."""
+        self._remove_dead_temps()
+        if os.path.exists(self.path) and self._stale():
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                if self._stale():
-                    try:
-                        os.remove(self.path)
-                    except FileNotFoundError:
-                        pass
-                    continue
-                return False
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
-            self.held = True
-            return True
-        return False
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+    def _remove_dead_temps(self) -> None:
+        import glob
+
+        for tmp in glob.glob(glob.escape(self.path) + ".*.tmp"):
+            pid = tmp[len(self.path) + 1:].split(".", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                try:
+                    os.remove(tmp)
+                except FileNotFoundError:
+                    pass
 
     def _stale(self) -> bool:
         try:
@@ -298,13 +325,14 @@ def run_batch(cfg: BatchConfig) -> list[dict]:
     for path in it:
         sid = _slide_id(path)
         final = runner.final_output(sid)
+        lock = _Lock(os.path.join(runner.dirs["locks"], f"{sid}.{cfg.task}.lock"))
         if os.path.exists(final):
+            lock.clear_if_stale()
             prev = rows.get(sid, {})
             if prev.get("status") not in ("done", "empty") or prev.get("task") != cfg.task:
                 rows[sid] = {"slide_id": sid, "path": path, "status": prev.get("status") if prev.get("status") in ("done", "empty") else "done",
                              "task": cfg.task, "n_patches": prev.get("n_patches", "")}
             continue
-        lock = _Lock(os.path.join(runner.dirs["locks"], f"{sid}.{cfg.task}.lock"))
         if not lock.acquire():
             logger.info("%s is locked by another process; skipping", sid)
             rows[sid] = {"slide_id": sid, "path": path, "status": "locked", "task": cfg.task}

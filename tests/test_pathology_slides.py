@@ -346,6 +346,36 @@ def test_batch_killed_and_rerun(dataset, tiny_weights, tmp_path):
     assert not [f for _, _, fs in os.walk(out) for f in fs if "tmp" in f or f.endswith(".lock")]
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_lock_left_by_dead_process(tmp_path):
+    """Locks: taken over when the owner is gone, kept while it lives, cleared next to a finished output."""
+    import json
+    import socket
+
+    from pathology.batch import _Lock
+
+    path = tmp_path / "s.all.lock"
+    dead = {"pid": _dead_pid(), "host": socket.gethostname(), "time": 0}
+    path.write_text(json.dumps(dead))
+    (tmp_path / f"s.all.lock.{dead['pid']}.tmp").write_text("{}")  # a temp of a writer killed mid-acquire
+    lock = _Lock(str(path))
+    assert lock.acquire() and json.loads(path.read_text())["pid"] == os.getpid()
+    assert sorted(os.listdir(tmp_path)) == ["s.all.lock"]
+    assert not _Lock(str(path)).acquire()  # held by a live process
+    _Lock(str(path)).clear_if_stale()
+    assert path.exists()
+    lock.release()
+    assert not path.exists()
+    path.write_text(json.dumps(dead))  # killed after writing its output, before unlocking
+    _Lock(str(path)).clear_if_stale()
+    assert not path.exists()
+
+
 def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
     """The shared inference function (demo + predict CLI) on a synthetic slide with a fresh tiny Querent."""
     import dataclasses
