@@ -160,6 +160,15 @@ def read_json(path: str | os.PathLike) -> Any | None:
         return json.load(f)
 
 
+def read_parts(paths: Sequence[str | os.PathLike]) -> list[Any]:
+    """The result files a ``--merge`` joins, in order; stops with the list of the missing ones."""
+    parts = [read_json(p) for p in paths]
+    missing = [str(p) for p, d in zip(paths, parts) if d is None]
+    if missing:
+        raise SystemExit(f"result files not found: {missing}")
+    return parts
+
+
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A Markdown table of ``rows`` restricted to ``columns`` (floats shown with 3 significant digits)."""
 

@@ -104,12 +104,9 @@ def main(argv=None) -> int:
 
 def _merge(paths: list[str], out: str) -> int:
     """Join the rows of several result files of one setting (slides, size, epochs) into ``out``."""
-    from benchmarks.common import read_json
+    from benchmarks.common import read_parts
 
-    parts = [read_json(p) for p in paths]
-    missing = [p for p, d in zip(paths, parts) if d is None]
-    if missing:
-        raise SystemExit(f"result files not found: {missing}")
+    parts = read_parts(paths)
     keys = ("n_slides", "size", "folds", "epochs")
     if len({tuple(d.get(k) for k in keys) for d in parts}) != 1:
         raise SystemExit(f"the files differ in {keys}: " + "; ".join(f"{p}: {[d.get(k) for k in keys]}" for p, d in zip(paths, parts)))

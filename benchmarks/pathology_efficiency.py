@@ -37,7 +37,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import PeakRSS, env_info, format_table, parse_size, read_json, run_isolated, write_json_atomic
+from benchmarks.common import (PeakRSS, env_info, format_table, parse_size, read_json, read_parts, run_isolated,
+                               write_json_atomic)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pathology_efficiency.json"
 MODELS = ("querent", "dense", "transmil", "abmil")
@@ -301,9 +302,7 @@ def main(argv=None) -> int:
 
 def _merge(paths: list[str], out: str, clock: str) -> int:
     """Join result files of parts of one run (same settings, e.g. models or sizes run side by side)."""
-    parts = [read_json(p) for p in paths]
-    if any(d is None for d in parts):
-        raise SystemExit(f"result files not found: {[p for p, d in zip(paths, parts) if d is None]}")
+    parts = read_parts(paths)
     # Parts may differ in their limits (recorded per part); the model settings must agree.
     configs = [{k: v for k, v in d["config"].items() if k not in ("clock", "cpu_limit_s", "timeout_s")} for d in parts]
     if any(c != configs[0] for c in configs):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import env_info, format_table, read_json, write_json_atomic
+from benchmarks.common import env_info, format_table, read_json, read_parts, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -245,10 +245,7 @@ def main(argv=None) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     results = read_json(args.out) or {"env": env_info(), "settings": {}, "cases": {}}
     results["settings"] = {k: v for k, v in vars(args).items()}
-    for other in (m for m in args.merge.split(",") if m):
-        got = read_json(other)
-        if got is None:
-            raise SystemExit(f"--merge: {other!r} not found")
+    for got in read_parts([m for m in args.merge.split(",") if m]):
         for key, res in got.get("cases", {}).items():
             results["cases"].setdefault(key, res)
         for key, res in got.get("timing", {}).items():

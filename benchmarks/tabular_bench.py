@@ -86,48 +86,12 @@ def datasets() -> dict:
     }
 
 
-def _as_categories(X):
-    """Strings / bools / objects -> pandas ``category`` dtype (what every model here reads as categorical)."""
-    import pandas as pd
-
-    X = X.copy()
-    for c in X.columns:
-        if pd.api.types.is_bool_dtype(X[c]) or not pd.api.types.is_numeric_dtype(X[c]):
-            X[c] = X[c].astype("category")
-    return X
-
-
-def _preprocess(scale: bool):
-    from sklearn.compose import ColumnTransformer, make_column_selector
-    from sklearn.impute import SimpleImputer
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import OneHotEncoder, StandardScaler
-
-    num = [SimpleImputer(strategy="median")] + ([StandardScaler()] if scale else [])
-    cat = [SimpleImputer(strategy="most_frequent"), OneHotEncoder(handle_unknown="ignore", sparse_output=False)]
-    return ColumnTransformer([
-        ("num", make_pipeline(*num), make_column_selector(dtype_include=np.number)),
-        ("cat", make_pipeline(*cat), make_column_selector(dtype_include="category")),
-    ])
-
-
 def models(n_estimators: int, checkpoint, seed: int) -> dict:
-    from sklearn.ensemble import HistGradientBoostingClassifier, RandomForestClassifier
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neighbors import KNeighborsClassifier
-    from sklearn.pipeline import make_pipeline
-
     from tabular import TabICLClassifier
+    from tabular.compare import baseline_models
 
-    return {
-        "TabICL": lambda: TabICLClassifier(n_estimators=n_estimators, checkpoint=checkpoint, random_state=seed),
-        "LogisticRegression": lambda: make_pipeline(_preprocess(True), LogisticRegression(max_iter=5000)),
-        "RandomForest": lambda: make_pipeline(_preprocess(False),
-                                              RandomForestClassifier(n_estimators=300, random_state=seed, n_jobs=1)),
-        "HistGradientBoosting": lambda: HistGradientBoostingClassifier(random_state=seed,
-                                                                       categorical_features="from_dtype"),
-        "kNN": lambda: make_pipeline(_preprocess(True), KNeighborsClassifier(n_neighbors=15)),
-    }
+    return {"TabICL": lambda: TabICLClassifier(n_estimators=n_estimators, checkpoint=checkpoint, random_state=seed),
+            **baseline_models(seed)}
 
 
 def score(y_true, proba, classes) -> dict:
@@ -188,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from sklearn.model_selection import StratifiedShuffleSplit
 
+    from tabular.compare import as_categories
+
     torch.set_num_threads(args.threads)
     if args.quick:
         args.repeats, args.n_estimators = min(args.repeats, 2), min(args.n_estimators, 4)
@@ -204,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append({"dataset": name, "model": None, "error": f"{type(e).__name__}: {e}"})
             print(f"{name}: could not load ({e})", file=sys.stderr)
             continue
-        X = _as_categories(X)
+        X = as_categories(X)
         splitter = StratifiedShuffleSplit(n_splits=args.repeats, test_size=args.test_size, random_state=0)
         per_model: dict[str, list] = {}
         for split, (tr, te) in enumerate(splitter.split(X, y)):

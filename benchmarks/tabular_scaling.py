@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PeakRSS, _status_kb, env_info, format_table, run_isolated, write_json_atomic
+from benchmarks.common import PeakRSS, _status_kb, env_info, format_table, read_parts, run_isolated, write_json_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tabular_scaling.json"
 
@@ -195,7 +195,7 @@ def _slopes(results: list[dict], features: list[int]) -> dict:
 def _merge(args) -> int:
     """One result file (and Markdown table) from the cases of several runs; a later file's case replaces an
     earlier one of the same (rows, features)."""
-    runs = [json.loads(Path(p).read_text()) for p in args.merge]
+    runs = read_parts(args.merge)
     cases: dict[tuple, dict] = {}
     for run in runs:
         for c in run["cases"]:

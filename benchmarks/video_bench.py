@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PeakRSS, env_info, format_table, parse_size, run_isolated, write_json_atomic
+from benchmarks.common import PeakRSS, env_info, format_table, parse_size, read_parts, run_isolated, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def merge(paths: list[str], out: str) -> dict:
     A (method, length) case found in several files is taken from the first file that has it."""
     from video.infinite import METHODS
 
-    parts = [json.loads(Path(p).read_text()) for p in paths]
+    parts = read_parts(paths)
     order = {m: i for i, m in enumerate(METHODS)}
     result = {"parts": [{"file": Path(p).name, "env": r["env"], "args": r["args"]} for p, r in zip(paths, parts)]}
     for key in ("accuracy", "throughput", "peak_memory"):

