@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -41,7 +42,13 @@ from benchmarks.common import (PeakRSS, env_info, format_table, parse_size, read
                                write_json_atomic)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pathology_efficiency.json"
-MODELS = ("querent", "dense", "transmil", "abmil")
+MODELS = ("querent", "dense", "dense-eager", "transmil", "abmil")
+#: Exact dense attention as most MIL code runs it: PyTorch's SDPA restricted to its MATH kernel, which
+#: materialises the (heads, N, N) score and probability matrices. ``dense`` is the same model through
+#: ``core.attention`` (``auto``), which on CPU switches to the O(N)-memory ``chunked`` backend.
+EAGER = "dense-eager"
+TABLE_COLUMNS = ["mode", "n", "model", "status", "seconds", "cpu_s", "peak_mb", "dense_over_querent_time",
+                 "dense_over_querent_memory", "eager_over_querent_time", "eager_over_querent_memory", "ratio_note"]
 
 
 def _anon_mb() -> float:
@@ -107,7 +114,9 @@ def _progress_writer(path: str, peak: AnonPeak, wall0: float, cpu0: float) -> th
 
 
 def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_score: str = "max",
-          progress_file: str | None = None, cpu_limit: float | None = None) -> dict:
+          progress_file: str | None = None, cpu_limit: float | None = None, mem_limit_gb: float | None = None) -> dict:
+    import contextlib
+
     import torch
 
     from pathology.mil import build_model
@@ -122,11 +131,24 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_
     coords = coords.to(device)
     cfg = QuerentConfig(in_dim=512, dim=256, depth=2, num_heads=4, region_size=8, topk=8, dropout=0.0,
                         region_score=region_score)
-    model = build_model(model_name, cfg).to(device)
+    model = build_model("dense" if model_name == EAGER else model_name, cfg).to(device)
+    kernel = contextlib.nullcontext
+    if model_name == EAGER:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        for blk in model.layers:
+            blk.backend = "sdpa"
+
+        def kernel():
+            return sdpa_kernel(SDPBackend.MATH)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cuda = device.startswith("cuda")
 
     def step():
+        with kernel():
+            return _step()
+
+    def _step():
         if mode == "forward":
             model.eval()
             with torch.no_grad():
@@ -156,7 +178,30 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_
     anon = None if cuda else AnonPeak().start()
     t0, c0 = time.perf_counter(), time.process_time()
     stop = _progress_writer(progress_file, anon, t0, c0) if progress_file and not cuda else None
-    step()
+    if mem_limit_gb and not cuda:
+        # Address-space cap, set after the sampling threads have their stacks: an allocation beyond it fails
+        # in this process with an error instead of waking the machine's OOM killer.
+        import resource
+
+        with open("/proc/self/status") as f:
+            vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        cap = vm_kb * 1024 + int(mem_limit_gb * 2**30)  # the cap counts from what the process maps already
+        resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        step()
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # CPU allocation failures are plain RuntimeErrors
+        msg = str(e)
+        if "alloc" not in msg.lower() and "memory" not in msg.lower():
+            raise
+        if stop is not None:
+            stop.set()
+        tried = re.search(r"allocate (\d+) bytes", msg)
+        return {"status": "oom", "model": model_name, "n": n, "mode": mode,
+                "reason": f"out of memory{f' under a {mem_limit_gb:g} GiB cap' if mem_limit_gb else ''}: "
+                          + msg.splitlines()[0][:300],
+                "failed_alloc_bytes": int(tried.group(1)) if tried else None,
+                "cpu_s_at_oom": time.process_time() - c0, "peak_mb_at_oom": None if cuda else anon.stop(),
+                "mem_limit_gb": mem_limit_gb, "device": device, "threads": threads}
     first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
     if stop is not None:
         stop.set()
@@ -185,7 +230,8 @@ def _run_case(args, model: str, n: int, mode: str) -> dict:
     try:
         r = run_isolated([sys.executable, "-m", "benchmarks.pathology_efficiency", "--case", model, str(n), mode,
                           "--device", args.device, "--threads", str(args.threads), "--region-score", args.region_score,
-                          "--progress-file", progress, "--cpu-limit", str(args.cpu_limit)], timeout_s=args.timeout)
+                          "--progress-file", progress, "--cpu-limit", str(args.cpu_limit)]
+                         + (["--mem-limit-gb", str(args.mem_limit_gb)] if args.mem_limit_gb else []), timeout_s=args.timeout)
         reason = str(r.get("reason", ""))
         if r.get("status") != "ok" and (reason.startswith("timed out") or reason.startswith("exit code -24")):
             r["status"] = "timeout"
@@ -203,36 +249,50 @@ def _run_case(args, model: str, n: int, mode: str) -> dict:
 
 
 def _skip_reason(rows: list[dict], model: str, n: int, mode: str) -> str | None:
-    """Why a case is not run: the same model already timed out at a smaller size, or in forward at this size."""
+    """Why a case is not run: the same model already timed out or ran out of memory at a smaller size, or in
+    forward at this size."""
     for r in rows:
-        if r["model"] != model or r.get("status") != "timeout":
+        if r["model"] != model or r.get("status") not in ("timeout", "oom"):
             continue
+        what = "timed out" if r["status"] == "timeout" else "ran out of memory"
         if r["mode"] == mode and r["n"] < n:
-            return f"skipped: {model} {mode} timed out at N={r['n']}"
+            return f"skipped: {model} {mode} {what} at N={r['n']}"
         if mode == "train" and r["mode"] == "forward" and r["n"] <= n:
-            return f"skipped: {model} forward timed out at N={r['n']}"
+            return f"skipped: {model} forward {what} at N={r['n']}"
     return None
 
 
 def _ratios(rows: list[dict], clock: str) -> None:
-    """Dense / Querent time and memory at each N and mode (lower bounds where dense timed out)."""
+    """Peer / Querent time and memory at each N and mode for both dense peers (``dense_over_querent_*`` and
+    ``eager_over_querent_*``); lower bounds where the peer timed out or ran out of memory."""
     key = "cpu_s" if clock == "cpu" else "seconds"
     for r in rows:
-        for k in ("dense_over_querent_time", "dense_over_querent_memory", "ratio_note"):
-            r.pop(k, None)
+        for k in list(r):
+            if k.startswith(("dense_over_querent", "eager_over_querent", "ratio_note")):
+                r.pop(k)
         if r.get("status") != "ok" or r["model"] != "querent":
             continue
-        d = next((x for x in rows if x["model"] == "dense" and x["n"] == r["n"] and x["mode"] == r["mode"]), None)
-        if d is None:
-            continue
-        if d.get("status") == "ok":
-            r["dense_over_querent_time"] = d[key] / max(r[key], 1e-9)
-            r["dense_over_querent_memory"] = d["peak_mb"] / max(r["peak_mb"], 1e-9)
-        elif d.get("status") == "timeout" and "cpu_s_at_timeout" in d:
-            reached = d["cpu_s_at_timeout"] if clock == "cpu" else d["wall_s_at_timeout"]
-            r["dense_over_querent_time"] = reached / max(r[key], 1e-9)
-            r["dense_over_querent_memory"] = d["peak_mb_at_timeout"] / max(r["peak_mb"], 1e-9)
-            r["ratio_note"] = "lower bounds: dense timed out"
+        notes = []
+        for peer, prefix in (("dense", "dense"), (EAGER, "eager")):
+            d = next((x for x in rows if x["model"] == peer and x["n"] == r["n"] and x["mode"] == r["mode"]), None)
+            if d is None:
+                continue
+            if d.get("status") == "ok":
+                r[f"{prefix}_over_querent_time"] = d[key] / max(r[key], 1e-9)
+                r[f"{prefix}_over_querent_memory"] = d["peak_mb"] / max(r["peak_mb"], 1e-9)
+            elif d.get("status") == "timeout" and "cpu_s_at_timeout" in d:
+                reached = d["cpu_s_at_timeout"] if clock == "cpu" else d["wall_s_at_timeout"]
+                r[f"{prefix}_over_querent_time"] = reached / max(r[key], 1e-9)
+                r[f"{prefix}_over_querent_memory"] = d["peak_mb_at_timeout"] / max(r["peak_mb"], 1e-9)
+                notes.append(f"lower bounds: {peer} timed out")
+            elif d.get("status") == "oom":
+                # It needed at least what it held plus the allocation that failed; time is not comparable.
+                need_mb = max(d.get("peak_mb_at_oom") or 0.0, (d.get("failed_alloc_bytes") or 0) / 2**20)
+                if need_mb > 0:
+                    r[f"{prefix}_over_querent_memory"] = need_mb / max(r["peak_mb"], 1e-9)
+                    notes.append(f"lower bound: {peer} ran out of memory")
+        if notes:
+            r["ratio_note"] = "; ".join(notes)
 
 
 def main(argv=None) -> int:
@@ -247,6 +307,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="wall seconds per case (safety net)")
     p.add_argument("--cpu-limit", type=float, default=600.0,
                    help="CPU seconds per case; a case that needs more is stopped and recorded as timed out")
+    p.add_argument("--mem-limit-gb", type=float, default=None,
+                   help="address space a case may add to what it maps at its start (GiB): a case that needs more fails with an out-of-memory row "
+                        "instead of waking the machine's OOM killer")
     p.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="time used for the ratios")
     p.add_argument("--resume", action="store_true", help="keep finished cases of an earlier run in --out")
     p.add_argument("--out", default=str(RESULTS))
@@ -257,7 +320,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(_case(args.case[0], int(args.case[1]), args.case[2], args.device, args.threads,
-                               args.region_score, args.progress_file, args.cpu_limit)))
+                               args.region_score, args.progress_file, args.cpu_limit, args.mem_limit_gb)))
         return 0
     if args.merge:
         return _merge(args.merge, args.out, args.clock)
@@ -265,12 +328,13 @@ def main(argv=None) -> int:
     sizes = [parse_size(s) for s in (args.sizes or ("1K,4K,16K" if args.quick else "1K,4K,16K,64K,100K")).split(",")]
     config = {"in_dim": 512, "dim": 256, "depth": 2, "heads": 4, "region_size": 8, "topk": 8,
               "region_score": args.region_score, "device": args.device, "threads": args.threads,
-              "timeout_s": args.timeout, "cpu_limit_s": args.cpu_limit, "clock": args.clock}
+              "timeout_s": args.timeout, "cpu_limit_s": args.cpu_limit, "mem_limit_gb": args.mem_limit_gb,
+              "clock": args.clock}
     rows: list[dict] = []
     if args.resume:
         old = read_json(args.out)
         if old and old.get("config") == config:
-            rows = [r for r in old["rows"] if r.get("status") in ("ok", "timeout", "error")]
+            rows = [r for r in old["rows"] if r.get("status") in ("ok", "timeout", "oom", "error")]
             env = old.get("env", env)
 
     def save():
@@ -287,6 +351,8 @@ def main(argv=None) -> int:
                 rows.append(r)
                 if r.get("status") == "ok":
                     msg = f"{r['seconds']:.3f}s wall {r['cpu_s']:.3f}s cpu peak {r['peak_mb']:.0f} MB"
+                elif r.get("status") == "oom":
+                    msg = r["reason"]
                 elif r.get("status") == "timeout":
                     msg = (f"timed out; reached {r.get('cpu_s_at_timeout', float('nan')):.0f}s cpu, "
                            f"peak {r.get('peak_mb_at_timeout', float('nan')):.0f} MB")
@@ -295,8 +361,7 @@ def main(argv=None) -> int:
                 print(f"{mode:7s} N={n:6d} {m:9s} {msg}", flush=True)
                 save()
     save()
-    print(format_table(rows, ["mode", "n", "model", "status", "seconds", "cpu_s", "peak_mb", "dense_over_querent_time",
-                              "dense_over_querent_memory", "ratio_note"]))
+    print(format_table(rows, TABLE_COLUMNS))
     return 0
 
 
@@ -304,7 +369,7 @@ def _merge(paths: list[str], out: str, clock: str) -> int:
     """Join result files of parts of one run (same settings, e.g. models or sizes run side by side)."""
     parts = read_parts(paths)
     # Parts may differ in their limits (recorded per part); the model settings must agree.
-    configs = [{k: v for k, v in d["config"].items() if k not in ("clock", "cpu_limit_s", "timeout_s")} for d in parts]
+    configs = [{k: v for k, v in d["config"].items() if k not in ("clock", "cpu_limit_s", "timeout_s", "mem_limit_gb")} for d in parts]
     if any(c != configs[0] for c in configs):
         raise SystemExit(f"the files were made with different settings: {configs}")
     for d in parts:
@@ -315,8 +380,7 @@ def _merge(paths: list[str], out: str, clock: str) -> int:
     _ratios(rows, clock)
     write_json_atomic(out, {"env": [d["env"] for d in parts], "config": {**parts[0]["config"], "clock": clock},
                             "merged_from": [os.path.basename(p) for p in paths], "rows": rows})
-    print(format_table(rows, ["mode", "n", "model", "status", "seconds", "cpu_s", "peak_mb", "dense_over_querent_time",
-                              "dense_over_querent_memory", "ratio_note"]))
+    print(format_table(rows, TABLE_COLUMNS))
     return 0
 
 

@@ -6,12 +6,13 @@
 
 Per (dataset, algorithm, seed) it trains on one CPU thread, evaluates D4RL-normalized scores
 (``100 (R - R_random) / (R_expert - R_random)``, D4RL's constants, see ``rl/references.py``) at the dataset's
-target returns, and records wall time per 1K training steps (training only: sampling + forward + backward +
-optimizer, evaluation excluded) and, for the Decision Mixer, the fraction of tokens routed through the routed
+target returns, and records wall and CPU seconds per 1K training steps (training only: sampling + forward +
+backward + optimizer, evaluation excluded; the CPU seconds of the run's one-thread process do not depend on
+what else runs on the machine) and, for the Decision Mixer, the fraction of tokens routed through the routed
 layers. Datasets are generated with ``python -m rl.generate`` when missing (medium / medium-replay need the
 shipped behaviour policies). Results accumulate in a JSON file: a finished case is not rerun.
-The table reports mean ± std over seeds and, per dataset, DM/DT time ratios (same machine; runs in separate
-processes see different load). ``--timing-steps N`` adds the fairer speed comparison: DM and DT training steps
+The table reports mean ± std over seeds and, per dataset, the DM/DT ratio of CPU seconds per 1K steps
+(over the whole run, so at the capacity DM learns, not only at its initial 0.5). ``--timing-steps N`` adds the fairer speed comparison: DM and DT training steps
 interleaved on the same batches in one process. ``--merge A.json,B.json`` folds in the cases of runs split over
 parallel processes (same settings, different ``--algos`` / ``--seeds`` / ``--out``) before the table is made.
 """
@@ -64,11 +65,14 @@ def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
                       eval_episodes=0, checkpoint_every=args.steps)
     recs = train(cfg, path, out, model_overrides=overrides, resume=(out / "checkpoint.pt").exists(), progress=False)
     train_recs = [r for r in recs if r["kind"] == "train"]
-    sec = [r["sec_per_1k_steps"] for r in train_recs[1:]] or [r["sec_per_1k_steps"] for r in train_recs]
+    timed = train_recs[1:] or train_recs  # the first period includes start-up
+    sec = [r["sec_per_1k_steps"] for r in timed]
+    cpu = [r["cpu_sec_per_1k_steps"] for r in timed if "cpu_sec_per_1k_steps" in r]
     model, info = load_policy(out)
     env_id = info["env"]
-    res = {"sec_per_1k_steps": float(np.median(sec)) if sec else None, "final_loss": train_recs[-1]["action_mse"]
-           if train_recs else None}
+    res = {"sec_per_1k_steps": float(np.median(sec)) if sec else None,
+           "cpu_sec_per_1k_steps": float(np.median(cpu)) if cpu else None,
+           "final_loss": train_recs[-1]["action_mse"] if train_recs else None}
     if algo == "dm":
         res["routed_fraction"] = float(np.mean([r["routed_fraction"] for r in train_recs[-2:]]))
     scores = {}
@@ -177,17 +181,18 @@ def _run_d3rlpy(algo, path, seed, args) -> dict:
         obj = d3rlpy.algos.IQLConfig(batch_size=args.batch_size * 4,
                                      observation_scaler=d3rlpy.preprocessing.StandardObservationScaler()
                                      ).create(device="cpu:0")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     obj.fit(mdp, n_steps=steps, n_steps_per_epoch=steps, show_progress=False, save_interval=10**9,
             experiment_name=f"bench-{algo}", with_timestamp=False, logger_adapter=d3rlpy.logging.NoopAdapterFactory())
     sec = (time.perf_counter() - t0) * 1000.0 / steps
+    cpu = (time.process_time() - c0) * 1000.0 / steps
     target = ENV_DEFAULTS[env_id]["targets"][0]
     if algo == "d3rlpy-dt":
         wrapper = obj.as_stateful_wrapper(target_return=target)
         score = _d3rlpy_eval(lambda o, r: wrapper.predict(o, r), env_id, args.eval_episodes, stateful=wrapper)
     else:
         score = _d3rlpy_eval(lambda o, r: obj.predict(o[None])[0], env_id, args.eval_episodes)
-    return {"sec_per_1k_steps": sec, "score": score, "steps": steps}
+    return {"sec_per_1k_steps": sec, "cpu_sec_per_1k_steps": cpu, "score": score, "steps": steps}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,23 +272,26 @@ def main(argv=None) -> None:
                 write_json_atomic(args.out, results)
     rows = []
     for name in args.datasets.split(","):
-        dt_time = None
+        dt_cpu = None
         for algo in algos:
             cs = [results["cases"].get(f"{name}/{algo}/{s}") for s in seeds]
             cs = [c for c in cs if c]
             if not cs:
                 continue
             sc = np.array([c["score"] for c in cs])
-            t = float(np.mean([c["sec_per_1k_steps"] for c in cs]))
+            cpu = [c["cpu_sec_per_1k_steps"] for c in cs if c.get("cpu_sec_per_1k_steps") is not None]
+            cpu_t = float(np.mean(cpu)) if len(cpu) == len(cs) else None
             if algo == "dt":
-                dt_time = t
+                dt_cpu = cpu_t
             rows.append({"dataset": name, "algo": algo, "score": f"{sc.mean():.1f} ± {sc.std():.1f}",
-                         "seeds": len(cs), "s/1K steps": t,
+                         "seeds": len(cs), "s/1K steps": float(np.mean([c["sec_per_1k_steps"] for c in cs])),
+                         "CPU s/1K steps": cpu_t,
                          "routed": (f"{np.mean([c['routed_fraction'] for c in cs]):.2f}" if algo == "dm" else "-")})
         for r in rows:
-            if r["dataset"] == name and r["algo"] == "dm" and dt_time:
-                r["time vs dt"] = r["s/1K steps"] / dt_time
-    table = format_table(rows, ["dataset", "algo", "score", "seeds", "s/1K steps", "time vs dt", "routed"])
+            if r["dataset"] == name and r["algo"] == "dm" and dt_cpu and r["CPU s/1K steps"]:
+                r["CPU time vs dt"] = r["CPU s/1K steps"] / dt_cpu
+    table = format_table(rows, ["dataset", "algo", "score", "seeds", "s/1K steps", "CPU s/1K steps", "CPU time vs dt",
+                                "routed"])
     trows = []
     for name, t in results.get("timing", {}).items():
         for n, ms in t["ms_per_step_median"].items():
