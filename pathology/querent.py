@@ -298,11 +298,15 @@ class QuerentLayer(nn.Module):
         h = self.norm1(x_BSD)
         q = self.attn.project_q(h)  # (B, H, S, hd)
         k, v = self.attn.project_kv(h)  # (B, H, S, hd) each
+        del h
+        # Contiguous keys/values: core.blocksparse reads them in block layout as views (S is a multiple of the
+        # block size) instead of copying them, and the projections' (B, S, H·hd) buffers are freed here.
+        k, v = k.contiguous(), v.contiguous()
         idx = select_regions(q, k, layout, self.cfg.topk, pad_BS, self.cfg.region_score,
                              budget_bytes=int(self.cfg.select_budget_mb * 2**20))  # (B, H, NR, K)
         o = block_sparse_attention(q, k, v, idx, block_size=self.cfg.block_size, key_padding_mask=pad_BS,
                                    backend=self.cfg.backend)
-        del h, q, k, v  # without autograd their memory is free for the MLP below
+        del q, k, v  # without autograd their memory is free for the MLP below
         x_BSD = x_BSD + self.attn.merge(o)
         del o
         return x_BSD + self.mlp(self.norm2(x_BSD)), idx
