@@ -106,7 +106,9 @@ def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLi
         "command": command or f"python -m rl.sac --env {env_id} --out RUN_DIR  (config below)",
         "config": meta["config"],
         "trained_steps": snaps[-1]["step"],
-        "train_wall_s": snaps[-1].get("wall_s"),
+        # Wall seconds of training up to the last snapshot, summed over resumes; unknown (None) for a run that
+        # was resumed before the sum was recorded.
+        "train_wall_s": None if meta.get("wall_s_incomplete") or "wall_s_total" not in meta else snaps[-1].get("wall_s"),
         "snapshots": snaps,
         "qualities": {
             "medium": snaps[medium]["name"], "expert": snaps[best]["name"],
@@ -114,7 +116,10 @@ def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLi
         },
         "quality_rule": "expert: highest mean return; medium: mean return closest to 1/3 of expert's, over all "
                         "snapshots; medium-replay: every snapshot up to and including medium, in training order",
-        "note": "returns: undiscounted, deterministic actor, env seeds 10000+step+i; datasets use the stochastic actor",
+        "note": "returns: undiscounted, deterministic actor, env seeds 10000+step+i; datasets use the stochastic actor"
+                + ("" if "wall_s_total" in meta and not meta.get("wall_s_incomplete") else
+                   "; train_wall_s unknown: the run was stopped and resumed before wall time was summed over "
+                   "resumes, and each snapshot's wall_s counts only from the latest resume"),
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

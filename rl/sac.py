@@ -207,11 +207,14 @@ def train_sac(cfg: SACConfig, out: str | os.PathLike, *, progress: bool = True) 
             buf[k][:step] = st["buf"][k]
         random.setstate(st["py_rng"]); np.random.set_state(st["np_rng"]); torch.set_rng_state(st["torch_rng"])
         logger.info("resumed %s at step %d", out, step)
+        if "wall_s_total" not in meta:  # a run begun before cumulative wall time was recorded
+            meta["wall_s_incomplete"] = True
     obs, _ = env.reset(seed=cfg.seed * 100_003 + episode)
     ep_ret, recent = 0.0, []
     env.action_space.seed(cfg.seed + step)
     bar = tqdm(total=n, initial=step, disable=not progress, desc=f"sac {cfg.env}")
-    t0 = time.time()
+    # Wall seconds accumulate across resumes (time between a stop and the next resume is not counted).
+    t0 = time.time() - float(meta.get("wall_s_total", 0.0))
     while step < n:
         if step < cfg.start_steps:
             a = env.action_space.sample().astype(np.float32)
@@ -254,12 +257,14 @@ def train_sac(cfg: SACConfig, out: str | os.PathLike, *, progress: bool = True) 
             rets = evaluate_actor(actor, cfg.env, episodes=cfg.eval_episodes, seed=10_000 + step)
             name = f"step{step:07d}"
             snaps[name] = {k: v.detach().clone() for k, v in actor.state_dict().items()}
+            meta["wall_s_total"] = time.time() - t0
             meta["snapshots"].append({"name": name, "step": step, "returns": rets,
                                       "mean_return": float(np.mean(rets)), "wall_s": time.time() - t0})
             _save_snapshots(out, snaps, meta)
             bar.set_postfix(eval=f"{np.mean(rets):.0f}", train=f"{np.mean(recent) if recent else 0:.0f}")
             logger.info("step %d eval return %.1f", step, float(np.mean(rets)))
         if step % cfg.checkpoint_every == 0 or step == n:
+            meta["wall_s_total"] = time.time() - t0
             _atomic_torch_save({
                 "actor": actor.state_dict(), "critic": critic.state_dict(), "target": target.state_dict(),
                 "log_alpha": log_alpha.detach(), "opt_a": opt_a.state_dict(), "opt_c": opt_c.state_dict(),
