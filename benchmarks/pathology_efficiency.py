@@ -1,4 +1,10 @@
-"""Slide-model cost as the number of patches grows: Querent vs dense attention, TransMIL, ABMIL.
+"""Slide-model cost as the number of patches grows: Querent vs dense attention (two ways), TransMIL, ABMIL.
+
+Dense peers: ``dense`` runs exact attention through ``core.attention`` (on CPU the O(N)-memory ``chunked``
+backend once the score matrix passes 512 MiB); ``dense-eager`` runs PyTorch's SDPA restricted to its MATH
+kernel, which materialises the (heads, N, N) scores. ``--mem-limit-gb G`` lets a case allocate at most G GiB
+beyond what it maps at its start; an allocation past that fails in the case's process and is recorded as
+``oom`` (with the size it tried), and the model's larger sizes are then skipped.
 
 Each (model, N, mode) case runs in a fresh process (``benchmarks.common.run_isolated``) on a bag of N
 random D=512 features laid on a square patch grid. ``forward``: one eval-mode forward without autograd;
