@@ -7,13 +7,14 @@
 Per (dataset, algorithm, seed) it trains on one CPU thread, evaluates D4RL-normalized scores
 (``100 (R - R_random) / (R_expert - R_random)``, D4RL's constants, see ``rl/references.py``) at the dataset's
 target returns, and records wall and CPU seconds per 1K training steps (training only: sampling + forward +
-backward + optimizer, evaluation excluded; the CPU seconds of the run's one-thread process do not depend on
-what else runs on the machine) and, for the Decision Mixer, the fraction of tokens routed through the routed
+backward + optimizer, evaluation excluded; the CPU seconds of the run's one-thread process depend much less
+than wall seconds on what else runs on the machine, though cache and core sharing still move them by ~10%) and, for the Decision Mixer, the fraction of tokens routed through the routed
 layers. Datasets are generated with ``python -m rl.generate`` when missing (medium / medium-replay need the
 shipped behaviour policies). Results accumulate in a JSON file: a finished case is not rerun.
 The table reports mean ± std over seeds and, per dataset, the DM/DT ratio of CPU seconds per 1K steps
-(over the whole run, so at the capacity DM learns, not only at its initial 0.5). ``--timing-steps N`` adds the fairer speed comparison: DM and DT training steps
-interleaved on the same batches in one process. ``--merge A.json,B.json`` folds in the cases of runs split over
+(over the whole run, so at the capacity DM learns, not only at its initial 0.5). ``--timing-steps N`` adds the
+fairer speed comparison: DM and DT training steps interleaved on the same batches in one process, at
+initialization and again after ``--timing-warmup`` steps. ``--merge A.json,B.json`` folds in the cases of runs split over
 parallel processes (same settings, different ``--algos`` / ``--seeds`` / ``--out``) before the table is made.
 """
 
@@ -88,8 +89,11 @@ def _timing(path, args) -> dict:
     """DM and DT training steps interleaved on the same batches in one process (same load for both).
 
     Per iteration one batch is sampled and each model runs one full training step on it (forward, backward,
-    clipping, AdamW); the median seconds per step are compared. DT is built with ``--dt-layers`` and, if that
-    differs, also with ``--dm-layers`` (the same depth as DM).
+    clipping, AdamW); CPU seconds per step (one thread) are compared as medians. DT is built with
+    ``--dt-layers`` and, if that differs, also with ``--dm-layers`` (the same depth as DM). Two phases:
+    ``init`` times the first ``--timing-steps`` steps (DM routes its initial capacity, 0.5); then both models
+    keep training on shared batches, untimed, until ``--timing-warmup`` steps, and ``trained`` times
+    ``--timing-steps`` more (DM at the capacity it has learned by then, as for most of a run).
     """
     import torch
 
@@ -108,30 +112,45 @@ def _timing(path, args) -> dict:
         cases[f"dt-{args.dm_layers}L"] = ("dt", {**base, "num_layers": args.dm_layers})
     if args.capacity_cost is not None:
         cases["dm"][1]["capacity_cost_weight"] = args.capacity_cost
+    total = max(args.timing_warmup, args.timing_steps) + args.timing_steps
     trainers = {}
     for name, (algo, ov) in cases.items():
         torch.manual_seed(0)
         model = build_model(algo, _model_config(algo, ds, env, ov))
-        trainers[name] = Trainer(model, TrainConfig(algo=algo, steps=args.timing_steps, lr=args.lr,
-                                                    warmup_steps=min(args.warmup, args.timing_steps)),
-                                 SegmentSampler(ds, args.context, seed=0))
+        model.set_state_normalization(ds.observations.mean(0), ds.observations.std(0))
+        trainers[name] = Trainer(model, TrainConfig(algo=algo, steps=total, lr=args.lr,
+                                                    warmup_steps=min(args.warmup, total)), SegmentSampler(ds, args.context, seed=0))
     env.close()
     sampler = SegmentSampler(ds, args.context, seed=1)
-    times: dict[str, list[float]] = {n: [] for n in trainers}
-    routed = []
-    for _ in range(args.timing_steps):
-        batch = sampler.sample(args.batch_size)
-        for name, tr in trainers.items():
-            t0 = time.perf_counter()
-            m = tr.train_step(batch)
-            times[name].append(time.perf_counter() - t0)
-            if name == "dm":
-                routed.append(m["routed_fraction"])
+
+    def run(steps: int, timed: bool) -> tuple[dict[str, list[float]], list[float]]:
+        times: dict[str, list[float]] = {n: [] for n in trainers}
+        routed = []
+        for _ in range(steps):
+            batch = sampler.sample(args.batch_size)
+            for name, tr in trainers.items():
+                c0 = time.process_time()
+                m = tr.train_step(batch)
+                if timed:
+                    times[name].append(time.process_time() - c0)
+                if name == "dm":
+                    routed.append(m["routed_fraction"])
+        return times, routed
+
+    res = {"steps": args.timing_steps, "warmup_steps": args.timing_warmup, "batch_size": args.batch_size,
+           "clock": "CPU seconds of this process (one thread)"}
     skip = min(5, args.timing_steps // 5)  # first steps: allocator warm-up
-    med = {n: float(np.median(v[skip:])) * 1000.0 for n, v in times.items()}
-    res = {"steps": args.timing_steps, "batch_size": args.batch_size, "ms_per_step_median": med,
-           "dm_routed_fraction": float(np.mean(routed)),
-           "ratio_dm_over_dt": {n: med["dm"] / med[n] for n in med if n != "dm"}}
+    for phase in ("init", "trained"):
+        if phase == "trained":
+            if args.timing_warmup <= 0:
+                break
+            run(max(0, args.timing_warmup - args.timing_steps), timed=False)
+        times, routed = run(args.timing_steps, timed=True)
+        med = {n: float(np.median(v[skip:])) * 1000.0 for n, v in times.items()}
+        res[phase] = {"ms_per_step_median": med, "dm_routed_fraction": float(np.mean(routed)),
+                      "ratio_dm_over_dt": {n: med["dm"] / med[n] for n in med if n != "dm"}}
+    # Kept at the top level for the table (the init phase, as before the two-phase timing).
+    res["ms_per_step_median"] = res["init"]["ms_per_step_median"]
     return res
 
 
@@ -216,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routed-layers", default="1,3,5")
     p.add_argument("--capacity-cost", type=float, default=None,
                    help="DM capacity_cost_weight (default: DMConfig's); choose it with `python -m rl.tune`")
+    p.add_argument("--timing-warmup", type=int, default=500,
+                   help="with --timing-steps: untimed steps before the second timed phase (DM at its learned capacity)")
     p.add_argument("--timing-steps", type=int, default=0,
                    help="per dataset, also time DM and DT steps interleaved on the same batches (0: skip)")
     p.add_argument("--merge", default="",
@@ -238,6 +259,7 @@ def main(argv=None) -> None:
         args.steps, args.d3rlpy_steps, args.eval_episodes = 60, 10, 2
         args.embed_dim, args.context, args.dm_layers, args.dt_layers, args.routed_layers = 32, 10, 4, 2, "1,3"
         args.warmup, args.batch_size, args.timing_steps = 10, 16, min(args.timing_steps, 10)
+        args.timing_warmup = min(args.timing_warmup, 20)
         if args.out == build_parser().get_default("out"):
             args.out = "benchmarks/results/rl_bench_quick.json"
         args.work_dir = args.work_dir + "_quick"
@@ -294,12 +316,17 @@ def main(argv=None) -> None:
                                 "routed"])
     trows = []
     for name, t in results.get("timing", {}).items():
-        for n, ms in t["ms_per_step_median"].items():
-            trows.append({"dataset": name, "model": n, "ms/step (median)": ms,
-                          "dm / this": (f"{t['ms_per_step_median']['dm'] / ms:.2f}" if n != "dm" else "-")})
+        for phase in ("init", "trained"):
+            if phase not in t:
+                continue
+            ph = t[phase]
+            for n, ms in ph["ms_per_step_median"].items():
+                trows.append({"dataset": name, "phase": phase, "model": n, "CPU ms/step (median)": ms,
+                              "dm / this": (f"{ph['ms_per_step_median']['dm'] / ms:.2f}" if n != "dm" else "-"),
+                              "routed": f"{ph['dm_routed_fraction']:.2f}" if n == "dm" else "-"})
     if trows:
         table += "\n\nInterleaved step timing (same batches, same process):\n\n" + format_table(
-            trows, ["dataset", "model", "ms/step (median)", "dm / this"])
+            trows, ["dataset", "phase", "model", "CPU ms/step (median)", "dm / this", "routed"])
     results["table"] = table
     write_json_atomic(args.out, results)
     print(table)
