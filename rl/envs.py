@@ -24,6 +24,20 @@ def _gym():
     return gym
 
 
+def _load_triton_before_gl() -> None:
+    """Load Triton (if installed) before the first offscreen GL context.
+
+    EGL through Mesa's llvmpipe loads the system's libLLVM; Triton's extension carries its own LLVM. Loaded
+    in that order, a later ``import triton`` (which torch itself does, e.g. on the first ``torch.optim``
+    optimizer after ``torch._dynamo`` comes in) crashes the process with a segmentation fault; loaded the
+    other way round both work. A hub that renders an episode and then runs another app relies on this.
+    """
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - Triton absent or broken: nothing to protect
+        pass
+
+
 def env_family(env_id: str) -> str:
     """``"Hopper-v5" -> "hopper"`` (the key of the reference-return tables)."""
     if env_id not in SUPPORTED_ENVS:
@@ -37,6 +51,7 @@ def make_env(env_id: str, *, render_mode: str | None = None, width: int = 320, h
     kw = {"render_mode": render_mode}
     if render_mode == "rgb_array":
         kw.update(width=width, height=height)
+        _load_triton_before_gl()
     return _gym().make(env_id, **kw)
 
 

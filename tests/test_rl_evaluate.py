@@ -39,3 +39,21 @@ def test_load_policy_errors(tmp_path):
     with pytest.raises(ValueError, match="episodes must be positive"):
         model, info = load_policy(next(iter(shipped_policies().values())))
         rollout(model, info["env"], target_return=1.0, episodes=0)
+
+
+def test_rendering_then_loading_triton_does_not_crash(tmp_path):
+    # Offscreen MuJoCo rendering (EGL / Mesa llvmpipe) loads the system LLVM; importing Triton after it used
+    # to crash the process (a segfault in Triton's extension). rl.envs loads Triton first when it renders.
+    import subprocess
+    import sys
+
+    code = (
+        "from rl.envs import make_env\n"
+        "env = make_env('Hopper-v5', render_mode='rgb_array'); env.reset(seed=0)\n"
+        "assert env.render().shape == (240, 320, 3); env.close()\n"
+        "import triton, torch\n"
+        "torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])\n"
+        "print('survived')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stderr[-800:])
