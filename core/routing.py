@@ -47,6 +47,12 @@ __all__ = [
 
 _MODES = ("auto", "topk", "aux")
 
+# Packed routing runs the block on the selected tokens of all samples laid end to end, with a block-diagonal
+# causal bias: compute follows the number of selected tokens rather than batch x the largest sample's count.
+# Used while the bias stays small (tokens^2 floats) and packing saves at least this fraction of the tokens.
+_PACK_MAX_TOKENS = 2048
+_PACK_MIN_SAVING = 0.2
+
 
 @dataclass(kw_only=True)
 class RoutingConfig:
@@ -198,7 +204,11 @@ class RoutedBlock(nn.Module):
 
     ``block`` maps ``(B, K, D) -> (B, K, D)`` (a residual transformer block) and must be causal: the selected
     tokens are packed in time order with padding at the end, so a causal block never lets a real token see a
-    padded one, and no padding mask is needed.
+    padded one, and no padding mask is needed. A block with ``accepts_attn_bias = True`` is also called as
+    ``block(x_1TD, attn_bias=bias)`` on the selected tokens of all samples laid end to end, the bias keeping
+    each token to earlier-or-equal tokens of its own sample; that packed call is used when it saves at least
+    a fifth of the tokens (samples keep different numbers of tokens, and padding follows the largest) and
+    the bias stays small. Both calls compute the same function.
 
     Modes: ``"topk"`` (exactly ``k`` per sample, used in training), ``"aux"`` (causal per-token decisions of the
     auxiliary predictor, used at evaluation), ``"auto"`` = topk in ``train()`` and aux in ``eval()``.
@@ -262,6 +272,14 @@ class RoutedBlock(nn.Module):
             aux_loss, cost = zero, cap_B.mean()
 
         weight_BS = torch.sigmoid(scores_BS) * gate_BS
+        k_B = mask_BS.sum(-1)
+        total, kmax = int(k_B.sum()), int(k_B.max()) if B else 0
+        if (getattr(self.block, "accepts_attn_bias", False) and 0 < total <= _PACK_MAX_TOKENS
+                and total <= (1.0 - _PACK_MIN_SAVING) * B * kmax):
+            y_BSD = x_BSD + self._packed_update(x_BSD, mask_BS, weight_BS)
+            info = RoutingInfo(mask=mask_BS, scores=scores_BS, capacity=cap_B, aux_logits=aux_logits_BS,
+                               aux_loss=aux_loss, capacity_cost=cost, mode=mode)
+            return y_BSD, info
         x_sel_BKD, index_BK, valid_BK = _gather_selected(x_BSD, mask_BS)
         if x_sel_BKD.shape[1] == 0:
             y_BSD = x_BSD
@@ -274,3 +292,17 @@ class RoutedBlock(nn.Module):
         info = RoutingInfo(mask=mask_BS, scores=scores_BS, capacity=cap_B, aux_logits=aux_logits_BS,
                            aux_loss=aux_loss, capacity_cost=cost, mode=mode)
         return y_BSD, info
+
+    def _packed_update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, weight_BS: torch.Tensor) -> torch.Tensor:
+        """``w * (f(x_sel) - x_sel)`` scattered back to ``(B, S, D)``, with the selected tokens of all samples
+        in one sequence and a block-diagonal causal bias (see the class docstring)."""
+        B, S, D = x_BSD.shape
+        flat_T = mask_BS.reshape(-1).nonzero().squeeze(1)  # sample-major, time order within each sample
+        x_sel_1TD = x_BSD.reshape(B * S, D).index_select(0, flat_T)[None]
+        seg_T, pos_T = flat_T // S, flat_T % S
+        keep_TT = (seg_T[:, None] == seg_T[None, :]) & (pos_T[None, :] <= pos_T[:, None])
+        bias = torch.zeros(keep_TT.shape, dtype=x_BSD.dtype, device=x_BSD.device).masked_fill(~keep_TT, float("-inf"))
+        delta_TD = (self.block(x_sel_1TD, attn_bias=bias[None, None]) - x_sel_1TD)[0]
+        w_T = weight_BS.reshape(-1).index_select(0, flat_T)
+        update = torch.zeros(B * S, D, dtype=x_BSD.dtype, device=x_BSD.device).index_add(0, flat_T, delta_TD * w_T[:, None])
+        return update.view(B, S, D)

@@ -95,13 +95,18 @@ class DMConfig(DTConfig):
 
 
 class _CausalBlock(nn.Module):
-    """A ``SelfAttentionBlock`` always called with ``causal=True`` (the interface `RoutedBlock` expects)."""
+    """A causal ``SelfAttentionBlock`` (the interface `RoutedBlock` expects): ``causal=True``, or the
+    block-diagonal causal ``attn_bias`` of `RoutedBlock`'s packed call, which already holds causality."""
+
+    accepts_attn_bias = True
 
     def __init__(self, block: SelfAttentionBlock):
         super().__init__()
         self.inner = block
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, *, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if attn_bias is not None:
+            return self.inner(x_BSD, attn_bias=attn_bias)
         return self.inner(x_BSD, causal=True)
 
 

@@ -186,3 +186,52 @@ def test_config_validation_names_values():
     m = _routed()
     with pytest.raises(ValueError, match="mode"):
         m(torch.randn(1, 4, 16), mode="random")
+
+
+class _BiasBlock(_CausalBlock):
+    """The same block, also callable with an additive attention bias (the packed interface)."""
+
+    accepts_attn_bias = True
+
+    def forward(self, x, attn_bias=None):
+        if attn_bias is None:
+            return super().forward(x)
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+        o = attention(q, k, v, attn_bias=attn_bias).transpose(1, 2).reshape(B, S, D)
+        return x + self.out(o)
+
+
+@pytest.mark.parametrize("mode", ["topk", "aux"])
+def test_packed_call_equals_padded_call_in_values_and_gradients(mode):
+    torch.manual_seed(3)
+    dim, B, S = 16, 6, 20
+    padded = RoutedBlock(_CausalBlock(dim), RoutingConfig(dim=dim, capacity=0.3, min_capacity=0.05)).train()
+    packed = RoutedBlock(_BiasBlock(dim), RoutingConfig(dim=dim, capacity=0.3, min_capacity=0.05)).train()
+    packed.load_state_dict(padded.state_dict())
+    with torch.no_grad():  # samples keep very different numbers of tokens, so packing is chosen
+        packed.capacity_predictor.net[2].weight.normal_(0, 3.0)
+        padded.capacity_predictor.net[2].weight.copy_(packed.capacity_predictor.net[2].weight)
+        packed.aux.net[2].weight.normal_(0, 2.0)
+        packed.aux.net[2].bias.fill_(-1.0)
+        padded.aux.load_state_dict(packed.aux.state_dict())
+    x = torch.randn(B, S, dim)
+    x[0] *= 4.0
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1:5, 6:] = True  # short samples keep few tokens, the long ones many
+    outs, grads = [], []
+    for m in (padded, packed):
+        xi = x.clone().requires_grad_(True)
+        y, info = m(xi, mode=mode, key_padding_mask=pad)
+        (y.square().sum() + info.aux_loss + info.capacity_cost).backward()
+        outs.append((y.detach(), info.mask))
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    k = outs[0][1].sum(-1)
+    assert int(k.sum()) <= 0.8 * B * int(k.max()), "the case must exercise the packed path"
+    assert torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
+    for g0, g1 in zip(*grads):
+        if g0 is None:
+            assert g1 is None or not g1.any()
+        else:
+            torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-4)
