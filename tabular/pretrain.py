@@ -153,6 +153,9 @@ class Trainer:
         self.best_val_loss = math.inf  # the selection score: val loss, or -val accuracy with --select acc
         self.best_step = -1
         self.val_signature = _val_signature(args)
+        # Every invocation that trained this run, with the step it started from (a resume may change
+        # runtime options such as --max-features, so one command does not describe the run).
+        self.commands: list[dict] = []
 
     def _lr_factor(self, step: int) -> float:
         warm = max(1, self.args.warmup)
@@ -203,6 +206,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "args": vars(self.args),
             "world": self.world,
+            "commands": self.commands,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -214,6 +218,8 @@ class Trainer:
         self.step = state["step"]
         self.tables_seen = state["tables_seen"]
         self.wall_time = state["wall_time"]
+        self.commands = list(state.get("commands") or [
+            {"from_step": 0, "command": "not recorded: this run began before invocations were recorded"}])
         if state.get("val_signature") == self.val_signature:
             self.best_val_loss = state["best_val_loss"]
             self.best_step = state["best_step"]
@@ -247,6 +253,7 @@ def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
         "config": trainer.model_config.to_dict(),
         "parameters": n_params,
         "command": command,
+        "commands": trainer.commands,  # every invocation of the run, with the step it started from
         "data": ("synthetic tables from tabular.prior.TablePrior (70% MLP-SCM, 30% tree-SCM), fresh every step; "
                  f"the first {trainer.args.easy_steps} steps from the easy warm-up prior tabular.pretrain.EASY_PRIOR"),
         "step": trainer.step,
@@ -340,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     elif last.exists() and rank == 0:
         raise SystemExit(f"{last} exists: pass --resume to continue that run or choose another --out")
     command = "python -m tabular.pretrain " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    trainer.commands.append({"from_step": trainer.step, "command": command})
     val_batches = []
     if rank == 0:
         val_batches = validation_set(args.val_tables, max_classes=trainer.model_config.max_classes,

@@ -70,6 +70,9 @@ def test_resume_is_exact(tmp_path):
         torch.testing.assert_close(sa["model"][k], sb["model"][k], rtol=0, atol=0)
     rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and "val_loss" in rows[-1]
+    # Each invocation is recorded with the step it started from.
+    assert [c["from_step"] for c in sb["commands"]] == [0, 2] and "--resume" in sb["commands"][1]["command"]
+    assert [c["from_step"] for c in sa["commands"]] == [0]
     model = load_model(b / "best.safetensors")
     assert model.config.embed_dim == 16
     with pytest.raises(SystemExit, match="--resume"):
