@@ -63,7 +63,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Offline RL with dynamic token selection, datasets and training runs.",
         package="rl/",
         ui_module="apps.decision_mixer.ui",
-        status="works end to end on Hopper: behaviour policies, datasets, DT/DM training and evaluation, peers, demo; hopper-medium benchmark run (short training), HalfCheetah and Walker2d policies still training",
+        status="works end to end on Hopper, HalfCheetah and Walker2d: behaviour policies, datasets, DT/DM training and evaluation, peers, demo; three-dataset benchmark (2,000 steps): DM +1.7 over DT, +5 target not met; DM step 0.83-0.91x DT once trained",
     ),
     AppSpec(
         key="comemo",
