@@ -277,21 +277,21 @@ class RoutedBlock(nn.Module):
         if (getattr(self.block, "accepts_attn_bias", False) and 0 < total <= _PACK_MAX_TOKENS
                 and total <= (1.0 - _PACK_MIN_SAVING) * B * kmax):
             y_BSD = x_BSD + self._packed_update(x_BSD, mask_BS, weight_BS)
-            info = RoutingInfo(mask=mask_BS, scores=scores_BS, capacity=cap_B, aux_logits=aux_logits_BS,
-                               aux_loss=aux_loss, capacity_cost=cost, mode=mode)
-            return y_BSD, info
-        x_sel_BKD, index_BK, valid_BK = _gather_selected(x_BSD, mask_BS)
-        if x_sel_BKD.shape[1] == 0:
-            y_BSD = x_BSD
         else:
-            delta_BKD = self.block(x_sel_BKD) - x_sel_BKD
-            w_BK = torch.gather(weight_BS, 1, index_BK) * valid_BK.to(x_BSD.dtype)
-            update_BSD = torch.zeros_like(x_BSD).scatter_add(
-                1, index_BK[..., None].expand_as(delta_BKD), delta_BKD * w_BK[..., None])
-            y_BSD = x_BSD + update_BSD
+            y_BSD = x_BSD + self._padded_update(x_BSD, mask_BS, weight_BS)
         info = RoutingInfo(mask=mask_BS, scores=scores_BS, capacity=cap_B, aux_logits=aux_logits_BS,
                            aux_loss=aux_loss, capacity_cost=cost, mode=mode)
         return y_BSD, info
+
+    def _padded_update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, weight_BS: torch.Tensor) -> torch.Tensor:
+        """``w * (f(x_sel) - x_sel)`` scattered back to ``(B, S, D)``, each sample's selected tokens in its own
+        row, padded at the end to the largest count."""
+        x_sel_BKD, index_BK, valid_BK = _gather_selected(x_BSD, mask_BS)
+        if x_sel_BKD.shape[1] == 0:
+            return torch.zeros_like(x_BSD)
+        delta_BKD = self.block(x_sel_BKD) - x_sel_BKD
+        w_BK = torch.gather(weight_BS, 1, index_BK) * valid_BK.to(x_BSD.dtype)
+        return torch.zeros_like(x_BSD).scatter_add(1, index_BK[..., None].expand_as(delta_BKD), delta_BKD * w_BK[..., None])
 
     def _packed_update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, weight_BS: torch.Tensor) -> torch.Tensor:
         """``w * (f(x_sel) - x_sel)`` scattered back to ``(B, S, D)``, with the selected tokens of all samples
