@@ -57,13 +57,18 @@ TABLE_COLUMNS = ["mode", "n", "model", "status", "seconds", "cpu_s", "peak_mb", 
                  "dense_over_querent_memory", "eager_over_querent_time", "eager_over_querent_memory", "ratio_note"]
 
 
-def _anon_mb() -> float:
-    """Anonymous resident memory of this process (MB): RSS without file pages, which the kernel may evict."""
+def _status_kb(field: str) -> float:
+    """A kB field of ``/proc/self/status`` (``RssAnon``, ``VmSize``, ...); NaN where the kernel lacks it."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
+            if line.startswith(field + ":"):
+                return float(line.split()[1])
     return float("nan")
+
+
+def _anon_mb() -> float:
+    """Anonymous resident memory of this process (MB): RSS without file pages, which the kernel may evict."""
+    return _status_kb("RssAnon") / 1024
 
 
 class AnonPeak:
@@ -189,9 +194,7 @@ def _case(model_name: str, n: int, mode: str, device: str, threads: int, region_
         # in this process with an error instead of waking the machine's OOM killer.
         import resource
 
-        with open("/proc/self/status") as f:
-            vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
-        cap = vm_kb * 1024 + int(mem_limit_gb * 2**30)  # the cap counts from what the process maps already
+        cap = int(_status_kb("VmSize")) * 1024 + int(mem_limit_gb * 2**30)  # the cap counts from what the process maps already
         resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
     try:
         step()

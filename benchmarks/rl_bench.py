@@ -149,8 +149,6 @@ def _timing(path, args) -> dict:
         med = {n: float(np.median(v[skip:])) * 1000.0 for n, v in times.items()}
         res[phase] = {"ms_per_step_median": med, "dm_routed_fraction": float(np.mean(routed)),
                       "ratio_dm_over_dt": {n: med["dm"] / med[n] for n in med if n != "dm"}}
-    # Kept at the top level for the table (the init phase, as before the two-phase timing).
-    res["ms_per_step_median"] = res["init"]["ms_per_step_median"]
     return res
 
 

@@ -187,14 +187,15 @@ def soft_capacity_mask(ranks_BS: torch.Tensor, capacity_B: torch.Tensor, n_B: to
     return torch.sigmoid((k_cont_B[:, None] - ranks_BS.to(capacity_B.dtype) - 0.5) / temperature)
 
 
-def _gather_selected(x_BSD: torch.Tensor, mask_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Selected tokens first, in time order, padded at the end: (x_sel (B, K, D), index (B, K), valid (B, K))."""
-    B, S, _ = x_BSD.shape
+def _gather_selected(x_BSD: torch.Tensor, mask_BS: torch.Tensor, k_B: torch.Tensor,
+                     kmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Selected tokens first, in time order, padded at the end: (x_sel (B, K, D), index (B, K), valid (B, K)).
+
+    ``k_B`` = ``mask_BS.sum(-1)`` and ``kmax`` its maximum (0 for an empty batch)."""
     # Stable sort of "not selected" puts selected positions first, each group in ascending time order.
     order_BS = torch.sort((~mask_BS).to(torch.int8), dim=-1, stable=True).indices
-    kmax = int(mask_BS.sum(-1).max().item()) if S else 0
     index_BK = order_BS[:, :kmax]
-    valid_BK = torch.arange(kmax, device=x_BSD.device)[None, :] < mask_BS.sum(-1, keepdim=True)
+    valid_BK = torch.arange(kmax, device=x_BSD.device)[None, :] < k_B[:, None]
     x_sel_BKD = torch.gather(x_BSD, 1, index_BK[..., None].expand(-1, -1, x_BSD.shape[-1]))
     return x_sel_BKD, index_BK, valid_BK
 
@@ -278,15 +279,16 @@ class RoutedBlock(nn.Module):
                 and total <= (1.0 - _PACK_MIN_SAVING) * B * kmax):
             y_BSD = x_BSD + self._packed_update(x_BSD, mask_BS, weight_BS)
         else:
-            y_BSD = x_BSD + self._padded_update(x_BSD, mask_BS, weight_BS)
+            y_BSD = x_BSD + self._padded_update(x_BSD, mask_BS, weight_BS, k_B, kmax)
         info = RoutingInfo(mask=mask_BS, scores=scores_BS, capacity=cap_B, aux_logits=aux_logits_BS,
                            aux_loss=aux_loss, capacity_cost=cost, mode=mode)
         return y_BSD, info
 
-    def _padded_update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, weight_BS: torch.Tensor) -> torch.Tensor:
+    def _padded_update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, weight_BS: torch.Tensor,
+                       k_B: torch.Tensor, kmax: int) -> torch.Tensor:
         """``w * (f(x_sel) - x_sel)`` scattered back to ``(B, S, D)``, each sample's selected tokens in its own
-        row, padded at the end to the largest count."""
-        x_sel_BKD, index_BK, valid_BK = _gather_selected(x_BSD, mask_BS)
+        row, padded at the end to the largest count ``kmax``."""
+        x_sel_BKD, index_BK, valid_BK = _gather_selected(x_BSD, mask_BS, k_B, kmax)
         if x_sel_BKD.shape[1] == 0:
             return torch.zeros_like(x_BSD)
         delta_BKD = self.block(x_sel_BKD) - x_sel_BKD

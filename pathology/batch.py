@@ -109,6 +109,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _unlink(path: str) -> None:
+    """Remove a file that another process may have removed first."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_if_writer_dead(tmp: str, pid: str) -> None:
+    """Remove the temp file ``tmp`` written by process ``pid`` if that process is gone (and is not this one)."""
+    if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        _unlink(tmp)
+
+
 def _remove_dead_temps(paths) -> None:
     """Delete temp files (``.<name>.<pid>.tmp[.png]``) of these outputs whose writer process is gone.
 
@@ -120,12 +134,7 @@ def _remove_dead_temps(paths) -> None:
     for path in paths:
         d, b = os.path.split(path)
         for tmp in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(b)}.*.tmp*")):
-            pid = os.path.basename(tmp)[len(b) + 2:].split(".", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                try:
-                    os.remove(tmp)
-                except FileNotFoundError:
-                    pass
+            _remove_if_writer_dead(tmp, os.path.basename(tmp)[len(b) + 2:].split(".", 1)[0])
 
 
 class _Lock:
@@ -149,10 +158,7 @@ class _Lock:
                     os.link(tmp, self.path)
                 except FileExistsError:
                     if self._stale():
-                        try:
-                            os.remove(self.path)
-                        except FileNotFoundError:
-                            pass
+                        _unlink(self.path)
                         continue
                     return False
                 self.held = True
@@ -165,21 +171,13 @@ class _Lock:
         """Remove the lock if its process is gone (e.g. killed after writing the output, before unlocking)."""
         self._remove_dead_temps()
         if os.path.exists(self.path) and self._stale():
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
+            _unlink(self.path)
 
     def _remove_dead_temps(self) -> None:
         import glob
 
         for tmp in glob.glob(glob.escape(self.path) + ".*.tmp"):
-            pid = tmp[len(self.path) + 1:].split(".", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                try:
-                    os.remove(tmp)
-                except FileNotFoundError:
-                    pass
+            _remove_if_writer_dead(tmp, tmp[len(self.path) + 1:].split(".", 1)[0])
 
     def _stale(self) -> bool:
         try:
@@ -197,10 +195,7 @@ class _Lock:
 
     def release(self) -> None:
         if self.held:
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
+            _unlink(self.path)
             self.held = False
 
 
