@@ -165,13 +165,20 @@ class Trainer:
             f *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
         return f
 
-    def train_step(self) -> dict[str, float]:
+    def stage(self) -> Stage:
+        """The curriculum stage of the current step with the runtime size options applied."""
         stage = curriculum(self.step, self.args.curriculum_scale)
         if self.args.max_rows is not None:
             stage.max_rows = min(stage.max_rows, self.args.max_rows)
             stage.min_rows = min(stage.min_rows, stage.max_rows)
+        if self.args.feature_bound is not None:
+            stage.max_features = self.args.feature_bound
         if self.args.max_features is not None:
             stage.max_features = min(stage.max_features, self.args.max_features)
+        return stage
+
+    def train_step(self) -> dict[str, float]:
+        stage = self.stage()
         n_rows, n_train, n_features = _draw_sizes(self.size_rng, stage, self.model_config.max_classes)
         prior = self.easy_prior if self.step < self.args.easy_steps else self.prior
         batch = prior.sample(self.args.batch_size, n_rows, n_train, n_features=n_features)
@@ -282,7 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curriculum-scale", type=float, default=1.0, help="stretch factor of the curriculum stages")
     p.add_argument("--easy-steps", type=int, default=1500, help="warm-up steps on the easy prior (EASY_PRIOR)")
     p.add_argument("--max-rows", type=int, default=None, help="cap on rows per table (overrides the curriculum)")
-    p.add_argument("--max-features", type=int, default=None, help="cap on features per table")
+    p.add_argument("--max-features", type=int, default=None,
+                   help="cap on features per table (only lowers the curriculum's bound)")
+    p.add_argument("--feature-bound", type=int, default=None,
+                   help="most features per table, replacing the curriculum's bound (raises it too)")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")
     p.add_argument("--val-every", type=int, default=500, help="steps between validations (and best exports)")
     p.add_argument("--val-tables", type=int, default=64, help="held-out prior tables for validation")
@@ -325,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables", "val_max_rows"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("max_features", "feature_bound"):  # the prior draws 2..100 features
+        v = getattr(args, name)
+        if v is not None and not 2 <= v <= 100:
+            raise SystemExit(f"--{name.replace('_', '-')} must be in [2, 100], got {v}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -49,6 +49,22 @@ def test_training_steps_reduce_loss():
     assert trainer.step == 25 and trainer.tables_seen == 100
 
 
+def test_size_options_cap_or_replace_the_curriculum_bounds():
+    def stage(*argv, step=0):
+        trainer = pretrain.Trainer(pretrain.build_parser().parse_args(["--config", "tiny", *argv]))
+        trainer.step = step
+        return trainer.stage()
+
+    plain = stage()
+    assert (plain.max_rows, plain.max_features) == (256, 20)
+    assert stage("--max-features", "64").max_features == 20  # a cap never raises the stage's bound
+    assert stage("--max-features", "8").max_features == 8
+    assert stage("--feature-bound", "64").max_features == 64
+    assert stage("--feature-bound", "64", "--max-features", "30").max_features == 30
+    capped = stage("--max-rows", "100", step=3000)
+    assert (capped.min_rows, capped.max_rows, capped.max_features) == (100, 100, 40)
+
+
 def test_masked_loss_ignores_absent_classes():
     logits = torch.randn(2, 5, 10)
     y = torch.randint(0, 2, (2, 5))
