@@ -22,6 +22,7 @@ import math
 import os
 import random
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -163,6 +164,9 @@ class Trainer:
         if self.args.cosine and self.args.steps > warm:
             t = min(1.0, max(0.0, (step - warm) / (self.args.steps - warm)))
             f *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        if self.args.anneal_from is not None and step >= self.args.anneal_from:
+            # Warmup-stable-decay: a branch of the run decays the rate linearly to zero over --anneal-steps.
+            f *= max(0.0, 1.0 - (step - self.args.anneal_from) / self.args.anneal_steps)
         return f
 
     def stage(self) -> Stage:
@@ -284,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--warmup", type=int, default=500, help="linear warm-up steps")
     p.add_argument("--cosine", action="store_true", help="cosine decay to 10%% of the peak at --steps")
+    p.add_argument("--anneal-from", type=int, default=None,
+                   help="from this step on, decay the rate linearly to zero over --anneal-steps (run it on a copy "
+                        "of the run's last.pt, with --steps at the end of the decay)")
+    p.add_argument("--anneal-steps", type=int, default=500, help="length of the --anneal-from decay")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     p.add_argument("--seed", type=int, default=0, help="seed of model init, prior and sizes")
     p.add_argument("--curriculum-scale", type=float, default=1.0, help="stretch factor of the curriculum stages")
@@ -332,7 +340,7 @@ _RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables", "val_max_rows"):
+    for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables", "val_max_rows", "anneal_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("max_features", "feature_bound"):  # the prior draws 2..100 features
@@ -369,6 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     metrics_path = out / "metrics.jsonl"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        if metrics_path.exists():  # drop records of steps after the checkpoint (a stop between checkpoints)
+            lines = metrics_path.read_text().splitlines()
+            keep = [ln for ln in lines if ln and json.loads(ln)["step"] <= trainer.step]
+            if len(keep) != len(lines):
+                atomic_write_text(metrics_path, "".join(ln + "\n" for ln in keep))
+    # SIGTERM / SIGINT end the run after the current step; the final checkpoint is then written at that step.
+    stop_requested: list[int] = []
+    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -378,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     t_last = t_start
     try:
         while trainer.step < args.steps:
+            if stop_requested:
+                logger.info("stopping on signal %d at step %d", stop_requested[0], trainer.step)
+                break
             if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
                 logger.info("stopping after --max-minutes %.1f", args.max_minutes)
                 break
@@ -408,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", rows=m["rows"])
     finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         if rank == 0:
             _atomic_torch_save(trainer.state_dict(), last)
         if bar is not None:

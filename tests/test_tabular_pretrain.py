@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,16 @@ def test_size_options_cap_or_replace_the_curriculum_bounds():
     assert (capped.min_rows, capped.max_rows, capped.max_features) == (100, 100, 40)
 
 
+def test_anneal_decays_the_rate_linearly_to_zero():
+    args = pretrain.build_parser().parse_args(["--config", "tiny", "--warmup", "10", "--anneal-from", "100",
+                                               "--anneal-steps", "50"])
+    factor = pretrain.Trainer(args)._lr_factor
+    assert factor(4) == 0.5 and factor(99) == 1.0 and factor(100) == 1.0
+    assert factor(125) == 0.5 and factor(150) == 0.0 and factor(400) == 0.0
+    plain = pretrain.Trainer(pretrain.build_parser().parse_args(["--config", "tiny", "--warmup", "10"]))._lr_factor
+    assert plain(125) == 1.0
+
+
 def test_masked_loss_ignores_absent_classes():
     logits = torch.randn(2, 5, 10)
     y = torch.randint(0, 2, (2, 5))
@@ -93,6 +105,31 @@ def test_resume_is_exact(tmp_path):
     assert model.config.embed_dim == 16
     with pytest.raises(SystemExit, match="--resume"):
         pretrain.main([*TINY, "--out", str(a), "--steps", "5"])
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_drops_later_log_records(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tabular.pretrain", *TINY, "--out", str(out), "--steps", "100000",
+           "--val-every", "100000", "--ckpt-every", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopping on signal" in err
+    state = torch.load(out / "last.pt", weights_only=False)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert state["step"] >= 3 and steps == list(range(1, state["step"] + 1))
+    # A stop between checkpoints (a kill) leaves log records past the checkpoint; a resume drops them.
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"step": state["step"] + 1, "loss": 0.0}) + "\n")
+    assert pretrain.main([*TINY, "--out", str(out), "--steps", str(state["step"] + 1), "--resume"]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, state["step"] + 2)) and rows[-1]["loss"] > 0
 
 
 @pytest.mark.slow
