@@ -24,6 +24,7 @@ import random
 import shlex
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,10 +383,14 @@ def main(argv: list[str] | None = None) -> int:
             keep = [ln for ln in lines if ln and json.loads(ln)["step"] <= trainer.step]
             if len(keep) != len(lines):
                 atomic_write_text(metrics_path, "".join(ln + "\n" for ln in keep))
-    # SIGTERM / SIGINT end the run after the current step; the final checkpoint is then written at that step.
+    # SIGTERM / SIGINT end a one-process run after the current step, which the final checkpoint then holds.
+    # (Not under DDP: ranks could stop at different steps and hang in a collective; torchrun's own shutdown
+    # applies, and the run resumes from its last periodic checkpoint.)
     stop_requested: list[int] = []
-    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
-                         for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous_handlers = {}
+    if world == 1 and threading.current_thread() is threading.main_thread():
+        previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
+                             for sig in (signal.SIGTERM, signal.SIGINT)}
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
