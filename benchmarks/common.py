@@ -33,6 +33,7 @@ __all__ = [
     "format_table",
     "env_info",
     "parse_size",
+    "portable_args",
 ]
 
 
@@ -182,6 +183,33 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _portable_path(text: str) -> str:
+    """An absolute path as recorded in a result: relative to the repository, else only its file name."""
+    p = Path(text)
+    if not p.is_absolute():
+        return text
+    try:
+        return str(p.resolve().relative_to(_REPO))
+    except ValueError:
+        return p.name
+
+
+def portable_args(args: Any) -> dict[str, Any]:
+    """``vars(args)`` for a results file: paths (also comma-separated lists of them) without this machine's
+    directories, so that a committed result does not name where it was run."""
+    out = {}
+    for k, v in vars(args).items():
+        if isinstance(v, Path):
+            v = _portable_path(str(v))
+        elif isinstance(v, str) and os.sep in v:
+            v = ",".join(_portable_path(part) for part in v.split(","))
+        out[k] = v
+    return out
 
 
 def env_info() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import env_info, format_table, read_json, read_parts, write_json_atomic
+from benchmarks.common import env_info, format_table, read_json, portable_args, read_parts, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def main(argv=None) -> None:
     data_dir, work = Path(args.data_dir), Path(args.work_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     results = read_json(args.out) or {"env": env_info(), "settings": {}, "cases": {}}
-    results["settings"] = {k: v for k, v in vars(args).items()}
+    results["settings"] = portable_args(args)
     for got in read_parts([m for m in args.merge.split(",") if m]):
         for key, res in got.get("cases", {}).items():
             results["cases"].setdefault(key, res)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import env_info, format_table, write_json_atomic
+from benchmarks.common import env_info, format_table, portable_args, write_json_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tabular_bench.json"
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     for mname in {r["model"] for r in rows}:
         summary[mname] = float(np.mean([r["accuracy"] for r in rows if r["model"] == mname]))
     targets = _targets(rows)
-    result = {"env": env_info(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    result = {"env": env_info(), "args": portable_args(args),
               "rows": rows, "mean_accuracy": summary, "targets": targets, "failures": failures}
     write_json_atomic(args.out, result)
     print(format_table(rows, ["dataset", "model", "accuracy", "roc_auc", "log_loss", "fit_predict_s"]))
