@@ -158,6 +158,7 @@ class Trainer:
         # Every invocation that trained this run, with the step it started from (a resume may change
         # runtime options such as --max-features, so one command does not describe the run).
         self.commands: list[dict] = []
+        self.max_features_seen: int | None = 0  # widest table trained on (None: unknown, from an older checkpoint)
 
     def _lr_factor(self, step: int) -> float:
         warm = max(1, self.args.warmup)
@@ -188,6 +189,8 @@ class Trainer:
         prior = self.easy_prior if self.step < self.args.easy_steps else self.prior
         batch = prior.sample(self.args.batch_size, n_rows, n_train, n_features=n_features)
         n_rows, n_train, n_features = batch.X.shape[1], batch.n_train, batch.X.shape[2]
+        if self.max_features_seen is not None:
+            self.max_features_seen = max(self.max_features_seen, n_features)
         logits = self.ddp_model(batch.X, batch.y[:, :n_train])
         loss, acc = masked_loss(logits, batch.y[:, n_train:], batch.n_classes)
         self.opt.zero_grad(set_to_none=True)
@@ -219,6 +222,7 @@ class Trainer:
             "args": vars(self.args),
             "world": self.world,
             "commands": self.commands,
+            "max_features_seen": self.max_features_seen,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -228,6 +232,7 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        self.max_features_seen = state.get("max_features_seen")
         self.tables_seen = state["tables_seen"]
         self.wall_time = state["wall_time"]
         self.commands = list(state.get("commands") or [
@@ -270,6 +275,7 @@ def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
                  f"the first {trainer.args.easy_steps} steps from the easy warm-up prior tabular.pretrain.EASY_PRIOR"),
         "step": trainer.step,
         "tables_seen": trainer.tables_seen,
+        "pretrained_max_features": trainer.max_features_seen,  # TabICLClassifier warns on wider tables
         "wall_time_s": round(trainer.wall_time, 1),
         "processes": trainer.world,
         "validation_on_held_out_prior": val,
@@ -383,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             keep = [ln for ln in lines if ln and json.loads(ln)["step"] <= trainer.step]
             if len(keep) != len(lines):
                 atomic_write_text(metrics_path, "".join(ln + "\n" for ln in keep))
+            if trainer.max_features_seen is None and keep:  # older checkpoint: the log has every step's width
+                recs = [json.loads(ln) for ln in keep]
+                if {r["step"] for r in recs} == set(range(1, trainer.step + 1)) and all("features" in r for r in recs):
+                    trainer.max_features_seen = max(r["features"] for r in recs)
     # SIGTERM / SIGINT end a one-process run after the current step, which the final checkpoint then holds.
     # (Not under DDP: ranks could stop at different steps and hang in a collective; torchrun's own shutdown
     # applies, and the run resumes from its last periodic checkpoint.)

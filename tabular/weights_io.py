@@ -59,7 +59,8 @@ def save_model(model: TabICL, path: str | os.PathLike, *, extra: dict | None = N
 
 
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> TabICL:
-    """Load a model written by :func:`save_model` (or a pretraining checkpoint ``.pt``), in eval mode."""
+    """Load a model written by :func:`save_model` (or a pretraining checkpoint ``.pt``), in eval mode; its card
+    (the metadata ``extra`` written with it) is ``model.card``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"TabICL checkpoint {str(path)!r} does not exist (expected a .safetensors or .pt file)")
@@ -73,14 +74,17 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -
             raise ValueError(f"{str(path)!r} is not a TabICL checkpoint (no 'tabicl' config in its metadata)")
         config = TabICLConfig(**json.loads(meta["config"]))
         state = load_file(str(path))
+        card = json.loads(meta.get("extra") or "{}")
     elif path.suffix == ".pt":
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
             raise ValueError(f"{str(path)!r} is not a TabICL pretraining checkpoint (keys 'model', 'model_config')")
         config = TabICLConfig(**ckpt["model_config"])
         state = ckpt["model"]
+        card = {"step": ckpt.get("step"), "pretrained_max_features": ckpt.get("max_features_seen")}
     else:
         raise ValueError(f"unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; use .safetensors or .pt")
     model = TabICL(config)
     model.load_state_dict(state)
+    model.card = card  # the model card (pretraining facts such as ``pretrained_max_features``), may be empty
     return model.to(device).eval()

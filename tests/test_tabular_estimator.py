@@ -196,3 +196,28 @@ def test_memory_plan_grows_with_the_budget():
     b, c = plans[1]
     assert b * (full * 8192 + chunked * c) <= 512 * 2**20 / 2
     assert TabICLClassifier(batch_size=7)._plan(model, 20, 8192, 4, 1000)[1] == 7
+
+
+def test_warns_on_tables_wider_than_the_checkpoint_was_pretrained_on(tmp_path):
+    import warnings
+
+    from tabular.model import tabicl_tiny
+    from tabular.weights_io import load_model, save_model
+
+    path = tmp_path / "narrow.safetensors"
+    save_model(TabICL(tabicl_tiny()), path, extra={"pretrained_max_features": 3})
+    assert load_model(path).card["pretrained_max_features"] == 3
+    X, y = _blobs(n=60, f=5, c=2, seed=0)
+    with pytest.warns(UserWarning, match="5 informative features .* at most 3"):
+        TabICLClassifier(n_estimators=1, checkpoint=path).fit(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TabICLClassifier(n_estimators=1, checkpoint=path).fit(X[:, :3], y)
+    # The shipped checkpoint's card records how wide its pretraining tables were.
+    assert TabICLClassifier().fit(X, y) is not None and load_model(_default()).card["pretrained_max_features"] == 40
+
+
+def _default():
+    from tabular.weights_io import default_checkpoint
+
+    return default_checkpoint()

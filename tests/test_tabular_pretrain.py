@@ -101,6 +101,15 @@ def test_resume_is_exact(tmp_path):
     # Each invocation is recorded with the step it started from.
     assert [c["from_step"] for c in sb["commands"]] == [0, 2] and "--resume" in sb["commands"][1]["command"]
     assert [c["from_step"] for c in sa["commands"]] == [0]
+    assert sb["max_features_seen"] == max(r["features"] for r in rows) == sa["max_features_seen"]
+    best = json.loads((b / "best.json").read_text())
+    assert best["pretrained_max_features"] == max(r["features"] for r in rows if r["step"] <= best["step"])
+    # A checkpoint from before the width was tracked: the resume reads it back from the per-step log.
+    old = {k: v for k, v in sb.items() if k != "max_features_seen"}
+    torch.save(old, b / "last.pt")
+    assert pretrain.main([*TINY, "--out", str(b), "--steps", "5", "--val-every", "5", "--resume"]) == 0
+    rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert torch.load(b / "last.pt", weights_only=False)["max_features_seen"] == max(r["features"] for r in rows)
     model = load_model(b / "best.safetensors")
     assert model.config.embed_dim == 16
     with pytest.raises(SystemExit, match="--resume"):
