@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -145,7 +146,10 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
     rows = []
     t0 = time.perf_counter()
     clf = TabICLClassifier(n_estimators=n_estimators, random_state=seed, checkpoint=checkpoint)
-    proba = clf.fit(Xtr, ytr).predict_proba(Xte)
+    with warnings.catch_warnings(record=True) as caught:  # e.g. a table wider than the pretraining tables
+        warnings.simplefilter("always", UserWarning)
+        proba = clf.fit(Xtr, ytr).predict_proba(Xte)
+    notes = list(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, UserWarning)))
     pred = clf.classes_[proba.argmax(1)]
     rows.append({"model": "TabICL", "accuracy": float(accuracy_score(yte, pred)), "seconds": time.perf_counter() - t0})
     if baselines:
@@ -167,6 +171,7 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         "n_train": int(len(ytr)),
         "n_test": int(len(yte)),
         "features": int(X.shape[1]),
+        "tabicl_warnings": notes,
     }
 
 

@@ -213,6 +213,14 @@ def test_warns_on_tables_wider_than_the_checkpoint_was_pretrained_on(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TabICLClassifier(n_estimators=1, checkpoint=path).fit(X[:, :3], y)
+    # The demo's comparison passes the warning on (the hub shows it under the result).
+    from tabular.compare import compare_on_table
+
+    df = pd.DataFrame(X, columns=[f"x{i}" for i in range(5)]).assign(label=y)
+    out = compare_on_table(df, "label", checkpoint=path, n_estimators=1, baselines=False)
+    assert len(out["tabicl_warnings"]) == 1 and "at most 3" in out["tabicl_warnings"][0]
+    assert compare_on_table(df.drop(columns=["x3", "x4"]), "label", checkpoint=path, n_estimators=1,
+                            baselines=False)["tabicl_warnings"] == []
     # The shipped checkpoint's card records how wide its pretraining tables were.
     assert TabICLClassifier().fit(X, y) is not None and load_model(_default()).card["pretrained_max_features"] == 40
 

@@ -50,6 +50,8 @@ def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_esti
     status = (f"Done: TabICL accuracy {tab['accuracy']:.3f} in {tab['seconds']:.1f} s on {out['n_test']} held-out rows "
               f"({out['n_train']} train rows, {out['features']} features, {len(out['classes'])} classes); "
               f"best: {best['model']} ({best['accuracy']:.3f}).")
+    for note in out["tabicl_warnings"]:
+        status += f"\n\nNote: {note}."
     return models, conf, proba, status
 
 
