@@ -201,7 +201,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self._max_classes = model.config.max_classes
         rng = np.random.default_rng(self.random_state)
         F = Xv.shape[1]
-        trained_width = getattr(model, "card", {}).get("pretrained_max_features")
+        trained_width = model.card.get("pretrained_max_features")
         if trained_width and F > trained_width:
             warnings.warn(f"the table has {F} informative features but this checkpoint was pretrained on tables of at "
                           f"most {trained_width}; expect lower accuracy (reducing the features, e.g. by PCA, may help)",

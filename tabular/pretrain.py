@@ -386,11 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         if metrics_path.exists():  # drop records of steps after the checkpoint (a stop between checkpoints)
             lines = metrics_path.read_text().splitlines()
-            keep = [ln for ln in lines if ln and json.loads(ln)["step"] <= trainer.step]
-            if len(keep) != len(lines):
-                atomic_write_text(metrics_path, "".join(ln + "\n" for ln in keep))
-            if trainer.max_features_seen is None and keep:  # older checkpoint: the log has every step's width
-                recs = [json.loads(ln) for ln in keep]
+            kept = [(ln, rec) for ln in lines if ln and (rec := json.loads(ln))["step"] <= trainer.step]
+            if len(kept) != len(lines):
+                atomic_write_text(metrics_path, "".join(ln + "\n" for ln, _ in kept))
+            recs = [rec for _, rec in kept]
+            if trainer.max_features_seen is None and recs:  # older checkpoint: the log has every step's width
                 if {r["step"] for r in recs} == set(range(1, trainer.step + 1)) and all("features" in r for r in recs):
                     trainer.max_features_seen = max(r["features"] for r in recs)
     # SIGTERM / SIGINT end a one-process run after the current step, which the final checkpoint then holds.
