@@ -120,7 +120,8 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
 
     Returns:
         ``{"models": [{"model", "accuracy", "seconds"}...], "classes", "confusion", "proba_head", "n_train",
-        "n_test", "features"}``.
+        "n_test", "features", "tabicl_warnings", "tabicl_reduction"}``; ``tabicl_reduction`` is TabICL's
+        ``feature_reduction_`` (None when it kept every column).
     """
     from sklearn.metrics import accuracy_score, confusion_matrix
     from sklearn.model_selection import train_test_split
@@ -172,6 +173,7 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         "n_test": int(len(yte)),
         "features": int(X.shape[1]),
         "tabicl_warnings": notes,
+        "tabicl_reduction": clf.feature_reduction_,
     }
 
 

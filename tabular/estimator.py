@@ -2,9 +2,11 @@
 
 ``fit`` only stores the (preprocessed) train table; ``predict_proba`` runs the pretrained TabICL model with the
 train rows as context. An ensemble of ``n_estimators`` views of the table — feature orders (cyclic shifts of a
-random permutation, a Latin-square design so each feature visits each position), cyclic class shifts and two
-normalisations (none / Yeo-Johnson power) — is averaged in logit space, then a softmax with temperature
-``softmax_temperature``. More classes than the model's decoder has go through a balanced hierarchy of class
+random permutation, a Latin-square design so each feature visits each position), cyclic class shifts and the
+numeric-column normalisations of ``norm_methods`` (none / Yeo-Johnson power by default; quantile too) — is
+averaged in logit space, then a softmax with temperature ``softmax_temperature``. A table wider than the
+checkpoint's pretraining tables may have its numeric columns projected onto principal components
+(``feature_reduction``; "auto" decides on a holdout of the train rows). More classes than the model's decoder has go through a balanced hierarchy of class
 groups (≤ ``max_classes`` groups per node); probabilities multiply down the tree.
 
 Train sets above ``max_context`` rows are split into stratified folds that act as separate contexts (logits
@@ -36,9 +38,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TabICLClassifier"]
 
+NORM_METHODS = ("none", "power", "quantile")  # numeric-column views an ensemble member can see
 _MODEL_CACHE: dict[tuple, TabICL] = {}
-_POWER_FIT_ROWS = 65_536  # Yeo-Johnson exponents are fitted on at most this many train rows (random subset)
+_NORM_FIT_ROWS = 65_536  # normalisations are fitted on at most this many train rows (random subset)
 _MIN_CHUNK = 16  # fewest rows per chunk the memory plan picks (below it Python overhead dominates)
+_REDUCTION_DIMS = (8, 12, 16, 24)  # principal-component counts feature_reduction="auto" tries
+_REDUCTION_ROWS = 2048  # at most this many train rows (stratified subset) choose the reduction
+_REDUCTION_MIN_ROWS = 40  # fewer train rows than this: too noisy to choose, all columns are kept
+_REDUCTION_MEMBERS = 2  # ensemble members of each candidate's holdout run
 
 
 def _get_model(checkpoint, device: torch.device) -> TabICL:
@@ -59,7 +66,56 @@ class _Member:
 
     perm: np.ndarray  # feature order
     shift: int  # cyclic class shift
-    power: bool  # Yeo-Johnson transform of numeric columns
+    norm: str  # transform of the numeric columns: one of NORM_METHODS
+
+
+@dataclass(kw_only=True, eq=False)
+class _PCAReducer:
+    """Numeric columns projected onto their top principal components; categorical columns pass through.
+
+    Missing cells are imputed with the train mean first; the columns are centred (and, with ``standardize``,
+    scaled to unit variance) before the projection. Fitted on at most ``_NORM_FIT_ROWS`` train rows.
+    """
+
+    num: np.ndarray  # indices of the numeric input columns
+    cat: np.ndarray  # indices of the categorical input columns (kept as they are)
+    mean: np.ndarray  # (n_num,) train means (imputation and centring)
+    scale: np.ndarray  # (n_num,) divisors (1, or the train standard deviations)
+    components: np.ndarray  # (n_num, k)
+    standardize: bool
+    explained: float  # share of the (scaled) variance the k components keep
+
+    @classmethod
+    def fit(cls, Xv: np.ndarray, is_cat: np.ndarray, k: int, *, standardize: bool, seed) -> "_PCAReducer":
+        num, cat = np.flatnonzero(~is_cat), np.flatnonzero(is_cat)
+        X = Xv[:, num].astype(np.float64)
+        if len(X) > _NORM_FIT_ROWS:
+            X = X[np.sort(np.random.default_rng(seed).choice(len(X), _NORM_FIT_ROWS, replace=False))]
+        mean = np.nanmean(X, axis=0)
+        X = np.where(np.isnan(X), mean, X) - mean
+        scale = X.std(axis=0) if standardize else np.ones(X.shape[1])
+        scale = np.where(scale > 0, scale, 1.0)
+        X /= scale
+        evals, evecs = np.linalg.eigh(X.T @ X / max(1, len(X) - 1))
+        order = np.argsort(evals)[::-1][:k]
+        comps = evecs[:, order]
+        comps *= np.where(comps[np.abs(comps).argmax(0), np.arange(comps.shape[1])] < 0, -1.0, 1.0)  # fixed signs
+        explained = float(evals[order].sum() / max(evals.sum(), 1e-300))
+        return cls(num=num, cat=cat, mean=mean, scale=scale, components=comps, standardize=standardize,
+                   explained=explained)
+
+    def transform(self, Xv: np.ndarray) -> np.ndarray:
+        X = Xv[:, self.num].astype(np.float64)
+        X = (np.where(np.isnan(X), self.mean, X) - self.mean) / self.scale
+        return np.concatenate([(X @ self.components).astype(np.float32), Xv[:, self.cat]], axis=1)
+
+    @property
+    def is_cat(self) -> np.ndarray:
+        return np.r_[np.zeros(self.components.shape[1], bool), np.ones(len(self.cat), bool)]
+
+    def describe(self) -> dict:
+        return {"components": int(self.components.shape[1]), "standardize": self.standardize,
+                "numeric_columns": int(len(self.num)), "explained_variance": round(self.explained, 4)}
 
 
 @dataclass(kw_only=True, eq=False)
@@ -102,6 +158,12 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         max_context: most train rows in one context; larger tables are split into stratified folds, each a
             separate context whose logits are averaged (cost and memory linear in rows instead of quadratic).
         softmax_temperature: temperature applied to the averaged logits.
+        norm_methods: transforms of the numeric columns the members cycle through: "none", "power"
+            (Yeo-Johnson) and "quantile" (ranks mapped to a normal).
+        feature_reduction: "auto" projects the numeric columns of a table wider than the checkpoint's pretraining
+            onto 8-24 principal components when that beats keeping them on a holdout of the train rows
+            (``reduction_scores_`` lists the candidates); an int always projects onto that many (standardised)
+            components; None never reduces. ``feature_reduction_`` describes what the fit chose.
         verbose: log progress at INFO level.
     """
 
@@ -116,6 +178,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         batch_size=None,
         max_context: int = 8192,
         softmax_temperature: float = 0.9,
+        norm_methods=("none", "power"),
+        feature_reduction="auto",
         verbose: bool = False,
     ) -> None:
         self.n_estimators = n_estimators
@@ -126,6 +190,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.batch_size = batch_size
         self.max_context = max_context
         self.softmax_temperature = softmax_temperature
+        self.norm_methods = norm_methods
+        self.feature_reduction = feature_reduction
         self.verbose = verbose
 
     # -- sklearn plumbing ---------------------------------------------------------------------------------
@@ -148,6 +214,13 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError(f"max_context must be an int >= 2, got {self.max_context!r}")
         if not (isinstance(self.softmax_temperature, (int, float)) and self.softmax_temperature > 0):
             raise ValueError(f"softmax_temperature must be > 0, got {self.softmax_temperature!r}")
+        norms = (self.norm_methods,) if isinstance(self.norm_methods, str) else self.norm_methods
+        if (not isinstance(norms, (tuple, list)) or not norms
+                or any(not isinstance(n, str) or n not in NORM_METHODS for n in norms)):
+            raise ValueError(f"norm_methods must be a non-empty sequence of {NORM_METHODS}, got {self.norm_methods!r}")
+        fr = self.feature_reduction
+        if not (fr is None or fr == "auto" or isinstance(fr, (int, np.integer)) and not isinstance(fr, bool) and fr >= 1):
+            raise ValueError(f"feature_reduction must be 'auto', None or a positive int (principal components), got {fr!r}")
 
     def _validate_X(self, X, *, reset: bool):
         import pandas as pd
@@ -193,59 +266,126 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         check_classification_targets(y)
         self.classes_, y_enc = np.unique(y, return_inverse=True)
         self._pre = TablePreprocessor()
-        Xv, self._is_cat = self._pre.fit_transform(df)
-        self._X_train = Xv
-        self._y_train = y_enc.astype(np.int64)
+        Xv, is_cat = self._pre.fit_transform(df)
         self._device = torch.device(self.device) if self.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = _get_model(self.checkpoint, self._device)
         self._max_classes = model.config.max_classes
-        rng = np.random.default_rng(self.random_state)
-        F = Xv.shape[1]
+        y_enc = y_enc.astype(np.int64)
         trained_width = model.card.get("pretrained_max_features")
+        self._reducer, self.reduction_scores_ = None, []
+        if self.feature_reduction == "auto":
+            if trained_width and Xv.shape[1] > trained_width:
+                self._reducer, self.reduction_scores_ = self._select_reduction(Xv, is_cat, y_enc, trained_width)
+        elif self.feature_reduction is not None and int((~is_cat).sum()) > self.feature_reduction:
+            self._reducer = _PCAReducer.fit(Xv, is_cat, int(self.feature_reduction), standardize=True,
+                                            seed=self.random_state)
+        if self._reducer is not None:
+            Xv, is_cat = self._reducer.transform(Xv), self._reducer.is_cat
+        self.feature_reduction_ = None if self._reducer is None else self._reducer.describe()
+        F = Xv.shape[1]
         if trained_width and F > trained_width:
             warnings.warn(f"the table has {F} informative features but this checkpoint was pretrained on tables of at "
-                          f"most {trained_width}; expect lower accuracy (reducing the features, e.g. by PCA, may help)",
-                          UserWarning, stacklevel=2)
-        base = rng.permutation(F)
-        self._members = []
-        C = len(self.classes_)
-        for i in range(int(self.n_estimators)):
-            perm = np.roll(base, i % F) if i < F or F == 1 else rng.permutation(F)
-            self._members.append(_Member(perm=perm, shift=int(i % max(1, min(C, self._max_classes))), power=(i % 2 == 1)))
-        self._power = None
-        if any(m.power for m in self._members):
-            self._power = self._fit_power(Xv)
-        self._tree = _balanced_tree(np.arange(C), self._max_classes) if C > 1 else None
-        self._cache = _CacheLedger()  # bytes of train contexts kept for later predict calls
+                          f"most {trained_width}; expect lower accuracy (feature_reduction='auto' or an int projects "
+                          "the numeric columns onto principal components)", UserWarning, stacklevel=2)
+        self._setup(Xv, is_cat, y_enc)
         self.n_features_in_ = df.shape[1]
         return self
 
-    def _fit_power(self, Xv: np.ndarray):
-        """Yeo-Johnson per numeric column (None when there is none or it fails)."""
-        from sklearn.preprocessing import PowerTransformer
+    def _setup(self, Xv: np.ndarray, is_cat: np.ndarray, y_enc: np.ndarray) -> None:
+        """Store the model-ready train table and draw the ensemble (``fit`` after preprocessing and reduction)."""
+        self._X_train, self._is_cat, self._y_train = Xv, is_cat, y_enc
+        rng = np.random.default_rng(self.random_state)
+        F = Xv.shape[1]
+        base = rng.permutation(F)
+        self._members = []
+        C = len(self.classes_)
+        norms = (self.norm_methods,) if isinstance(self.norm_methods, str) else tuple(self.norm_methods)
+        for i in range(int(self.n_estimators)):
+            perm = np.roll(base, i % F) if i < F or F == 1 else rng.permutation(F)
+            self._members.append(_Member(perm=perm, shift=int(i % max(1, min(C, self._max_classes))),
+                                         norm=norms[i % len(norms)]))
+        self._norms = {n: self._fit_norm(Xv, n) for n in {m.norm for m in self._members} if n != "none"}
+        self._tree = _balanced_tree(np.arange(C), self._max_classes) if C > 1 else None
+        self._cache = _CacheLedger()  # bytes of train contexts kept for later predict calls
+
+    def _select_reduction(self, Xv, is_cat, y_enc, width: int):
+        """``feature_reduction='auto'``: keep all columns or project the numeric ones onto ``k`` principal
+        components (of the centred or of the standardised columns), whichever classifies a stratified holdout of
+        the train rows best (accuracy, then log-loss); ``_REDUCTION_DIMS`` below the pretrained width are tried.
+
+        Returns ``(reducer or None, scores)``; ``scores`` lists every candidate's holdout accuracy and log-loss.
+        """
+        from sklearn.metrics import log_loss
+        from sklearn.model_selection import train_test_split
+
+        n_num = int((~is_cat).sum())
+        dims = [k for k in _REDUCTION_DIMS if k < min(n_num, width)]
+        counts = np.bincount(y_enc)
+        rows = np.arange(len(y_enc))
+        if not dims or len(rows) < _REDUCTION_MIN_ROWS or (counts[counts > 0] < 2).any():
+            return None, []  # too few rows (or a class with one row) to choose on a holdout
+        rng = np.random.default_rng(self.random_state)
+        if len(rows) > _REDUCTION_ROWS:
+            rows = np.sort(train_test_split(rows, train_size=_REDUCTION_ROWS, stratify=y_enc,
+                                            random_state=int(rng.integers(2**31)))[0])
+        a, b = train_test_split(rows, test_size=0.3, stratify=y_enc[rows], random_state=int(rng.integers(2**31)))
+        probe = type(self)(**{**self.get_params(), "n_estimators": _REDUCTION_MEMBERS, "feature_reduction": None})
+        probe.classes_, probe._device, probe._max_classes = self.classes_, self._device, self._max_classes
+        classes = np.arange(len(self.classes_))
+        candidates = [None] + [(k, std) for std in (False, True) for k in dims]
+        scores, best = [], None
+        for cand in candidates:
+            red = None if cand is None else _PCAReducer.fit(Xv[a], is_cat, cand[0], standardize=cand[1],
+                                                            seed=self.random_state)
+            Xa, Xb = (Xv[a], Xv[b]) if red is None else (red.transform(Xv[a]), red.transform(Xv[b]))
+            probe._setup(Xa, is_cat if red is None else red.is_cat, y_enc[a])
+            proba = probe._proba(Xb)
+            rec = {"components": None if cand is None else cand[0], "standardize": None if cand is None else cand[1],
+                   "accuracy": float(np.mean(proba.argmax(1) == y_enc[b])),
+                   "log_loss": float(log_loss(y_enc[b], np.clip(proba, 1e-12, 1), labels=classes))}
+            scores.append(rec)
+            if best is None or (rec["accuracy"], -rec["log_loss"]) > (best[0]["accuracy"], -best[0]["log_loss"]):
+                best = (rec, cand)
+            if self.verbose:
+                logger.info("feature reduction %s: holdout accuracy %.3f, log-loss %.3f", cand, rec["accuracy"],
+                            rec["log_loss"])
+        cand = best[1]
+        if cand is None:
+            return None, scores
+        return _PCAReducer.fit(Xv, is_cat, cand[0], standardize=cand[1], seed=self.random_state), scores
+
+    def _fit_norm(self, Xv: np.ndarray, method: str):
+        """The fitted transform of the numeric columns for ``method`` (None: no numeric column, or it failed,
+        and the members of that method see the raw values)."""
+        from sklearn.preprocessing import PowerTransformer, QuantileTransformer
 
         num = ~self._is_cat
         if not num.any():
             return None
-        pt = PowerTransformer(method="yeo-johnson", standardize=True)
         rows = np.arange(len(Xv))
-        if len(rows) > _POWER_FIT_ROWS:  # the per-column exponents settle long before this many rows
-            rows = np.sort(np.random.default_rng(self.random_state).choice(rows, _POWER_FIT_ROWS, replace=False))
+        if len(rows) > _NORM_FIT_ROWS:  # exponents and quantiles settle long before this many rows
+            rows = np.sort(np.random.default_rng(self.random_state).choice(rows, _NORM_FIT_ROWS, replace=False))
+        if method == "power":
+            tf = PowerTransformer(method="yeo-johnson", standardize=True)
+        else:  # quantile: ranks mapped to a standard normal (NaN stays NaN)
+            tf = QuantileTransformer(n_quantiles=max(2, min(1000, len(rows))), output_distribution="normal",
+                                     random_state=0)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                pt.fit(Xv[np.ix_(rows, np.flatnonzero(num))].astype(np.float64))
+                tf.fit(Xv[np.ix_(rows, np.flatnonzero(num))].astype(np.float64))
         except (ValueError, FloatingPointError):
             return None
-        return pt
+        return tf
 
     def _view(self, Xv: np.ndarray, m: _Member) -> np.ndarray:
-        if m.power and self._power is not None:
+        tf = self._norms.get(m.norm)
+        if tf is not None:
             Xv = Xv.copy()
             num = ~self._is_cat
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                Xv[:, num] = self._power.transform(Xv[:, num].astype(np.float64)).astype(np.float32)
+                Xv[:, num] = tf.transform(Xv[:, num].astype(np.float64)).astype(np.float32)
         return Xv[:, m.perm]
 
     # -- predict ----------------------------------------------------------------------------------------
@@ -369,6 +509,11 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         check_is_fitted(self, "_members")
         df = self._validate_X(X, reset=False)
         Xv = self._pre.transform(df)
+        if self._reducer is not None:
+            Xv = self._reducer.transform(Xv)
+        return self._proba(Xv)
+
+    def _proba(self, Xv: np.ndarray) -> np.ndarray:
         if self._tree is None:  # a single class seen at fit time
             return np.ones((len(Xv), 1))
         proba = self._node_proba(self._tree, Xv)

@@ -44,3 +44,31 @@ def test_unknown_target_is_a_clear_error(served):
     client = gradio_client.Client(served, verbose=False)
     with pytest.raises(Exception, match="not in the table"):
         client.predict("iris", None, "nope", 0.3, 1, 0, api_name="/tabicl_run")
+
+
+def test_status_reports_the_feature_reduction(monkeypatch):
+    import numpy as np
+    import pandas as pd
+
+    import tabular.compare
+    from apps.tabicl.ui import run_comparison
+
+    rng = np.random.default_rng(0)
+    n, f = 90, 48  # wider than the shipped checkpoint's 40-feature pretraining: "auto" tries projections
+    y = rng.integers(0, 2, n)
+    df = pd.DataFrame(rng.normal(size=(n, f)) + y[:, None] * 0.8, columns=[f"x{i}" for i in range(f)]).assign(label=y)
+    seen = {}
+    real = tabular.compare.compare_on_table
+
+    def spy(*args, **kwargs):
+        seen["out"] = real(*args, **kwargs)
+        return seen["out"]
+
+    monkeypatch.setattr(tabular.compare, "compare_on_table", spy)
+    monkeypatch.setattr("apps.tabicl.ui._table", lambda dataset, csv_path: df)
+    *_, status = run_comparison("iris", None, "label", 0.3, 1, 0)
+    red = seen["out"]["tabicl_reduction"]
+    if red is None:
+        assert "principal components" not in status and "48 informative features" in status
+    else:
+        assert f"onto {red['components']} principal components" in status and red["numeric_columns"] == 48

@@ -219,6 +219,7 @@ def test_warns_on_tables_wider_than_the_checkpoint_was_pretrained_on(tmp_path):
     df = pd.DataFrame(X, columns=[f"x{i}" for i in range(5)]).assign(label=y)
     out = compare_on_table(df, "label", checkpoint=path, n_estimators=1, baselines=False)
     assert len(out["tabicl_warnings"]) == 1 and "at most 3" in out["tabicl_warnings"][0]
+    assert out["tabicl_reduction"] is None  # no component count below the 3-feature width to try
     assert compare_on_table(df.drop(columns=["x3", "x4"]), "label", checkpoint=path, n_estimators=1,
                             baselines=False)["tabicl_warnings"] == []
     # The shipped checkpoint's card records how wide its pretraining tables were; 5 features are within it.
@@ -228,3 +229,86 @@ def test_warns_on_tables_wider_than_the_checkpoint_was_pretrained_on(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TabICLClassifier(n_estimators=1).fit(X, y)
+
+
+def test_pca_reducer_matches_sklearn_and_passes_categoricals_through():
+    from sklearn.decomposition import PCA
+    from sklearn.preprocessing import StandardScaler
+
+    from tabular.estimator import _PCAReducer
+
+    rng = np.random.default_rng(0)
+    X = (rng.normal(size=(300, 6)) @ rng.normal(size=(6, 6)) * np.array([1, 10, 100, 1, 1, 1])).astype(np.float32)
+    cat = np.array([0, 0, 0, 0, 0, 1], bool)
+    for standardize in (False, True):
+        red = _PCAReducer.fit(X, cat, 3, standardize=standardize, seed=0)
+        Z = red.transform(X)
+        num = X[:, :5].astype(np.float64)
+        ref = PCA(3).fit(StandardScaler(with_std=standardize).fit_transform(num))
+        proj = ref.transform(StandardScaler(with_std=standardize).fit_transform(num))
+        assert Z.shape == (300, 4) and list(red.is_cat) == [False, False, False, True]
+        np.testing.assert_allclose(np.abs(Z[:, :3]), np.abs(proj), rtol=1e-3, atol=1e-3)  # up to each sign
+        np.testing.assert_array_equal(Z[:, 3], X[:, 5])
+        assert red.explained == pytest.approx(ref.explained_variance_ratio_.sum(), rel=1e-6)
+    # Missing cells are imputed with the train mean, i.e. project to the origin of that coordinate.
+    Xm = X.copy()
+    Xm[0, :5] = np.nan
+    red = _PCAReducer.fit(X, cat, 3, standardize=True, seed=0)
+    np.testing.assert_allclose(red.transform(Xm)[0, :3], 0, atol=1e-5)
+
+
+def test_feature_reduction_int_projects_train_and_test_alike():
+    X, y = _blobs(n=150, f=12, c=3, seed=3)
+    clf = TabICLClassifier(n_estimators=2, feature_reduction=4).fit(X[:100], y[:100])
+    assert clf.feature_reduction_["components"] == 4 and clf.feature_reduction_["standardize"] is True
+    assert clf._X_train.shape == (100, 4) and clf.n_features_in_ == 12
+    assert (clf.predict(X[100:]) == y[100:]).mean() > 0.8
+    # A test row's prediction does not depend on the other test rows (the projection is fitted on train only).
+    Xt = X[100:].copy()
+    p1 = clf.predict_proba(Xt)
+    Xt[1:] = np.random.default_rng(0).normal(size=Xt[1:].shape)
+    np.testing.assert_allclose(clf.predict_proba(Xt)[0], p1[0], atol=1e-5)
+    assert TabICLClassifier(n_estimators=1, feature_reduction=None).fit(X, y).feature_reduction_ is None
+    # Narrower than the requested count: nothing to reduce.
+    assert TabICLClassifier(n_estimators=1, feature_reduction=20).fit(X, y).feature_reduction_ is None
+
+
+def test_feature_reduction_auto_picks_the_best_holdout_candidate(tmp_path):
+    from tabular.model import tabicl_tiny
+    from tabular.weights_io import save_model
+
+    path = tmp_path / "width10.safetensors"
+    torch.manual_seed(0)
+    save_model(TabICL(tabicl_tiny()), path, extra={"pretrained_max_features": 10})
+    X, y = _blobs(n=120, f=30, c=2, seed=1)
+    clf = TabICLClassifier(n_estimators=1, checkpoint=path).fit(X, y)
+    scores = clf.reduction_scores_
+    # All columns, and 8 components of the centred and of the standardised columns (8 < width 10 < 30).
+    assert [(s["components"], s["standardize"]) for s in scores] == [(None, None), (8, False), (8, True)]
+    best = max(scores, key=lambda s: (s["accuracy"], -s["log_loss"]))
+    if best["components"] is None:
+        assert clf.feature_reduction_ is None and clf._X_train.shape[1] == 30
+    else:
+        assert clf.feature_reduction_["components"] == 8 and clf.feature_reduction_["standardize"] == best["standardize"]
+        assert clf._X_train.shape[1] == 8
+    assert clf.predict_proba(X[:5]).shape == (5, 2)
+    # Within the pretrained width (or auto off) nothing is tried.
+    assert TabICLClassifier(n_estimators=1, checkpoint=path).fit(X[:, :10], y).reduction_scores_ == []
+    assert TabICLClassifier(n_estimators=1, checkpoint=path, feature_reduction=None).fit(X, y).reduction_scores_ == []
+
+
+def test_quantile_members_see_normal_scores_and_bad_params_are_refused():
+    X, y = _blobs(n=200, f=3, c=2, seed=2)
+    X[:, 0] = np.exp(X[:, 0])  # heavy right tail
+    clf = TabICLClassifier(n_estimators=3, norm_methods=("none", "power", "quantile")).fit(X, y)
+    assert [m.norm for m in clf._members] == ["none", "power", "quantile"]
+    q = clf._view(clf._X_train, clf._members[2])[:, np.argsort(clf._members[2].perm)]
+    assert abs(np.median(q[:, 0])) < 0.05 and 0.85 < q[:, 0].std() < 1.2  # ranks mapped to a standard normal
+    assert np.all(np.diff(q[np.argsort(X[:, 0]), 0]) >= 0)  # monotone in the raw value
+    assert clf.predict_proba(X[:7]).shape == (7, 2)
+    with pytest.raises(ValueError, match="norm_methods"):
+        TabICLClassifier(norm_methods=("none", "rank")).fit(X, y)
+    with pytest.raises(ValueError, match="feature_reduction"):
+        TabICLClassifier(feature_reduction=0).fit(X, y)
+    with pytest.raises(ValueError, match="feature_reduction"):
+        TabICLClassifier(feature_reduction="pca").fit(X, y)

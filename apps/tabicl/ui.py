@@ -50,6 +50,11 @@ def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_esti
     status = (f"Done: TabICL accuracy {tab['accuracy']:.3f} in {tab['seconds']:.1f} s on {out['n_test']} held-out rows "
               f"({out['n_train']} train rows, {out['features']} features, {len(out['classes'])} classes); "
               f"best: {best['model']} ({best['accuracy']:.3f}).")
+    red = out.get("tabicl_reduction")
+    if red:
+        status += (f"\n\nTabICL projected the {red['numeric_columns']} numeric columns onto {red['components']} principal "
+                   f"components ({'standardised' if red['standardize'] else 'centred'}; "
+                   f"{red['explained_variance']:.0%} of the variance), chosen over keeping them on a holdout of the train rows.")
     for note in out["tabicl_warnings"]:
         status += f"\n\nNote: {note}."
     return models, conf, proba, status
