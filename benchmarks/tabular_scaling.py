@@ -76,8 +76,9 @@ def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: 
     X = rng.standard_normal(size=(rows + test_rows, features), dtype=np.float32)
     w = rng.normal(size=features).astype(np.float32)
     y = (X @ w + 0.5 * rng.standard_normal(len(X), dtype=np.float32) > 0).astype(int)
+    # feature_reduction=None: the model reads every column (a projection would measure a narrower table).
     clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu", checkpoint=checkpoint,
-                           verbose=plog is not None)
+                           feature_reduction=None, verbose=plog is not None)
     _, fit_s, fit_cpu = _timed(lambda: clf.fit(X[:rows], y[:rows]))
     peak = PeakRSS()
     peak.start()

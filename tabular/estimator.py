@@ -6,8 +6,9 @@ random permutation, a Latin-square design so each feature visits each position),
 numeric-column normalisations of ``norm_methods`` (none / Yeo-Johnson power by default; quantile too) — is
 averaged in logit space, then a softmax with temperature ``softmax_temperature``. A table wider than the
 checkpoint's pretraining tables may have its numeric columns projected onto principal components
-(``feature_reduction``; "auto" decides on a holdout of the train rows). More classes than the model's decoder has go through a balanced hierarchy of class
-groups (≤ ``max_classes`` groups per node); probabilities multiply down the tree.
+(``feature_reduction``; "auto" decides on a holdout of the train rows). More classes than the model's decoder
+has go through a balanced hierarchy of class groups (≤ ``max_classes`` groups per node); probabilities multiply
+down the tree.
 
 Train sets above ``max_context`` rows are split into stratified folds that act as separate contexts (logits
 averaged), so time and memory grow linearly in rows. Test rows and ensemble members are processed in batches
@@ -105,9 +106,13 @@ class _PCAReducer:
                    explained=explained)
 
     def transform(self, Xv: np.ndarray) -> np.ndarray:
-        X = Xv[:, self.num].astype(np.float64)
-        X = (np.where(np.isnan(X), self.mean, X) - self.mean) / self.scale
-        return np.concatenate([(X @ self.components).astype(np.float32), Xv[:, self.cat]], axis=1)
+        out = np.empty((len(Xv), self.components.shape[1] + len(self.cat)), dtype=np.float32)
+        for r0 in range(0, len(Xv), _NORM_FIT_ROWS):  # row blocks: float64 temporaries stay small
+            X = Xv[r0 : r0 + _NORM_FIT_ROWS, self.num].astype(np.float64)
+            X = (np.where(np.isnan(X), self.mean, X) - self.mean) / self.scale
+            out[r0 : r0 + len(X), : self.components.shape[1]] = X @ self.components
+        out[:, self.components.shape[1] :] = Xv[:, self.cat]
+        return out
 
     @property
     def is_cat(self) -> np.ndarray:
