@@ -47,6 +47,8 @@ _REDUCTION_DIMS = (8, 12, 16, 24)  # principal-component counts feature_reductio
 _REDUCTION_ROWS = 2048  # at most this many train rows (stratified subset) choose the reduction
 _REDUCTION_MIN_ROWS = 40  # fewer train rows than this: too noisy to choose, all columns are kept
 _REDUCTION_MEMBERS = 2  # ensemble members of each candidate's holdout run
+_DEFAULT_TEMPERATURE = 0.9  # softmax temperature of the published model, and the centre of "auto"'s prior
+_TEMPERATURE_PRIOR_SIGMA = 0.5  # std of the log-normal prior of softmax_temperature="auto" (in log space)
 
 
 def _get_model(checkpoint, device: torch.device) -> TabICL:
@@ -162,7 +164,10 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         batch_size: test rows per forward pass; None derives it from ``memory_budget_mb``.
         max_context: most train rows in one context; larger tables are split into stratified folds, each a
             separate context whose logits are averaged (cost and memory linear in rows instead of quadratic).
-        softmax_temperature: temperature applied to the averaged logits.
+        softmax_temperature: temperature applied to the averaged logits, or "auto": fitted at ``fit`` on a
+            stratified holdout of the train rows (at most 2,048; the model with the same members reads the other
+            70%) as the maximum a-posteriori temperature under a log-normal prior centred on 0.9 (σ 0.5 in log
+            space), so a small holdout stays near 0.9; ``temperature_`` holds the value used.
         norm_methods: transforms of the numeric columns the members cycle through: "none", "power"
             (Yeo-Johnson) and "quantile" (ranks mapped to a normal).
         feature_reduction: "auto" projects the numeric columns of a table wider than the checkpoint's pretraining
@@ -182,7 +187,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         memory_budget_mb: float = 2048.0,
         batch_size=None,
         max_context: int = 8192,
-        softmax_temperature: float = 0.9,
+        softmax_temperature="auto",
         norm_methods=("none", "power"),
         feature_reduction="auto",
         verbose: bool = False,
@@ -217,8 +222,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError(f"batch_size must be None or a positive int, got {self.batch_size!r}")
         if not (isinstance(self.max_context, (int, np.integer)) and self.max_context >= 2):
             raise ValueError(f"max_context must be an int >= 2, got {self.max_context!r}")
-        if not (isinstance(self.softmax_temperature, (int, float)) and self.softmax_temperature > 0):
-            raise ValueError(f"softmax_temperature must be > 0, got {self.softmax_temperature!r}")
+        t = self.softmax_temperature
+        if not (t == "auto" if isinstance(t, str) else isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0):
+            raise ValueError(f"softmax_temperature must be a number > 0 or 'auto', got {t!r}")
         norms = (self.norm_methods,) if isinstance(self.norm_methods, str) else self.norm_methods
         if (not isinstance(norms, (tuple, list)) or not norms
                 or any(not isinstance(n, str) or n not in NORM_METHODS for n in norms)):
@@ -293,6 +299,10 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                           f"most {trained_width}; expect lower accuracy (feature_reduction='auto' or an int projects "
                           "the numeric columns onto principal components)", UserWarning, stacklevel=2)
         self._setup(Xv, is_cat, y_enc)
+        if self.softmax_temperature == "auto":
+            self.temperature_ = self._fit_temperature(Xv, is_cat, y_enc)
+        else:
+            self.temperature_ = float(self.softmax_temperature)
         self.n_features_in_ = df.shape[1]
         return self
 
@@ -321,21 +331,14 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         Returns ``(reducer or None, scores)``; ``scores`` lists every candidate's holdout accuracy and log-loss.
         """
         from sklearn.metrics import log_loss
-        from sklearn.model_selection import train_test_split
 
         n_num = int((~is_cat).sum())
         dims = [k for k in _REDUCTION_DIMS if k < min(n_num, width)]
-        counts = np.bincount(y_enc)
-        rows = np.arange(len(y_enc))
-        if not dims or len(rows) < _REDUCTION_MIN_ROWS or (counts[counts > 0] < 2).any():
-            return None, []  # too few rows (or a class with one row) to choose on a holdout
-        rng = np.random.default_rng(self.random_state)
-        if len(rows) > _REDUCTION_ROWS:
-            rows = np.sort(train_test_split(rows, train_size=_REDUCTION_ROWS, stratify=y_enc,
-                                            random_state=int(rng.integers(2**31)))[0])
-        a, b = train_test_split(rows, test_size=0.3, stratify=y_enc[rows], random_state=int(rng.integers(2**31)))
-        probe = type(self)(**{**self.get_params(), "n_estimators": _REDUCTION_MEMBERS, "feature_reduction": None})
-        probe.classes_, probe._device, probe._max_classes = self.classes_, self._device, self._max_classes
+        split = self._holdout(y_enc)
+        if not dims or split is None:
+            return None, []
+        a, b = split
+        probe = self._probe(_REDUCTION_MEMBERS)
         classes = np.arange(len(self.classes_))
         candidates = [None] + [(k, std) for std in (False, True) for k in dims]
         scores, best = [], None
@@ -358,6 +361,53 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         if cand is None:
             return None, scores
         return _PCAReducer.fit(Xv, is_cat, cand[0], standardize=cand[1], seed=self.random_state), scores
+
+    def _holdout(self, y_enc: np.ndarray):
+        """A stratified 70/30 split ``(a, b)`` of at most ``_REDUCTION_ROWS`` train rows (a stratified subset), or
+        None when there are too few rows or a class has a single row."""
+        from sklearn.model_selection import train_test_split
+
+        counts = np.bincount(y_enc)
+        rows = np.arange(len(y_enc))
+        if len(rows) < _REDUCTION_MIN_ROWS or (counts[counts > 0] < 2).any():
+            return None
+        rng = np.random.default_rng(self.random_state)
+        if len(rows) > _REDUCTION_ROWS:
+            rows = np.sort(train_test_split(rows, train_size=_REDUCTION_ROWS, stratify=y_enc,
+                                            random_state=int(rng.integers(2**31)))[0])
+        return train_test_split(rows, test_size=0.3, stratify=y_enc[rows], random_state=int(rng.integers(2**31)))
+
+    def _probe(self, n_estimators: int) -> "TabICLClassifier":
+        """An estimator of the same settings to run on holdout splits (no reduction, the default temperature)."""
+        probe = type(self)(**{**self.get_params(), "n_estimators": n_estimators, "feature_reduction": None,
+                              "softmax_temperature": _DEFAULT_TEMPERATURE})
+        probe.classes_, probe._device, probe._max_classes = self.classes_, self._device, self._max_classes
+        probe.temperature_ = _DEFAULT_TEMPERATURE
+        return probe
+
+    def _fit_temperature(self, Xv: np.ndarray, is_cat: np.ndarray, y_enc: np.ndarray) -> float:
+        """``softmax_temperature='auto'``: the MAP temperature on a train holdout (see the class docstring)."""
+        from scipy.optimize import minimize_scalar
+
+        split = self._holdout(y_enc)
+        if split is None or self._tree is None:
+            return _DEFAULT_TEMPERATURE
+        a, b = split
+        probe = self._probe(int(self.n_estimators))
+        probe._setup(Xv[a], is_cat, y_enc[a])
+        memo: dict = {}  # the model runs once per node; each trial temperature only redoes the softmax
+        centre, yb = math.log(_DEFAULT_TEMPERATURE), y_enc[b]
+
+        def neg_log_posterior(log_t: float) -> float:
+            p = probe._node_proba(probe._tree, Xv[b], math.exp(log_t), memo)[np.arange(len(b)), yb]
+            return float(-np.log(np.clip(p, 1e-12, None)).sum() + (log_t - centre) ** 2 / (2 * _TEMPERATURE_PRIOR_SIGMA**2))
+
+        res = minimize_scalar(neg_log_posterior, bounds=(math.log(0.02), math.log(10.0)), method="bounded")
+        t = float(math.exp(res.x))
+        if self.verbose:
+            logger.info("softmax temperature %.3f (holdout of %d rows; %.3f at the default %.1f)", t, len(b),
+                        neg_log_posterior(res.x), _DEFAULT_TEMPERATURE)
+        return t
 
     def _fit_norm(self, Xv: np.ndarray, method: str):
         """The fitted transform of the numeric columns for ``method`` (None: no numeric column, or it failed,
@@ -494,11 +544,19 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                     logger.info("fold %d/%d: %d member(s) done (chunk %d rows)", f + 1, len(folds), b0 + len(batch), chunk)
         return total / n_views
 
-    def _node_proba(self, node: _Node, X_test: np.ndarray) -> np.ndarray:
-        """Class probabilities ``(n_test, n_classes)`` under ``node`` (zeros outside its classes)."""
+    def _node_proba(self, node: _Node, X_test: np.ndarray, temperature: float, memo: dict | None = None) -> np.ndarray:
+        """Class probabilities ``(n_test, n_classes)`` under ``node`` (zeros outside its classes).
+
+        ``memo`` (id of node -> logits), when given, keeps each node's logits so that another temperature does not
+        run the model again."""
         out = np.zeros((X_test.shape[0], len(self.classes_)))
-        logits = self._node_logits(node, X_test)
-        z = logits / self.softmax_temperature
+        if memo is not None and id(node) in memo:
+            logits = memo[id(node)]
+        else:
+            logits = self._node_logits(node, X_test)
+            if memo is not None:
+                memo[id(node)] = logits
+        z = logits / temperature
         z = z - z.max(axis=1, keepdims=True)
         p = np.exp(z)
         p /= p.sum(axis=1, keepdims=True)
@@ -506,7 +564,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             if child is None:
                 out[:, grp[0]] = p[:, g]
             else:
-                out += p[:, g : g + 1] * self._node_proba(child, X_test)
+                out += p[:, g : g + 1] * self._node_proba(child, X_test, temperature, memo)
         return out
 
     def predict_proba(self, X) -> np.ndarray:
@@ -521,7 +579,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
     def _proba(self, Xv: np.ndarray) -> np.ndarray:
         if self._tree is None:  # a single class seen at fit time
             return np.ones((len(Xv), 1))
-        proba = self._node_proba(self._tree, Xv)
+        proba = self._node_proba(self._tree, Xv, self.temperature_)
         return proba / proba.sum(axis=1, keepdims=True)
 
     def predict(self, X) -> np.ndarray:

@@ -174,10 +174,12 @@ def test_tiny_memory_budget_forces_chunks_with_unchanged_predictions(monkeypatch
     orig = TabICL.build_context
     monkeypatch.setattr(TabICL, "build_context", lambda self, *a, **k: chunks.append(k["chunk"]) or orig(self, *a, **k))
     big = TabICLClassifier(n_estimators=3, random_state=2).fit(X[:300], y[:300])
+    chunks.clear()  # fit's temperature holdout builds contexts too
     p_big = big.predict_proba(Xt)
     assert min(chunks) >= 300  # a roomy budget runs every stage in one chunk
     chunks.clear()
     small = TabICLClassifier(n_estimators=3, random_state=2, memory_budget_mb=0.05).fit(X[:300], y[:300])
+    chunks.clear()
     p_small = small.predict_proba(Xt)
     assert max(chunks) <= 20 and len(chunks) == 3  # ~16-row chunks: > 15 chunks per stage, one member per batch
     assert not small._tree.cache  # too small to keep the train-side cache
@@ -312,3 +314,32 @@ def test_quantile_members_see_normal_scores_and_bad_params_are_refused():
         TabICLClassifier(feature_reduction=0).fit(X, y)
     with pytest.raises(ValueError, match="feature_reduction"):
         TabICLClassifier(feature_reduction="pca").fit(X, y)
+
+
+def test_softmax_temperature_auto_is_the_holdout_map_and_fixed_values_are_kept():
+    X, y = _blobs(n=260, f=6, c=6, seed=4)
+    clf = TabICLClassifier(n_estimators=2, random_state=1).fit(X[:200], y[:200])
+    t = clf.temperature_
+    assert 0.02 <= t <= 10 and t != pytest.approx(0.9, abs=1e-3)
+    # Re-derive the objective on the same holdout: the fitted temperature beats 0.9 and its neighbours.
+    a, b = clf._holdout(clf._y_train)
+    probe = clf._probe(2)
+    probe._setup(clf._X_train[a], clf._is_cat, clf._y_train[a])
+    memo = {}
+
+    def objective(temp):
+        p = probe._node_proba(probe._tree, clf._X_train[b], temp, memo)[np.arange(len(b)), clf._y_train[b]]
+        return -np.log(np.clip(p, 1e-12, None)).sum() + np.log(temp / 0.9) ** 2 / (2 * 0.5**2)
+
+    assert objective(t) <= min(objective(0.9), objective(t * 1.05), objective(t / 1.05)) + 1e-6
+    # The probabilities use it: softmax of the averaged logits over temperature_.
+    logits = clf._node_logits(clf._tree, X[200:].astype(np.float32))
+    z = logits / t
+    ref = np.exp(z - z.max(1, keepdims=True))
+    np.testing.assert_allclose(clf.predict_proba(X[200:]), ref / ref.sum(1, keepdims=True), rtol=1e-6, atol=1e-9)
+    # A fixed value is used as given; too few rows for a holdout fall back to 0.9.
+    assert TabICLClassifier(n_estimators=1, softmax_temperature=0.5).fit(X[:200], y[:200]).temperature_ == 0.5
+    assert TabICLClassifier(n_estimators=1).fit(X[:30], y[:30]).temperature_ == 0.9
+    for bad in ("hot", 0, -1.0, True):
+        with pytest.raises(ValueError, match="softmax_temperature"):
+            TabICLClassifier(softmax_temperature=bad).fit(X[:50], y[:50])
