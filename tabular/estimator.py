@@ -295,9 +295,11 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.feature_reduction_ = None if self._reducer is None else self._reducer.describe()
         F = Xv.shape[1]
         if trained_width and F > trained_width:
+            hint = ("feature_reduction='auto' kept every column: no projection beat them on a train holdout"
+                    if self.reduction_scores_ else
+                    "feature_reduction='auto' or an int projects the numeric columns onto principal components")
             warnings.warn(f"the table has {F} informative features but this checkpoint was pretrained on tables of at "
-                          f"most {trained_width}; expect lower accuracy (feature_reduction='auto' or an int projects "
-                          "the numeric columns onto principal components)", UserWarning, stacklevel=2)
+                          f"most {trained_width}; expect lower accuracy ({hint})", UserWarning, stacklevel=2)
         self._setup(Xv, is_cat, y_enc)
         if self.softmax_temperature == "auto":
             self.temperature_ = self._fit_temperature(Xv, is_cat, y_enc)

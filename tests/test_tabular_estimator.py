@@ -283,16 +283,22 @@ def test_feature_reduction_auto_picks_the_best_holdout_candidate(tmp_path):
     torch.manual_seed(0)
     save_model(TabICL(tabicl_tiny()), path, extra={"pretrained_max_features": 10})
     X, y = _blobs(n=120, f=30, c=2, seed=1)
-    clf = TabICLClassifier(n_estimators=1, checkpoint=path).fit(X, y)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clf = TabICLClassifier(n_estimators=1, checkpoint=path).fit(X, y)
+    width_notes = [str(w.message) for w in caught if "pretrained on tables" in str(w.message)]
     scores = clf.reduction_scores_
     # All columns, and 8 components of the centred and of the standardised columns (8 < width 10 < 30).
     assert [(s["components"], s["standardize"]) for s in scores] == [(None, None), (8, False), (8, True)]
     best = max(scores, key=lambda s: (s["accuracy"], -s["log_loss"]))
     if best["components"] is None:
         assert clf.feature_reduction_ is None and clf._X_train.shape[1] == 30
+        assert len(width_notes) == 1 and "kept every column" in width_notes[0]
     else:
         assert clf.feature_reduction_["components"] == 8 and clf.feature_reduction_["standardize"] == best["standardize"]
-        assert clf._X_train.shape[1] == 8
+        assert clf._X_train.shape[1] == 8 and width_notes == []  # 8 columns are within the width
     assert clf.predict_proba(X[:5]).shape == (5, 2)
     # Within the pretrained width (or auto off) nothing is tried.
     assert TabICLClassifier(n_estimators=1, checkpoint=path).fit(X[:, :10], y).reduction_scores_ == []
