@@ -21,6 +21,7 @@ parallel processes (same settings, different ``--algos`` / ``--seeds`` / ``--out
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from pathlib import Path
@@ -63,8 +64,11 @@ def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
             overrides["capacity_cost_weight"] = args.capacity_cost
     cfg = TrainConfig(algo=algo, steps=args.steps, seed=seed, batch_size=args.batch_size, lr=args.lr,
                       warmup_steps=min(args.warmup, args.steps), log_every=max(1, min(100, args.steps // 4)),
-                      eval_episodes=0, checkpoint_every=args.steps)
-    recs = train(cfg, path, out, model_overrides=overrides, resume=(out / "checkpoint.pt").exists(), progress=False)
+                      eval_episodes=0, checkpoint_every=min(1_000, args.steps))
+    # A run killed part-way (a long benchmark spans several sittings) resumes from its last checkpoint; the
+    # training records are read back from its metrics log, so they cover the whole run, not only this part.
+    train(cfg, path, out, model_overrides=overrides, resume=(out / "checkpoint.pt").exists(), progress=False)
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     train_recs = [r for r in recs if r["kind"] == "train"]
     timed = train_recs[1:] or train_recs  # the first period includes start-up
     sec = [r["sec_per_1k_steps"] for r in timed]

@@ -102,3 +102,29 @@ def test_bad_dataset_stops_before_training(tmp_path):
     np.savez(tmp_path / "nan.npz", **dict(ds.arrays(), rewards=np.full(len(ds), np.nan, np.float32)))
     with pytest.raises(ValueError, match="rewards contains"):
         train(TrainConfig(steps=2), tmp_path / "nan.npz", tmp_path / "out3", model_overrides=TINY, progress=False)
+
+
+def test_benchmark_run_resumes_and_reports_the_whole_run(tmp_path):
+    """rl_bench's runs checkpoint every 1,000 steps (or at the end), so a long benchmark spans several sittings:
+    a rerun resumes the run, and the case reports the training records of the whole run, not only its tail."""
+    from argparse import Namespace
+
+    from benchmarks.rl_bench import _run_ours
+
+    rng = np.random.default_rng(0)
+    path = save_dataset(tmp_path / "d.npz", _hopper_like(rng))
+    args = Namespace(context=6, embed_dim=16, heads=1, dm_layers=2, dt_layers=2, routed_layers="1",
+                     capacity_cost=None, steps=4, batch_size=8, lr=1e-3, warmup=1, eval_episodes=1)
+    first = _run_ours("dm", path, 0, args, tmp_path / "work")
+    args.steps = 8  # the same run, continued
+    second = _run_ours("dm", path, 0, args, tmp_path / "work")
+    (run,) = (tmp_path / "work").iterdir()
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 6, 8]  # log_every follows each part's step count
+    assert second["routed_fraction"] == pytest.approx(np.mean([r["routed_fraction"] for r in recs[-2:]]))
+    assert first["routed_fraction"] == pytest.approx(np.mean([r["routed_fraction"] for r in recs[2:4]]))
+    assert np.isfinite(second["score"]) and second["cpu_sec_per_1k_steps"] > 0
+    # A finished run is not retrained; its case is rebuilt from the log (nothing new was trained this time).
+    third = _run_ours("dm", path, 0, args, tmp_path / "work")
+    assert third["routed_fraction"] == pytest.approx(second["routed_fraction"])
+    assert third["cpu_sec_per_1k_steps"] == pytest.approx(second["cpu_sec_per_1k_steps"])
