@@ -143,8 +143,8 @@ class Trainer:
             )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
-        self.prior = TablePrior(PriorConfig(max_classes=self.model_config.max_classes), seed=args.seed * 1000 + rank,
-                                device=self.device)
+        self.prior = TablePrior(PriorConfig(max_classes=self.model_config.max_classes, p_factor=args.p_factor),
+                                seed=args.seed * 1000 + rank, device=self.device)
         # Warm-up stage of the curriculum (first --easy-steps steps): shallow, low-noise SCMs, mostly binary,
         # balanced classes; lets the model learn to read labels before the full prior's harder tables.
         self.easy_prior = TablePrior(EASY_PRIOR, seed=args.seed * 1000 + rank + 500, device=self.device)
@@ -308,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on features per table (only lowers the curriculum's bound)")
     p.add_argument("--feature-bound", type=int, default=None,
                    help="most features per table, replacing the curriculum's bound (raises it too)")
+    p.add_argument("--p-factor", type=float, default=0.0,
+                   help="share of factor-SCM tables in the full prior (tabular.prior; taken from the MLP share)")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")
     p.add_argument("--val-every", type=int, default=500, help="steps between validations (and best exports)")
     p.add_argument("--val-tables", type=int, default=64, help="held-out prior tables for validation")

@@ -11,6 +11,11 @@ types and missing-value pattern. Two families of structural causal models (SCMs)
 * **Tree-SCM** (default 30%): the same layered graph, but each layer is a sum of random *oblivious* decision
   trees (one split feature and threshold per depth level, leaf values random), so targets are piecewise
   constant in the causes, like data that gradient-boosted trees fit well.
+* **Factor-SCM** (``p_factor``, default 0%): measurements of a few latent factors, as in clinical or
+  morphometric tables — each node is a sparse random linear mix of the factors plus its own noise (std
+  0.05..1.5, so some nodes are near-copies of others and some are noisy), and 30% of the nodes are
+  exponentiated (positive, right-skewed, like sizes and counts). A target node is then a noisy linear score
+  of the factors: the redundant, near-linear tables on which logistic regression is hard to beat.
 
 The regression target is turned into ``C`` classes (50% binary, else 2..10) either **by value** (thresholds at
 random target values, which gives imbalanced classes) or **by rank** (equal-frequency bins); class ids are then
@@ -59,16 +64,20 @@ class PriorConfig:
     max_noise: float = 0.3
     tree_depth: int = 4  # depth of each oblivious tree in tree-SCMs
     n_trees: int = 8  # expected number of trees summed into each node of a tree-SCM
+    p_factor: float = 0.0  # share of factor-SCMs (latent-factor measurements); p_tree + p_factor <= 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_features <= self.max_features:
             raise ValueError(f"need 1 <= min_features ({self.min_features}) <= max_features ({self.max_features})")
         if not 2 <= self.max_classes:
             raise ValueError(f"max_classes ({self.max_classes}) must be at least 2")
-        for name in ("p_binary", "p_tree", "p_categorical", "p_missing_table", "max_missing", "p_rank_classes"):
+        for name in ("p_binary", "p_tree", "p_categorical", "p_missing_table", "max_missing", "p_rank_classes",
+                     "p_factor"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} ({v}) must lie in [0, 1]")
+        if self.p_tree + self.p_factor > 1.0:
+            raise ValueError(f"p_tree + p_factor ({self.p_tree} + {self.p_factor}) must be at most 1")
         if not 1 <= self.min_layers <= self.max_layers:
             raise ValueError(f"need 1 <= min_layers ({self.min_layers}) <= max_layers ({self.max_layers})")
         if not 2 <= self.min_width <= self.max_width:
@@ -226,6 +235,19 @@ class TablePrior:
             nodes.append(h)
         return torch.cat(nodes, dim=2)
 
+    def _factor_scm(self, B: int, N: int, M: int, K: int) -> torch.Tensor:
+        """Nodes (B, N, K + M): ``K`` latent factors and ``M`` noisy, partly skewed linear measurements of them."""
+        z = self._causes(B, N, K)
+        density = 0.3 + 0.7 * self._rand(B, 1, 1)  # share of factors each measurement loads on
+        load = self._randn(B, K, M) * (self._rand(B, K, M) < density).float()
+        anchor = torch.nn.functional.one_hot(self._randint(0, K - 1, (B, M)), K).transpose(1, 2).float()
+        load = load + anchor * self._randn(B, 1, M)  # every measurement loads on at least one factor
+        x = _standardize_nodes(torch.bmm(z, load))
+        x = x + self._loguniform(0.05, 1.5, (B, 1, M)) * self._randn(B, N, M)
+        skewed = self._rand(B, 1, M) < 0.3
+        x = torch.where(skewed, torch.exp(0.7 * x.clamp(max=8.0)), x)
+        return torch.cat([z, x], dim=2)
+
     # -- turning nodes into a table -----------------------------------------------------------------
     def _classes_from_target(self, t: torch.Tensor, C: torch.Tensor, n_train: int) -> torch.Tensor:
         """Continuous target (B, N) -> int classes, ``C[b]`` classes each, every class present among train rows.
@@ -278,14 +300,20 @@ class TablePrior:
         W = int(self._randint(cfg.min_width, cfg.max_width, (1,)).item())
         K = int(self._randint(1, cfg.max_causes, (1,)).item())  # root causes: few, so nodes are related
         W = max(W, math.ceil((F + 1) / L))  # enough nodes to pick F features + 1 target
-        # Split the batch into the two SCM families (one vectorized pass each).
-        is_tree = self._rand(B) < cfg.p_tree
+        # Split the batch into the SCM families (one vectorized pass each). With p_factor = 0 the draws are
+        # exactly those of the two-family prior (same random calls), so existing runs resume unchanged.
+        u = self._rand(B)
+        is_tree = u < cfg.p_tree
+        is_factor = (u >= cfg.p_tree) & (u < cfg.p_tree + cfg.p_factor)
+        is_mlp = ~(is_tree | is_factor)
         nodes = torch.empty(B, N, K + L * W, device=self.device)
-        n_tree = int(is_tree.sum())
+        n_tree, n_factor, n_mlp = int(is_tree.sum()), int(is_factor.sum()), int(is_mlp.sum())
         if n_tree:
             nodes[is_tree] = self._tree_scm(n_tree, N, W, L, K)
-        if n_tree < B:
-            nodes[~is_tree] = self._mlp_scm(B - n_tree, N, W, L, K)
+        if n_mlp:
+            nodes[is_mlp] = self._mlp_scm(n_mlp, N, W, L, K)
+        if n_factor:
+            nodes[is_factor] = self._factor_scm(n_factor, N, L * W, K)
         # Pick F + 1 distinct nodes per table: the first is the target.
         pick = torch.argsort(self._rand(B, K + L * W), dim=1)[:, : F + 1]  # (B, F+1)
         chosen = torch.gather(nodes, 2, pick[:, None, :].expand(B, N, -1))

@@ -80,3 +80,24 @@ def test_prior_rejects_bad_sizes():
         prior.sample(2, 50, 5)
     with pytest.raises(ValueError, match="max_features"):
         PriorConfig(min_features=5, max_features=3)
+
+
+def test_prior_factor_family_tables_and_config():
+    cfg = PriorConfig(p_tree=0.0, p_factor=1.0, p_categorical=0.0, p_missing_table=0.0)
+    a = TablePrior(cfg, seed=7).sample(16, 200, 120, n_features=10)
+    b = TablePrior(cfg, seed=7).sample(16, 200, 120, n_features=10)
+    assert torch.equal(a.y, b.y) and torch.equal(a.X, b.X)  # deterministic per seed
+    assert a.X.shape == (16, 200, 10) and torch.isfinite(a.X).all()
+    for k in range(16):
+        assert set(a.y[k, :120].tolist()) == set(range(int(a.n_classes[k])))
+    # 30% of the measurements are exponentiated: positive, right-skewed columns in most tables.
+    z = (a.X - a.X.mean(1, keepdim=True)) / a.X.std(1, keepdim=True).clamp_min(1e-9)
+    skewed = ((z**3).mean(1) > 1.5) & (a.X.min(1).values > 0)
+    assert skewed.any(1).float().mean() > 0.5
+    # Mixed batches: the family shares add up; too large a sum is refused.
+    m = TablePrior(PriorConfig(p_tree=0.3, p_factor=0.3), seed=8).sample(12, 80, 50, n_features=5)
+    assert m.X.shape == (12, 80, 5)
+    with pytest.raises(ValueError, match="p_tree \\+ p_factor"):
+        PriorConfig(p_tree=0.6, p_factor=0.5)
+    with pytest.raises(ValueError, match="p_factor"):
+        PriorConfig(p_factor=-0.1)
