@@ -212,6 +212,14 @@ def _write_csv_atomic(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def _remove_dead_manifest_temps(path: str) -> None:
+    """Delete ``<manifest>.<pid>.tmp`` files whose writer process is gone."""
+    import glob
+
+    for tmp in glob.glob(glob.escape(path) + ".*.tmp"):
+        _remove_if_writer_dead(tmp, tmp[len(path) + 1:].split(".", 1)[0])
+
+
 def _read_manifest(path: str) -> dict[str, dict]:
     if not os.path.exists(path):
         return {}
@@ -309,6 +317,7 @@ def run_batch(cfg: BatchConfig) -> list[dict]:
     mine = slides[i::n]
     runner = _Runner(cfg)
     manifest_path = os.path.join(cfg.out, "manifest.csv" if n == 1 else f"manifest_{i}of{n}.csv")
+    _remove_dead_manifest_temps(manifest_path)  # a run killed while rewriting the manifest leaves its temp
     rows = _read_manifest(manifest_path)
     fail_log = os.path.join(cfg.out, "failures.log")
     it = mine
