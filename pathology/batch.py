@@ -137,6 +137,14 @@ def _remove_dead_temps(paths) -> None:
             _remove_if_writer_dead(tmp, os.path.basename(tmp)[len(b) + 2:].split(".", 1)[0])
 
 
+def _remove_dead_suffixed_temps(path: str) -> None:
+    """Delete ``<path>.<pid>.tmp`` files (lock and manifest writes) whose writer process is gone."""
+    import glob
+
+    for tmp in glob.glob(glob.escape(path) + ".*.tmp"):
+        _remove_if_writer_dead(tmp, tmp[len(path) + 1:].split(".", 1)[0])
+
+
 class _Lock:
     """An exclusive lock file; a lock left by a dead process on this host is taken over."""
 
@@ -148,7 +156,7 @@ class _Lock:
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
         # The lock appears whole or not at all: its content goes to a temp file that is then hard-linked to
         # the lock's name (atomic, fails if the name exists), so a kill never leaves an empty lock behind.
-        self._remove_dead_temps()
+        _remove_dead_suffixed_temps(self.path)
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(me)
@@ -169,15 +177,9 @@ class _Lock:
 
     def clear_if_stale(self) -> None:
         """Remove the lock if its process is gone (e.g. killed after writing the output, before unlocking)."""
-        self._remove_dead_temps()
+        _remove_dead_suffixed_temps(self.path)
         if os.path.exists(self.path) and self._stale():
             _unlink(self.path)
-
-    def _remove_dead_temps(self) -> None:
-        import glob
-
-        for tmp in glob.glob(glob.escape(self.path) + ".*.tmp"):
-            _remove_if_writer_dead(tmp, tmp[len(self.path) + 1:].split(".", 1)[0])
 
     def _stale(self) -> bool:
         try:
@@ -210,14 +212,6 @@ def _write_csv_atomic(path: str, rows: list[dict]) -> None:
         for r in rows:
             w.writerow({k: r.get(k, "") for k in MANIFEST_FIELDS})
     os.replace(tmp, path)
-
-
-def _remove_dead_manifest_temps(path: str) -> None:
-    """Delete ``<manifest>.<pid>.tmp`` files whose writer process is gone."""
-    import glob
-
-    for tmp in glob.glob(glob.escape(path) + ".*.tmp"):
-        _remove_if_writer_dead(tmp, tmp[len(path) + 1:].split(".", 1)[0])
 
 
 def _read_manifest(path: str) -> dict[str, dict]:
@@ -317,7 +311,7 @@ def run_batch(cfg: BatchConfig) -> list[dict]:
     mine = slides[i::n]
     runner = _Runner(cfg)
     manifest_path = os.path.join(cfg.out, "manifest.csv" if n == 1 else f"manifest_{i}of{n}.csv")
-    _remove_dead_manifest_temps(manifest_path)  # a run killed while rewriting the manifest leaves its temp
+    _remove_dead_suffixed_temps(manifest_path)  # a run killed while rewriting the manifest leaves its temp
     rows = _read_manifest(manifest_path)
     fail_log = os.path.join(cfg.out, "failures.log")
     it = mine

@@ -51,6 +51,13 @@ _DEFAULT_TEMPERATURE = 0.9  # softmax temperature of the published model, and th
 _TEMPERATURE_PRIOR_SIGMA = 0.5  # std of the log-normal prior of softmax_temperature="auto" (in log space)
 
 
+def _fit_rows(n: int, seed) -> np.ndarray:
+    """Row indices that fitted transforms use: all ``n``, or a sorted random ``_NORM_FIT_ROWS`` of them."""
+    if n <= _NORM_FIT_ROWS:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, _NORM_FIT_ROWS, replace=False))
+
+
 def _get_model(checkpoint, device: torch.device) -> TabICL:
     path = str(default_checkpoint() if checkpoint is None else checkpoint)
     try:
@@ -91,9 +98,7 @@ class _PCAReducer:
     @classmethod
     def fit(cls, Xv: np.ndarray, is_cat: np.ndarray, k: int, *, standardize: bool, seed) -> "_PCAReducer":
         num, cat = np.flatnonzero(~is_cat), np.flatnonzero(is_cat)
-        X = Xv[:, num].astype(np.float64)
-        if len(X) > _NORM_FIT_ROWS:
-            X = X[np.sort(np.random.default_rng(seed).choice(len(X), _NORM_FIT_ROWS, replace=False))]
+        X = Xv[np.ix_(_fit_rows(len(Xv), seed), num)].astype(np.float64)
         mean = np.nanmean(X, axis=0)
         X = np.where(np.isnan(X), mean, X) - mean
         scale = X.std(axis=0) if standardize else np.ones(X.shape[1])
@@ -225,13 +230,17 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         t = self.softmax_temperature
         if not (t == "auto" if isinstance(t, str) else isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0):
             raise ValueError(f"softmax_temperature must be a number > 0 or 'auto', got {t!r}")
-        norms = (self.norm_methods,) if isinstance(self.norm_methods, str) else self.norm_methods
+        norms = self._norm_list()
         if (not isinstance(norms, (tuple, list)) or not norms
                 or any(not isinstance(n, str) or n not in NORM_METHODS for n in norms)):
             raise ValueError(f"norm_methods must be a non-empty sequence of {NORM_METHODS}, got {self.norm_methods!r}")
         fr = self.feature_reduction
         if not (fr is None or fr == "auto" or isinstance(fr, (int, np.integer)) and not isinstance(fr, bool) and fr >= 1):
             raise ValueError(f"feature_reduction must be 'auto', None or a positive int (principal components), got {fr!r}")
+
+    def _norm_list(self):
+        """``norm_methods`` as a sequence (a single name is accepted too)."""
+        return (self.norm_methods,) if isinstance(self.norm_methods, str) else self.norm_methods
 
     def _validate_X(self, X, *, reset: bool):
         import pandas as pd
@@ -284,10 +293,12 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         y_enc = y_enc.astype(np.int64)
         trained_width = model.card.get("pretrained_max_features")
         self._reducer, self.reduction_scores_ = None, []
-        if self.feature_reduction == "auto":
-            if trained_width and Xv.shape[1] > trained_width:
-                self._reducer, self.reduction_scores_ = self._select_reduction(Xv, is_cat, y_enc, trained_width)
-        elif self.feature_reduction is not None and int((~is_cat).sum()) > self.feature_reduction:
+        auto_reduce = self.feature_reduction == "auto" and trained_width and Xv.shape[1] > trained_width
+        # One train holdout serves both choices made at fit time (the reduction, then the temperature).
+        split = self._holdout(y_enc) if auto_reduce or self.softmax_temperature == "auto" else None
+        if auto_reduce:
+            self._reducer, self.reduction_scores_ = self._select_reduction(Xv, is_cat, y_enc, trained_width, split)
+        elif self.feature_reduction not in (None, "auto") and int((~is_cat).sum()) > self.feature_reduction:
             self._reducer = _PCAReducer.fit(Xv, is_cat, int(self.feature_reduction), standardize=True,
                                             seed=self.random_state)
         if self._reducer is not None:
@@ -302,7 +313,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                           f"most {trained_width}; expect lower accuracy ({hint})", UserWarning, stacklevel=2)
         self._setup(Xv, is_cat, y_enc)
         if self.softmax_temperature == "auto":
-            self.temperature_ = self._fit_temperature(Xv, is_cat, y_enc)
+            self.temperature_ = self._fit_temperature(Xv, is_cat, y_enc, split)
         else:
             self.temperature_ = float(self.softmax_temperature)
         self.n_features_in_ = df.shape[1]
@@ -316,7 +327,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         base = rng.permutation(F)
         self._members = []
         C = len(self.classes_)
-        norms = (self.norm_methods,) if isinstance(self.norm_methods, str) else tuple(self.norm_methods)
+        norms = self._norm_list()
         for i in range(int(self.n_estimators)):
             perm = np.roll(base, i % F) if i < F or F == 1 else rng.permutation(F)
             self._members.append(_Member(perm=perm, shift=int(i % max(1, min(C, self._max_classes))),
@@ -325,18 +336,18 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self._tree = _balanced_tree(np.arange(C), self._max_classes) if C > 1 else None
         self._cache = _CacheLedger()  # bytes of train contexts kept for later predict calls
 
-    def _select_reduction(self, Xv, is_cat, y_enc, width: int):
+    def _select_reduction(self, Xv, is_cat, y_enc, width: int, split):
         """``feature_reduction='auto'``: keep all columns or project the numeric ones onto ``k`` principal
         components (of the centred or of the standardised columns), whichever classifies a stratified holdout of
         the train rows best (accuracy, then log-loss); ``_REDUCTION_DIMS`` below the pretrained width are tried.
 
-        Returns ``(reducer or None, scores)``; ``scores`` lists every candidate's holdout accuracy and log-loss.
+        ``split`` is :meth:`_holdout`'s. Returns ``(reducer or None, scores)``; ``scores`` lists every candidate's
+        holdout accuracy and log-loss.
         """
         from sklearn.metrics import log_loss
 
         n_num = int((~is_cat).sum())
         dims = [k for k in _REDUCTION_DIMS if k < min(n_num, width)]
-        split = self._holdout(y_enc)
         if not dims or split is None:
             return None, []
         a, b = split
@@ -387,11 +398,11 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         probe.temperature_ = _DEFAULT_TEMPERATURE
         return probe
 
-    def _fit_temperature(self, Xv: np.ndarray, is_cat: np.ndarray, y_enc: np.ndarray) -> float:
-        """``softmax_temperature='auto'``: the MAP temperature on a train holdout (see the class docstring)."""
+    def _fit_temperature(self, Xv: np.ndarray, is_cat: np.ndarray, y_enc: np.ndarray, split) -> float:
+        """``softmax_temperature='auto'``: the MAP temperature on the train holdout ``split`` (see the class
+        docstring)."""
         from scipy.optimize import minimize_scalar
 
-        split = self._holdout(y_enc)
         if split is None or self._tree is None:
             return _DEFAULT_TEMPERATURE
         a, b = split
@@ -407,8 +418,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         res = minimize_scalar(neg_log_posterior, bounds=(math.log(0.02), math.log(10.0)), method="bounded")
         t = float(math.exp(res.x))
         if self.verbose:
-            logger.info("softmax temperature %.3f (holdout of %d rows; %.3f at the default %.1f)", t, len(b),
-                        neg_log_posterior(res.x), _DEFAULT_TEMPERATURE)
+            logger.info("softmax temperature %.3f (holdout of %d rows; negative log-posterior %.3f, %.3f at the "
+                        "default %.1f)", t, len(b), res.fun, neg_log_posterior(centre), _DEFAULT_TEMPERATURE)
         return t
 
     def _fit_norm(self, Xv: np.ndarray, method: str):
@@ -419,9 +430,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         num = ~self._is_cat
         if not num.any():
             return None
-        rows = np.arange(len(Xv))
-        if len(rows) > _NORM_FIT_ROWS:  # exponents and quantiles settle long before this many rows
-            rows = np.sort(np.random.default_rng(self.random_state).choice(rows, _NORM_FIT_ROWS, replace=False))
+        rows = _fit_rows(len(Xv), self.random_state)  # exponents and quantiles settle long before 65,536 rows
         if method == "power":
             tf = PowerTransformer(method="yeo-johnson", standardize=True)
         else:  # quantile: ranks mapped to a standard normal (NaN stays NaN)

@@ -433,11 +433,11 @@ def test_dead_writers_temp_files_are_cleared(tmp_path):
     assert live.exists() and other.exists()
     # The manifest is rewritten through <manifest>.<pid>.tmp; a kill during that write leaves the temp, which
     # the next run clears before it reads the manifest (a live writer's temp stays).
-    from pathology.batch import _remove_dead_manifest_temps
+    from pathology.batch import _remove_dead_suffixed_temps
 
     manifest = tmp_path / "manifest.csv"
     dead_m, live_m = tmp_path / f"manifest.csv.{dead.pid}.tmp", tmp_path / f"manifest.csv.{os.getppid()}.tmp"
     for f in (dead_m, live_m):
         f.write_text("slide_id\n")
-    _remove_dead_manifest_temps(str(manifest))
+    _remove_dead_suffixed_temps(str(manifest))
     assert not dead_m.exists() and live_m.exists()
