@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathology.patching import _atomic_target
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BatchConfig", "list_slides", "run_batch", "build_parser", "main", "SLIDE_EXTENSIONS"]
@@ -124,7 +126,8 @@ def _remove_if_writer_dead(tmp: str, pid: str) -> None:
 
 
 def _remove_dead_temps(paths) -> None:
-    """Delete temp files (``.<name>.<pid>.tmp[.png]``) of these outputs whose writer process is gone.
+    """Delete temp files (``.<name>.<pid>.tmp[.png]``, from :func:`pathology.patching._atomic_target`: outputs,
+    locks and the manifest) of these paths whose writer process is gone.
 
     A run killed mid-write leaves its temp file behind; the run that takes over the slide clears it, so no
     partial file survives a kill and rerun. Temps of live processes are left alone.
@@ -135,14 +138,6 @@ def _remove_dead_temps(paths) -> None:
         d, b = os.path.split(path)
         for tmp in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(b)}.*.tmp*")):
             _remove_if_writer_dead(tmp, os.path.basename(tmp)[len(b) + 2:].split(".", 1)[0])
-
-
-def _remove_dead_suffixed_temps(path: str) -> None:
-    """Delete ``<path>.<pid>.tmp`` files (lock and manifest writes) whose writer process is gone."""
-    import glob
-
-    for tmp in glob.glob(glob.escape(path) + ".*.tmp"):
-        _remove_if_writer_dead(tmp, tmp[len(path) + 1:].split(".", 1)[0])
 
 
 class _Lock:
@@ -156,8 +151,8 @@ class _Lock:
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
         # The lock appears whole or not at all: its content goes to a temp file that is then hard-linked to
         # the lock's name (atomic, fails if the name exists), so a kill never leaves an empty lock behind.
-        _remove_dead_suffixed_temps(self.path)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
+        _remove_dead_temps([self.path])
+        tmp = _atomic_target(self.path)
         with open(tmp, "w") as f:
             f.write(me)
         try:
@@ -177,7 +172,7 @@ class _Lock:
 
     def clear_if_stale(self) -> None:
         """Remove the lock if its process is gone (e.g. killed after writing the output, before unlocking)."""
-        _remove_dead_suffixed_temps(self.path)
+        _remove_dead_temps([self.path])
         if os.path.exists(self.path) and self._stale():
             _unlink(self.path)
 
@@ -205,7 +200,7 @@ class _Lock:
 
 
 def _write_csv_atomic(path: str, rows: list[dict]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = _atomic_target(path)
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=MANIFEST_FIELDS)
         w.writeheader()
@@ -311,7 +306,7 @@ def run_batch(cfg: BatchConfig) -> list[dict]:
     mine = slides[i::n]
     runner = _Runner(cfg)
     manifest_path = os.path.join(cfg.out, "manifest.csv" if n == 1 else f"manifest_{i}of{n}.csv")
-    _remove_dead_suffixed_temps(manifest_path)  # a run killed while rewriting the manifest leaves its temp
+    _remove_dead_temps([manifest_path])  # a run killed while rewriting the manifest leaves its temp
     rows = _read_manifest(manifest_path)
     fail_log = os.path.join(cfg.out, "failures.log")
     it = mine

@@ -362,7 +362,7 @@ def test_lock_left_by_dead_process(tmp_path):
     path = tmp_path / "s.all.lock"
     dead = {"pid": _dead_pid(), "host": socket.gethostname(), "time": 0}
     path.write_text(json.dumps(dead))
-    (tmp_path / f"s.all.lock.{dead['pid']}.tmp").write_text("{}")  # a temp of a writer killed mid-acquire
+    (tmp_path / f".s.all.lock.{dead['pid']}.tmp").write_text("{}")  # a temp of a writer killed mid-acquire
     lock = _Lock(str(path))
     assert lock.acquire() and json.loads(path.read_text())["pid"] == os.getpid()
     assert sorted(os.listdir(tmp_path)) == ["s.all.lock"]
@@ -431,13 +431,11 @@ def test_dead_writers_temp_files_are_cleared(tmp_path):
     _remove_dead_temps([str(final)])
     assert not stale.exists() and not stale_png.exists()
     assert live.exists() and other.exists()
-    # The manifest is rewritten through <manifest>.<pid>.tmp; a kill during that write leaves the temp, which
+    # The manifest is rewritten through .<manifest>.<pid>.tmp; a kill during that write leaves the temp, which
     # the next run clears before it reads the manifest (a live writer's temp stays).
-    from pathology.batch import _remove_dead_suffixed_temps
-
     manifest = tmp_path / "manifest.csv"
-    dead_m, live_m = tmp_path / f"manifest.csv.{dead.pid}.tmp", tmp_path / f"manifest.csv.{os.getppid()}.tmp"
+    dead_m, live_m = tmp_path / f".manifest.csv.{dead.pid}.tmp", tmp_path / f".manifest.csv.{os.getppid()}.tmp"
     for f in (dead_m, live_m):
         f.write_text("slide_id\n")
-    _remove_dead_suffixed_temps(str(manifest))
+    _remove_dead_temps([str(manifest)])
     assert not dead_m.exists() and live_m.exists()
