@@ -106,6 +106,10 @@ def test_select_frames_every_frame_and_errors():
     np.testing.assert_array_equal(select_frames(starts, 0.6, 10.0), [0, 1, 2, 3])  # .5 shows frame 3
     with pytest.raises(ValueError, match="fps"):
         select_frames(starts, 0.6, 0.0)
+    # float32 timestamps (as decord reports them): 110 frames at 25 fps last 4.4 s, which rounds up in float32;
+    # sampling at 5 fps shows times 0, 0.2, ..., 4.2, not a 23rd time at the very end.
+    starts32 = (np.arange(110) / np.float32(25)).astype(np.float32)
+    np.testing.assert_array_equal(select_frames(starts32, float(np.float32(110 / 25)), 5.0), np.arange(0, 110, 5))
 
 
 def test_bad_files_give_clear_errors(tmp_path):

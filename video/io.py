@@ -102,10 +102,11 @@ def select_frames(starts: np.ndarray, duration: float, fps: float | None) -> np.
     if not fps > 0:
         raise ValueError(f"target fps must be > 0, got {fps}")
     t0 = float(starts[0])
-    num = max(1, int(np.ceil((duration - t0) * fps - 1e-9)))
-    grid = t0 + np.arange(num) / fps
-    # Timestamps from containers are rounded (decord reports float32): tolerate 1% of a frame period.
+    # Timestamps from containers are rounded (decord reports float32): tolerate 1% of a frame period, both for
+    # the last grid time (one at the very end of the video is not shown) and for matching grid times to frames.
     step = float(np.median(np.diff(starts))) if n > 1 else 1.0 / fps
+    num = max(1, int(np.ceil((duration - t0 - 0.01 * step) * fps)))
+    grid = t0 + np.arange(num) / fps
     idx = np.searchsorted(starts, grid + max(1e-6, 0.01 * step), side="right") - 1
     return np.unique(np.clip(idx, 0, n - 1)).astype(np.int64)
 
