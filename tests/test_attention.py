@@ -27,13 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU_BACKENDS = ["sdpa", "chunked", "chunked-small", "chunked-plain", "chunked-rows"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many tiny ops: on shared cores one intra-op thread is far faster than contended OpenMP teams."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def run_backend(name: str, q, k, v, **kw):

@@ -16,13 +16,7 @@ from pathology.querent import Querent, QuerentConfig, build_regions, select_regi
 from pathology.training import Bag, TrainConfig, concordance_index, cox_loss, evaluate, train_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is much faster than two contending ones on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def _bag_coords(w: int, h: int, keep: float, step: int = 256, g: torch.Generator | None = None) -> torch.Tensor:

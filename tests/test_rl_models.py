@@ -8,12 +8,7 @@ import torch
 from rl import DecisionMixer, DecisionTransformer, DMConfig, DTConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def _inputs(B, T, S=11, A=3):

@@ -15,12 +15,7 @@ from rl.train import SegmentSampler, Trainer, TrainConfig, train
 TINY = dict(context=6, embed_dim=32, num_heads=2, num_layers=2, dropout=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def _hopper_like(rng, n=400, episodes=5):

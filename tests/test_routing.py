@@ -26,13 +26,7 @@ class _CausalBlock(nn.Module):
         return x + self.out(o)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small tensors: one thread avoids oversubscription on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def _routed(dim=16, **kw):

@@ -13,12 +13,7 @@ from tabular.estimator import _balanced_tree
 from tabular.model import TabICL, tabicl_small
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def _blobs(n=120, f=4, c=3, seed=None):

@@ -10,13 +10,7 @@ from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import load_model, save_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one thread is faster than several on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def _batch(B=2, N=60, n_train=36, F=5, seed=None):

@@ -22,13 +22,7 @@ TINY = ["--config", "tiny", "--batch-size", "2", "--max-rows", "48", "--max-feat
         "--threads", "1", "--no-progress", "--warmup", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one thread is faster than several on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 def test_training_steps_reduce_loss():

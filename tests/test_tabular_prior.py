@@ -8,13 +8,7 @@ import torch
 from tabular.prior import PriorConfig, TablePrior
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one thread is faster than several on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 @pytest.mark.parametrize("n_features", [2, 17, 100])
