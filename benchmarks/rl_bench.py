@@ -64,7 +64,7 @@ def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
             overrides["capacity_cost_weight"] = args.capacity_cost
     cfg = TrainConfig(algo=algo, steps=args.steps, seed=seed, batch_size=args.batch_size, lr=args.lr,
                       warmup_steps=min(args.warmup, args.steps), log_every=max(1, min(100, args.steps // 4)),
-                      eval_episodes=0, checkpoint_every=min(1_000, args.steps))
+                      eval_episodes=0, checkpoint_every=min(1_000, args.steps), segment_anchor=args.segment_anchor)
     # A run killed part-way (a long benchmark spans several sittings) resumes from its last checkpoint; the
     # training records are read back from its metrics log, so they cover the whole run, not only this part.
     train(cfg, path, out, model_overrides=overrides, resume=(out / "checkpoint.pt").exists(), progress=False)
@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dt-layers", type=int, default=3)
     p.add_argument("--dm-layers", type=int, default=6)
     p.add_argument("--routed-layers", default="1,3,5")
+    p.add_argument("--segment-anchor", choices=("start", "end"), default="start",
+                   help="our models' training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     p.add_argument("--capacity-cost", type=float, default=None,
                    help="DM capacity_cost_weight (default: DMConfig's); choose it with `python -m rl.tune`")
     p.add_argument("--timing-warmup", type=int, default=500,

@@ -55,10 +55,13 @@ class TrainConfig:
     eval_episodes: int = 5  # episodes per target return per evaluation (0: never evaluate)
     eval_targets: list[float] = field(default_factory=list)  # target returns (empty: the env's defaults)
     checkpoint_every: int = 1_000  # full-state checkpoint period (steps)
+    segment_anchor: str = "start"  # training segments start ("start", DT's sampling) or end ("end") at a uniform step
 
     def __post_init__(self) -> None:
         if self.algo not in ("dm", "dt"):
             raise ValueError(f"algo must be 'dm' or 'dt', got {self.algo!r}")
+        if self.segment_anchor not in ("start", "end"):
+            raise ValueError(f"segment_anchor must be 'start' or 'end', got {self.segment_anchor!r}")
         for name in ("steps", "batch_size", "log_every", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -72,10 +75,19 @@ class TrainConfig:
 class SegmentSampler:
     """Random length-``K`` segments of trajectories (trajectories drawn in proportion to their length).
 
-    Segments start uniformly inside a trajectory; those that run past its end are right-padded (``valid`` False).
+    ``anchor="start"`` (the Decision Transformer's sampling): a segment starts at a uniform position of the
+    trajectory and runs up to ``K`` steps, fewer at its end. Timestep ``t`` then lies in ``min(t + 1, K)``
+    segments, so the first steps of every episode weigh up to ``K`` times less in the loss than the middle.
+    ``anchor="end"`` (d3rlpy's sampling): a segment ends at a uniform position and reaches back up to ``K``
+    steps, fewer at its start; the first steps weigh fully and the last ones less. Either way a segment shorter
+    than ``K`` is stored from position 0 and right-padded (``valid`` False); with causal attention and absolute
+    timestep embeddings that is the same as left padding.
     """
 
-    def __init__(self, ds: OfflineDataset, context: int, seed: int):
+    def __init__(self, ds: OfflineDataset, context: int, seed: int, anchor: str = "start"):
+        if anchor not in ("start", "end"):
+            raise ValueError(f"anchor must be 'start' or 'end', got {anchor!r}")
+        self.anchor = anchor
         self.trajs = ds.trajectories()
         self.rtg = [returns_to_go(t.rewards) for t in self.trajs]
         lengths = np.array([t.length for t in self.trajs], dtype=np.float64)
@@ -94,8 +106,12 @@ class SegmentSampler:
         idx = self.rng.choice(len(self.trajs), size=batch_size, p=self.p)
         for b, i in enumerate(idx):
             tr = self.trajs[i]
-            start = int(self.rng.integers(0, tr.length))
-            n = min(K, tr.length - start)
+            pos = int(self.rng.integers(0, tr.length))
+            if self.anchor == "start":
+                start, n = pos, min(K, tr.length - pos)
+            else:
+                start = max(0, pos - K + 1)
+                n = pos - start + 1
             sl = slice(start, start + n)
             s[b, :n], a[b, :n], r[b, :n, 0] = tr.observations[sl], tr.actions[sl], self.rtg[i][sl]
             ts[b, :n] = np.arange(start, start + n)
@@ -214,7 +230,7 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
     env.close()
     model = build_model(cfg.algo, mcfg)
     model.set_state_normalization(ds.observations.mean(0), ds.observations.std(0))
-    sampler = SegmentSampler(ds, mcfg.context, seed=cfg.seed)
+    sampler = SegmentSampler(ds, mcfg.context, seed=cfg.seed, anchor=cfg.segment_anchor)
     trainer = Trainer(model, cfg, sampler)
     targets = cfg.eval_targets or ENV_DEFAULTS[env_id]["targets"]
     info = {"algo": cfg.algo, "env": env_id, "model": config_to_dict(mcfg), "train": asdict(cfg),
@@ -226,6 +242,10 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
         st = torch.load(ckpt_path, weights_only=False)
         if st["train_config"]["algo"] != cfg.algo or st["model_config"] != config_to_dict(mcfg):
             raise ValueError(f"--resume: {str(out)!r} was trained with a different algo or model config")
+        saved_anchor = st["train_config"].get("segment_anchor", "start")  # checkpoints from before the option
+        if saved_anchor != cfg.segment_anchor:
+            raise ValueError(f"--resume: {str(out)!r} was trained with segment_anchor={saved_anchor!r}, "
+                             f"not {cfg.segment_anchor!r}")
         trainer.load_state_dict(st["trainer"])
         if metrics_path.exists():  # drop records written after the checkpoint
             keep = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= trainer.step]
@@ -306,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-episodes", type=int, default=5, help="episodes per target return (0: no evaluation)")
     p.add_argument("--eval-target", type=float, action="append", default=None, help="target return (repeatable)")
     p.add_argument("--checkpoint-every", type=int, default=1000)
+    p.add_argument("--segment-anchor", choices=("start", "end"), default="start",
+                   help="training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     g = p.add_argument_group("model")
     g.add_argument("--context", type=int, default=None, help="timesteps per segment K (default 20)")
     g.add_argument("--embed-dim", type=int, default=None, help="token width (default 128)")
@@ -327,7 +349,8 @@ def main(argv=None) -> None:
     cfg = TrainConfig(algo=args.algo, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                       weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
                       log_every=args.log_every, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
-                      eval_targets=args.eval_target or [], checkpoint_every=args.checkpoint_every)
+                      eval_targets=args.eval_target or [], checkpoint_every=args.checkpoint_every,
+                      segment_anchor=args.segment_anchor)
     overrides = {"context": args.context, "embed_dim": args.embed_dim, "num_layers": args.layers,
                  "num_heads": args.heads, "dropout": args.dropout, "capacity": args.capacity,
                  "capacity_cost_weight": args.capacity_cost, "aux_loss_weight": args.aux_weight}

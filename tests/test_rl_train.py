@@ -108,7 +108,7 @@ def test_benchmark_run_resumes_and_reports_the_whole_run(tmp_path):
 
     rng = np.random.default_rng(0)
     path = save_dataset(tmp_path / "d.npz", _hopper_like(rng))
-    args = Namespace(context=6, embed_dim=16, heads=1, dm_layers=2, dt_layers=2, routed_layers="1",
+    args = Namespace(context=6, segment_anchor="start", embed_dim=16, heads=1, dm_layers=2, dt_layers=2, routed_layers="1",
                      capacity_cost=None, steps=4, batch_size=8, lr=1e-3, warmup=1, eval_episodes=1)
     first = _run_ours("dm", path, 0, args, tmp_path / "work")
     args.steps = 8  # the same run, continued
@@ -123,3 +123,36 @@ def test_benchmark_run_resumes_and_reports_the_whole_run(tmp_path):
     third = _run_ours("dm", path, 0, args, tmp_path / "work")
     assert third["routed_fraction"] == pytest.approx(second["routed_fraction"])
     assert third["cpu_sec_per_1k_steps"] == pytest.approx(second["cpu_sec_per_1k_steps"])
+
+
+@pytest.mark.parametrize("anchor", ["start", "end"])
+def test_segment_anchor_sets_which_steps_every_segment_covers(anchor):
+    """DT's sampling ("start") covers step t in min(t+1, K) segments; "end" covers it in min(K, L-t)."""
+    rng = np.random.default_rng()
+    n, K = 40, 6
+    obs = np.arange(n, dtype=np.float32)[:, None].repeat(11, 1)
+    ds = OfflineDataset(observations=obs, actions=np.zeros((n, 3), np.float32), rewards=np.ones(n, np.float32),
+                        terminals=np.eye(1, n, n - 1, dtype=bool)[0], timeouts=np.zeros(n, bool),
+                        metadata={"env": "Hopper-v5", "quality": "synthetic"})
+    b = SegmentSampler(ds, K, seed=int(rng.integers(1000)), anchor=anchor).sample(4000)
+    ts, valid = b["timesteps"].numpy(), b["valid"].numpy()
+    lengths = valid.sum(1)
+    assert (lengths >= 1).all() and (lengths <= K).all()
+    for row, n_valid in zip(ts, lengths):  # valid positions first, consecutive steps
+        assert valid[0, 0] and np.array_equal(row[:n_valid], np.arange(row[0], row[0] + n_valid))
+    # observations follow the timesteps (the state equals its step index here)
+    np.testing.assert_array_equal(b["states"][..., 0].numpy()[valid], ts[valid].astype(np.float32))
+    counts = np.bincount(ts[valid], minlength=n) / 4000
+    expected = np.array([min(t + 1, K) if anchor == "start" else min(K, n - t) for t in range(n)]) / n
+    np.testing.assert_allclose(counts, expected, atol=0.03)
+    with pytest.raises(ValueError, match="anchor must be 'start' or 'end'"):
+        SegmentSampler(ds, K, seed=0, anchor="middle")
+
+
+def test_resume_refuses_another_segment_anchor(tmp_path):
+    path = save_dataset(tmp_path / "d.npz", _hopper_like(np.random.default_rng()))
+    common = dict(algo="dt", seed=0, batch_size=4, log_every=1, eval_episodes=0, checkpoint_every=1, warmup_steps=1)
+    train(TrainConfig(steps=1, **common), path, tmp_path / "run", model_overrides=TINY, progress=False)
+    with pytest.raises(ValueError, match="segment_anchor='start', not 'end'"):
+        train(TrainConfig(steps=2, segment_anchor="end", **common), path, tmp_path / "run", model_overrides=TINY,
+              resume=True, progress=False)
