@@ -40,7 +40,9 @@ def test_round_trip_keeps_arrays_and_metadata(tmp_path):
     assert len(trajs) == 4
     assert sum(t.length for t in trajs) == len(ds)
     assert [t.terminal for t in trajs] == [True, True, True, False]
-    np.testing.assert_allclose(sum(t.ret for t in trajs), ds.rewards.sum(), rtol=1e-5)
+    # float32 sums in another order: the error scales with the sum of |rewards|, not with the (possibly ~0) total
+    np.testing.assert_allclose(sum(t.ret for t in trajs), ds.rewards.sum(), rtol=1e-5,
+                               atol=1e-5 * float(np.abs(ds.rewards).sum()))
 
 
 def test_returns_to_go_matches_brute_force():
