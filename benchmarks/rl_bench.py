@@ -217,6 +217,8 @@ def _run_d3rlpy(algo, path, seed, args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rl.train import SEGMENT_ANCHORS
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.rl_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny pipeline check (random Hopper data, 1 seed)")
     p.add_argument("--datasets", default="hopper-medium,halfcheetah-medium,walker2d-medium-replay")
@@ -235,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dt-layers", type=int, default=3)
     p.add_argument("--dm-layers", type=int, default=6)
     p.add_argument("--routed-layers", default="1,3,5")
-    p.add_argument("--segment-anchor", choices=("start", "end"), default="start",
+    p.add_argument("--segment-anchor", choices=SEGMENT_ANCHORS, default="start",
                    help="our models' training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     p.add_argument("--capacity-cost", type=float, default=None,
                    help="DM capacity_cost_weight (default: DMConfig's); choose it with `python -m rl.tune`")

@@ -28,7 +28,9 @@ from rl.models import DMConfig, DTConfig, build_model, config_to_dict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "SegmentSampler", "Trainer", "train", "build_parser", "main"]
+__all__ = ["TrainConfig", "SegmentSampler", "SEGMENT_ANCHORS", "Trainer", "train", "build_parser", "main"]
+
+SEGMENT_ANCHORS = ("start", "end")  # where a training segment sits relative to its uniform step (SegmentSampler)
 
 # Per-environment defaults: target returns for evaluation (DT's choices) and the return scale.
 ENV_DEFAULTS = {
@@ -60,7 +62,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.algo not in ("dm", "dt"):
             raise ValueError(f"algo must be 'dm' or 'dt', got {self.algo!r}")
-        if self.segment_anchor not in ("start", "end"):
+        if self.segment_anchor not in SEGMENT_ANCHORS:
             raise ValueError(f"segment_anchor must be 'start' or 'end', got {self.segment_anchor!r}")
         for name in ("steps", "batch_size", "log_every", "checkpoint_every"):
             if getattr(self, name) <= 0:
@@ -85,7 +87,7 @@ class SegmentSampler:
     """
 
     def __init__(self, ds: OfflineDataset, context: int, seed: int, anchor: str = "start"):
-        if anchor not in ("start", "end"):
+        if anchor not in SEGMENT_ANCHORS:
             raise ValueError(f"anchor must be 'start' or 'end', got {anchor!r}")
         self.anchor = anchor
         self.trajs = ds.trajectories()
@@ -326,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-episodes", type=int, default=5, help="episodes per target return (0: no evaluation)")
     p.add_argument("--eval-target", type=float, action="append", default=None, help="target return (repeatable)")
     p.add_argument("--checkpoint-every", type=int, default=1000)
-    p.add_argument("--segment-anchor", choices=("start", "end"), default="start",
+    p.add_argument("--segment-anchor", choices=SEGMENT_ANCHORS, default="start",
                    help="training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     g = p.add_argument_group("model")
     g.add_argument("--context", type=int, default=None, help="timesteps per segment K (default 20)")

@@ -162,33 +162,28 @@ def test_slide_bad_inputs(tmp_path, dataset):
 # ---------------------------------------------------------------------------------------------- tissue / grid
 
 
-def _tissue_iou(out, spec):
+def _tissue_against_truth(out, spec):
+    """The slide, its tissue mask, the generator's truth map and the mask's IoU with the truth at mask size."""
     from PIL import Image
 
-    tm = segment_tissue(Slide(os.path.join(out, spec.name + ".tiff")))
+    s = Slide(os.path.join(out, spec.name + ".tiff"))
+    tm = segment_tissue(s)
     truth = np.asarray(Image.open(os.path.join(out, "truth", spec.name + ".png"))) > 0
     truth_rs = np.asarray(Image.fromarray(truth.astype(np.uint8)).resize(tm.mask.shape[::-1], Image.NEAREST)) > 0
-    return (tm.mask & truth_rs).sum() / max(1, (tm.mask | truth_rs).sum())
+    return s, tm, truth, (tm.mask & truth_rs).sum() / max(1, (tm.mask | truth_rs).sum())
 
 
 def test_tissue_mask_survives_strongly_stained_spots(tmp_path):
     """Seed 841389's slide_002 is pale tissue with a few dark, saturated spots: Otsu on raw saturation put the
     threshold above most of the tissue and the small-object filter then removed the rest (an empty mask)."""
     specs = generate_dataset(tmp_path, n=3, seed=841389, size=1280, mpp=0.5)
-    ious = [_tissue_iou(tmp_path, spec) for spec in specs]
+    ious = [_tissue_against_truth(tmp_path, spec)[3] for spec in specs]
     assert min(ious) > 0.6, ious
 
 
 def test_tissue_mask_matches_truth_and_grid(dataset, tmp_path):
-    from PIL import Image
-
     out, specs = dataset
-    spec = specs[2]
-    s = Slide(os.path.join(out, spec.name + ".tiff"))
-    tm = segment_tissue(s)
-    truth = np.asarray(Image.open(os.path.join(out, "truth", spec.name + ".png"))) > 0
-    truth_rs = np.asarray(Image.fromarray(truth.astype(np.uint8)).resize(tm.mask.shape[::-1], Image.NEAREST)) > 0
-    iou = (tm.mask & truth_rs).sum() / max(1, (tm.mask | truth_rs).sum())
+    s, tm, truth, iou = _tissue_against_truth(out, specs[2])
     assert iou > 0.6, iou
     g = patch_grid(s, tm, mpp=1.0, patch_size=64, min_tissue=0.5)
     assert g.patch_size_level0 == 128 and g.coords.shape[1] == 2 and len(g.coords) > 0
