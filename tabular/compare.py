@@ -105,7 +105,7 @@ def baseline_models(seed: int) -> dict:
 
 
 def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, n_estimators: int = 4,
-                     checkpoint=None, baselines: bool = True, max_rows: int = 20_000) -> dict:
+                     checkpoint=None, baselines: bool = True, max_rows: int = 20_000, finetune_steps: int = 0) -> dict:
     """Fit TabICL (and baselines) on a stratified split of ``df`` and score them on the held-out part.
 
     Args:
@@ -117,6 +117,7 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         checkpoint: TabICL checkpoint (None = the shipped one).
         baselines: also fit LogisticRegression, RandomForest, HistGradientBoosting, kNN.
         max_rows: tables larger than this are subsampled (keeps the demo responsive).
+        finetune_steps: TabICL's ``finetune_steps`` (0 = purely in context).
 
     Returns:
         ``{"models": [{"model", "accuracy", "seconds"}...], "classes", "confusion", "proba_head", "n_train",
@@ -146,7 +147,8 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
     Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=test_size, random_state=seed, stratify=strat)
     rows = []
     t0 = time.perf_counter()
-    clf = TabICLClassifier(n_estimators=n_estimators, random_state=seed, checkpoint=checkpoint)
+    clf = TabICLClassifier(n_estimators=n_estimators, random_state=seed, checkpoint=checkpoint,
+                           finetune_steps=finetune_steps)
     with warnings.catch_warnings(record=True) as caught:  # e.g. a table wider than the pretraining tables
         warnings.simplefilter("always", UserWarning)
         proba = clf.fit(Xtr, ytr).predict_proba(Xte)
@@ -174,6 +176,7 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         "features": int(X.shape[1]),
         "tabicl_warnings": notes,
         "tabicl_reduction": clf.feature_reduction_,
+        "tabicl_finetune_loss": [float(v) for v in clf.finetune_loss_],
     }
 
 
@@ -187,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-estimators", type=int, default=4, help="TabICL ensemble members")
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: shipped)")
     p.add_argument("--seed", type=int, default=0, help="split seed")
+    p.add_argument("--finetune-steps", type=int, default=0,
+                   help="fine-tune TabICL on the train rows for this many steps first (0 = purely in context)")
     return p
 
 
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         df = load_bundled(args.dataset)
     out = compare_on_table(df, args.target, test_size=args.test_size, seed=args.seed, n_estimators=args.n_estimators,
-                           checkpoint=args.checkpoint)
+                           checkpoint=args.checkpoint, finetune_steps=args.finetune_steps)
     print(json.dumps(out, indent=1))
     return 0
 

@@ -1,14 +1,15 @@
-"""``TabICLClassifier``: a scikit-learn classifier that predicts by in-context learning, with no training.
+"""``TabICLClassifier``: a scikit-learn classifier that predicts by in-context learning.
 
-``fit`` only stores the (preprocessed) train table; ``predict_proba`` runs the pretrained TabICL model with the
-train rows as context. An ensemble of ``n_estimators`` views of the table — feature orders (cyclic shifts of a
-random permutation, a Latin-square design so each feature visits each position), cyclic class shifts and the
-numeric-column normalisations of ``norm_methods`` (none / Yeo-Johnson power by default; quantile too) — is
-averaged in logit space, then a softmax with temperature ``softmax_temperature``. A table wider than the
-checkpoint's pretraining tables may have its numeric columns projected onto principal components
-(``feature_reduction``; "auto" decides on a holdout of the train rows). More classes than the model's decoder
-has go through a balanced hierarchy of class groups (≤ ``max_classes`` groups per node); probabilities multiply
-down the tree.
+``fit`` stores the (preprocessed) train table; ``predict_proba`` runs the pretrained TabICL model with the
+train rows as context. Optionally (``finetune_steps``) ``fit`` first adapts a copy of the model to the table
+with a few gradient steps on the in-context loss of its train rows. An ensemble of ``n_estimators`` views of
+the table — feature orders (cyclic shifts of a random permutation, a Latin-square design so each feature visits
+each position), cyclic class shifts and the numeric-column normalisations of ``norm_methods`` (none /
+Yeo-Johnson power by default; quantile too) — is averaged in logit space, then a softmax with temperature
+``softmax_temperature``. A table wider than the checkpoint's pretraining tables may have its numeric columns
+projected onto principal components (``feature_reduction``; "auto" decides on a holdout of the train rows).
+More classes than the model's decoder has go through a balanced hierarchy of class groups (≤ ``max_classes``
+groups per node); probabilities multiply down the tree.
 
 Train sets above ``max_context`` rows are split into stratified folds that act as separate contexts (logits
 averaged), so time and memory grow linearly in rows. Test rows and ensemble members are processed in batches
@@ -49,6 +50,11 @@ _REDUCTION_MIN_ROWS = 40  # fewer train rows than this: too noisy to choose, all
 _REDUCTION_MEMBERS = 2  # ensemble members of each candidate's holdout run
 _DEFAULT_TEMPERATURE = 0.9  # softmax temperature of the published model, and the centre of "auto"'s prior
 _TEMPERATURE_PRIOR_SIGMA = 0.5  # std of the log-normal prior of softmax_temperature="auto" (in log space)
+_FT_ROWS = 1024  # fine-tuning: at most this many train rows (stratified draw) make up one step's table
+_FT_QUERY = 0.3  # fine-tuning: share of a step's rows that are queries (the rest is the context)
+_FT_VIEWS = 2  # fine-tuning: ensemble views per step
+_FT_CLIP = 1.0  # fine-tuning: gradient-norm clip
+_FT_EVAL_EVERY = 20  # fine-tuning: steps between holdout scores (the best-scoring weights are kept)
 
 
 def _fit_rows(n: int, seed) -> np.ndarray:
@@ -147,6 +153,14 @@ class _Node:
     cache: dict = field(default_factory=dict)  # train context per member batch
 
 
+def _walk(node: _Node):
+    """``node`` and every node below it."""
+    yield node
+    for child in node.children:
+        if child is not None:
+            yield from _walk(child)
+
+
 def _balanced_tree(classes: np.ndarray, k: int) -> _Node:
     """Split ``classes`` into at most ``k`` near-equal contiguous groups, recursively."""
     if len(classes) <= k:
@@ -179,6 +193,16 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             onto 8-24 principal components when that beats keeping them on a holdout of the train rows
             (``reduction_scores_`` lists the candidates); an int always projects onto that many (standardised)
             components; None never reduces. ``feature_reduction_`` describes what the fit chose.
+        finetune_steps: 0 (default) predicts purely in context. A positive number adapts a copy of the model to
+            this table first: that many AdamW steps (rate ``finetune_lr``, gradient norm clipped at 1) on the
+            in-context loss of the train rows, each step drawing two ensemble views and a stratified split of
+            at most 1,024 train rows into context (70%) and queries (30%). With ``softmax_temperature="auto"``
+            the temperature's holdout rows are left out of fine-tuning: every 20 steps the weights are scored on
+            them (log-loss; step 0 = the pretrained weights), the best-scoring weights are kept
+            (``finetune_eval_``), and the temperature is then fitted on them. Costs a forward and backward pass
+            per step (tens of seconds per 100 steps on one CPU thread); ``finetune_loss_`` holds the loss of
+            every step. Test rows are never seen.
+        finetune_lr: learning rate of the fine-tuning steps.
         verbose: log progress at INFO level.
     """
 
@@ -195,6 +219,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         softmax_temperature="auto",
         norm_methods=("none", "power"),
         feature_reduction="auto",
+        finetune_steps: int = 0,
+        finetune_lr: float = 3e-4,
         verbose: bool = False,
     ) -> None:
         self.n_estimators = n_estimators
@@ -207,6 +233,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.softmax_temperature = softmax_temperature
         self.norm_methods = norm_methods
         self.feature_reduction = feature_reduction
+        self.finetune_steps = finetune_steps
+        self.finetune_lr = finetune_lr
         self.verbose = verbose
 
     # -- sklearn plumbing ---------------------------------------------------------------------------------
@@ -234,6 +262,12 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         if (not isinstance(norms, (tuple, list)) or not norms
                 or any(not isinstance(n, str) or n not in NORM_METHODS for n in norms)):
             raise ValueError(f"norm_methods must be a non-empty sequence of {NORM_METHODS}, got {self.norm_methods!r}")
+        fs = self.finetune_steps
+        if not (isinstance(fs, (int, np.integer)) and not isinstance(fs, bool) and fs >= 0):
+            raise ValueError(f"finetune_steps must be an int >= 0, got {fs!r}")
+        lr = self.finetune_lr
+        if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < 1):
+            raise ValueError(f"finetune_lr must be a number in (0, 1), got {lr!r}")
         fr = self.feature_reduction
         if not (fr is None or fr == "auto" or isinstance(fr, (int, np.integer)) and not isinstance(fr, bool) and fr >= 1):
             raise ValueError(f"feature_reduction must be 'auto', None or a positive int (principal components), got {fr!r}")
@@ -273,7 +307,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
 
     # -- fit --------------------------------------------------------------------------------------------
     def fit(self, X, y):
-        """Store the train table (preprocessed) and labels; no gradient step happens."""
+        """Store the train table (preprocessed) and labels; with ``finetune_steps`` > 0 also adapt a copy of the
+        model to it (the only case where ``fit`` takes gradient steps)."""
         self._check_params()
         df = self._validate_X(X, reset=True)
         if y is None:
@@ -293,6 +328,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         y_enc = y_enc.astype(np.int64)
         trained_width = model.card.get("pretrained_max_features")
         self._reducer, self.reduction_scores_ = None, []
+        # A refit starts from the pretrained model again.
+        self._finetuned, self.finetune_loss_, self.finetune_eval_ = None, [], []
         auto_reduce = self.feature_reduction == "auto" and trained_width and Xv.shape[1] > trained_width
         # One train holdout serves both choices made at fit time (the reduction, then the temperature).
         split = self._holdout(y_enc) if auto_reduce or self.softmax_temperature == "auto" else None
@@ -312,6 +349,10 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             warnings.warn(f"the table has {F} informative features but this checkpoint was pretrained on tables of at "
                           f"most {trained_width}; expect lower accuracy ({hint})", UserWarning, stacklevel=2)
         self._setup(Xv, is_cat, y_enc)
+        if self.finetune_steps and self._tree is not None:
+            use_split = split if self.softmax_temperature == "auto" else None
+            held_out = use_split[1] if use_split is not None else np.array([], dtype=np.int64)
+            self._finetune(np.setdiff1d(np.arange(len(y_enc)), held_out), use_split)
         if self.softmax_temperature == "auto":
             self.temperature_ = self._fit_temperature(Xv, is_cat, y_enc, split)
         else:
@@ -335,6 +376,100 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self._norms = {n: self._fit_norm(Xv, n) for n in {m.norm for m in self._members} if n != "none"}
         self._tree = _balanced_tree(np.arange(C), self._max_classes) if C > 1 else None
         self._cache = _CacheLedger()  # bytes of train contexts kept for later predict calls
+
+    def _model(self) -> TabICL:
+        """The model predictions run: the table's fine-tuned copy, or the shared pretrained one."""
+        ft = getattr(self, "_finetuned", None)
+        return ft if ft is not None else _get_model(self.checkpoint, self._device)
+
+    def _finetune(self, rows: np.ndarray, split=None) -> None:
+        """Adapt a copy of the model to the train rows ``rows`` (see ``finetune_steps``); sets ``_finetuned`` and
+        ``finetune_loss_``. Labels are the root node's groups (the classes themselves up to ``max_classes``).
+
+        With a holdout ``split = (a, b)`` (``b`` disjoint from ``rows``), the weights are scored on it every
+        ``_FT_EVAL_EVERY`` steps (rows ``a`` as context, log-loss of rows ``b``; step 0 = the pretrained weights)
+        and the best-scoring weights are kept (``finetune_eval_``: (step, log-loss) pairs)."""
+        import copy
+
+        from sklearn.metrics import log_loss
+
+        self.finetune_eval_ = []
+
+        root = self._tree
+        G = len(root.groups)
+        group_of = np.zeros(len(self.classes_), dtype=np.int64)
+        for g, members in enumerate(root.groups):
+            group_of[members] = g
+        y = group_of[self._y_train[rows]]
+        rng = np.random.default_rng(self.random_state)
+        by_class = [rows[y == g] for g in range(G)]
+        # Per class: queries take _FT_QUERY of its rows in a step, but never its last row (it stays in context).
+        if sum(min(int(round(_FT_QUERY * len(r))), len(r) - 1) for r in by_class) < 1:
+            logger.warning("finetune_steps=%d skipped: %d train rows leave no query row for fine-tuning",
+                           self.finetune_steps, len(rows))
+            return
+        model = copy.deepcopy(_get_model(self.checkpoint, self._device))
+        model.train()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=float(self.finetune_lr), weight_decay=0.0)
+        take = min(1.0, _FT_ROWS / len(rows))  # share of each class drawn per step (large tables)
+        losses = []
+        best = None
+        if split is not None:
+            a, b = split
+            probe = self._probe(min(int(self.n_estimators), 4))
+            probe._setup(self._X_train[a], self._is_cat, self._y_train[a])
+            labels = np.arange(len(self.classes_))
+
+            def score(step: int):
+                nonlocal best
+                model.eval()
+                probe._finetuned = model
+                for node in _walk(probe._tree):
+                    node.cache.clear()
+                proba = probe._proba(self._X_train[b])
+                ll = float(log_loss(self._y_train[b], np.clip(proba, 1e-12, 1), labels=labels))
+                self.finetune_eval_.append((step, ll))
+                if best is None or ll < best[1]:
+                    best = (step, ll, {k: v.detach().clone() for k, v in model.state_dict().items()})
+                model.train()
+
+            score(0)
+        for step in range(int(self.finetune_steps)):
+            ctx, qry = [], []
+            for r in by_class:
+                n = len(r) if take == 1.0 else min(len(r), max(2, int(round(take * len(r)))))
+                drawn = rng.permutation(r)[:n]
+                nq = min(int(round(_FT_QUERY * n)), n - 1)
+                qry.append(drawn[:nq])
+                ctx.append(drawn[nq:])
+            ctx, qry = np.concatenate(ctx), np.concatenate(qry)
+            order = np.concatenate([ctx, qry])
+            yy = group_of[self._y_train[order]]
+            pick = rng.choice(len(self._members), _FT_VIEWS, replace=len(self._members) < _FT_VIEWS)
+            views = [self._members[i] for i in pick]
+            xs = torch.from_numpy(np.stack([self._view(self._X_train[order], m) for m in views])).to(self._device)
+            ys = torch.from_numpy(np.stack([(yy + m.shift) % G for m in views])).to(self._device)
+            logits = model(xs, ys[:, : len(ctx)])[..., :G]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, G), ys[:, len(ctx) :].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), _FT_CLIP)
+            opt.step()
+            losses.append(loss.item())
+            if self.verbose and (step + 1) % 10 == 0:
+                logger.info("fine-tuning step %d/%d: loss %.4f", step + 1, self.finetune_steps, np.mean(losses[-10:]))
+            if split is not None and ((step + 1) % _FT_EVAL_EVERY == 0 or step + 1 == self.finetune_steps):
+                score(step + 1)
+        if best is not None:
+            model.load_state_dict(best[2])
+            if self.verbose:
+                logger.info("fine-tuning: kept the weights of step %d (holdout log-loss %.4f)", best[0], best[1])
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self._finetuned, self.finetune_loss_ = model, losses
 
     def _select_reduction(self, Xv, is_cat, y_enc, width: int, split):
         """``feature_reduction='auto'``: keep all columns or project the numeric ones onto ``k`` principal
@@ -396,6 +531,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                               "softmax_temperature": _DEFAULT_TEMPERATURE})
         probe.classes_, probe._device, probe._max_classes = self.classes_, self._device, self._max_classes
         probe.temperature_ = _DEFAULT_TEMPERATURE
+        probe._finetuned = getattr(self, "_finetuned", None)  # holdouts run the model the estimator predicts with
         return probe
 
     def _fit_temperature(self, Xv: np.ndarray, is_cat: np.ndarray, y_enc: np.ndarray, split) -> float:
@@ -515,7 +651,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         into stratified folds that serve as separate contexts, so cost and memory grow linearly in rows; each
         fold gets at least one member and each member at least one fold.
         """
-        model = _get_model(self.checkpoint, self._device)
+        model = self._model()
         group_of = np.full(len(self.classes_), -1, dtype=np.int64)
         for g, members in enumerate(node.groups):
             group_of[members] = g

@@ -29,7 +29,7 @@ def test_compare_on_bundled_table(served, tmp_path):
     df.to_csv(path, index=False)
     client = gradio_client.Client(served, verbose=False)
     models, conf, proba, status = client.predict(
-        "iris", gradio_client.handle_file(str(path)), "label", 0.3, 2, 0, api_name="/tabicl_run"
+        "iris", gradio_client.handle_file(str(path)), "label", 0.3, 2, 0, 0, api_name="/tabicl_run"
     )
     assert "Done" in status and "2 classes" in status
     names = [row[0] for row in models["data"]]
@@ -43,7 +43,7 @@ def test_compare_on_bundled_table(served, tmp_path):
 def test_unknown_target_is_a_clear_error(served):
     client = gradio_client.Client(served, verbose=False)
     with pytest.raises(Exception, match="not in the table"):
-        client.predict("iris", None, "nope", 0.3, 1, 0, api_name="/tabicl_run")
+        client.predict("iris", None, "nope", 0.3, 1, 0, 0, api_name="/tabicl_run")
 
 
 def test_status_reports_the_feature_reduction(monkeypatch):
@@ -72,3 +72,25 @@ def test_status_reports_the_feature_reduction(monkeypatch):
         assert "principal components" not in status and "48 informative features" in status
     else:
         assert f"onto {red['components']} principal components" in status and red["numeric_columns"] == 48
+
+
+def test_finetuning_through_the_tab(served, tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(3)
+    n = 90
+    y = rng.integers(0, 2, n)
+    df = pd.DataFrame({"x1": y * 2.0 + rng.normal(size=n), "x2": rng.normal(size=n), "label": y})
+    path = tmp_path / "t.csv"
+    df.to_csv(path, index=False)
+    client = gradio_client.Client(served, verbose=False)
+    *_, status = client.predict("iris", gradio_client.handle_file(str(path)), "label", 0.3, 1, 0, 10,
+                                api_name="/tabicl_run")
+    assert "fine-tuned on the train rows for 10 steps" in status
+    with pytest.raises(Exception, match="300"):  # the slider's bound (Gradio checks it before the call)
+        client.predict("iris", None, "target", 0.3, 1, 0, 1000, api_name="/tabicl_run")
+    from apps.tabicl.ui import run_comparison
+
+    with pytest.raises(ValueError, match="fine-tuning steps must be in"):  # called from Python
+        run_comparison("iris", None, "target", 0.3, 1, 0, 1000)

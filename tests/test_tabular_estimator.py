@@ -29,7 +29,8 @@ def _blobs(n=120, f=4, c=3, seed=None):
 _EXPECTED_FAILS = {"check_methods_subset_invariance": "float32 results vary by ~1e-6 with the batch composition"}
 
 
-@parametrize_with_checks([TabICLClassifier(n_estimators=1)], expected_failed_checks=lambda est: _EXPECTED_FAILS)
+@parametrize_with_checks([TabICLClassifier(n_estimators=1), TabICLClassifier(n_estimators=1, finetune_steps=2)],
+                         expected_failed_checks=lambda est: _EXPECTED_FAILS)
 def test_sklearn_contract(estimator, check):
     check(estimator)
 
@@ -142,6 +143,8 @@ def test_many_classes_hierarchy():
     proba = clf.predict_proba(X[200:])
     assert proba.shape == (60, C) and np.allclose(proba.sum(1), 1) and (proba >= 0).all()
     assert (clf.predict(X[200:]) == y[200:]).mean() > 1.0 / C  # better than chance through the hierarchy
+    ft = TabICLClassifier(n_estimators=1, finetune_steps=3).fit(X[:200], y[:200])  # steps train the root's groups
+    assert len(ft.finetune_loss_) == 3 and np.allclose(ft.predict_proba(X[200:]).sum(1), 1)
 
 
 def test_large_train_sets_split_into_stratified_folds(monkeypatch):
@@ -344,3 +347,99 @@ def test_softmax_temperature_auto_is_the_holdout_map_and_fixed_values_are_kept()
     for bad in ("hot", 0, -1.0, True):
         with pytest.raises(ValueError, match="softmax_temperature"):
             TabICLClassifier(softmax_temperature=bad).fit(X[:50], y[:50])
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_finetune_adapts_a_copy_and_keeps_the_shared_model():
+    from tabular.estimator import _get_model
+
+    X, y = _blobs(n=160, f=4, c=3, seed=5)
+    base = TabICLClassifier(n_estimators=2, random_state=0, softmax_temperature=0.9).fit(X[:120], y[:120])
+    shared = _get_model(None, torch.device("cpu"))
+    before = _weights(shared)
+    ft = TabICLClassifier(n_estimators=2, random_state=0, softmax_temperature=0.9, finetune_steps=30,
+                          finetune_lr=1e-3).fit(X[:120], y[:120])
+    after = _weights(shared)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the pretrained model is untouched
+    assert ft._finetuned is not None and ft._finetuned is not shared
+    moved = sum(float((ft._finetuned.state_dict()[k] - before[k]).abs().max()) for k in before)
+    assert moved > 0
+    assert len(ft.finetune_loss_) == 30 and np.isfinite(ft.finetune_loss_).all()
+    assert np.mean(ft.finetune_loss_[-10:]) < np.mean(ft.finetune_loss_[:10])  # it fits the train rows
+    # Predictions come from the adapted model: they differ from the in-context ones, and a refit without
+    # fine-tuning returns to the pretrained model.
+    pb, pf = base.predict_proba(X[120:]), ft.predict_proba(X[120:])
+    assert np.abs(pb - pf).max() > 1e-4 and np.allclose(pf.sum(1), 1)
+    ft.set_params(finetune_steps=0).fit(X[:120], y[:120])
+    assert ft._finetuned is None and ft.finetune_loss_ == []
+    np.testing.assert_allclose(ft.predict_proba(X[120:]), pb, rtol=1e-6, atol=1e-7)
+
+
+def test_finetune_is_seeded_and_test_rows_stay_independent():
+    import pickle
+
+    X, y = _blobs(n=140, f=3, c=2, seed=6)
+    Xt = X[100:].copy()
+
+    def fitted():
+        return TabICLClassifier(n_estimators=2, random_state=3, finetune_steps=8).fit(X[:100], y[:100])
+
+    a = fitted().predict_proba(Xt)
+    np.testing.assert_allclose(fitted().predict_proba(Xt), a, rtol=1e-5, atol=1e-6)  # same seed, same model
+    Xt2 = Xt.copy()
+    Xt2[4:] = np.random.randn(*Xt2[4:].shape) * 10
+    clf = fitted()
+    np.testing.assert_allclose(clf.predict_proba(Xt2)[:4], a[:4], rtol=1e-5, atol=1e-6)
+    again = pickle.loads(pickle.dumps(clf))  # the adapted weights travel with the estimator
+    np.testing.assert_allclose(again.predict_proba(Xt), a, rtol=1e-5, atol=1e-6)
+
+
+def test_finetune_holds_out_the_temperature_rows_and_refuses_bad_params():
+    X, y = _blobs(n=200, f=4, c=3, seed=7)
+    clf = TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2).fit(X, y)
+    a, b = clf._holdout(clf._y_train)
+    seen = []
+    real = TabICLClassifier._finetune
+
+    def spy(self, rows, split=None):
+        seen.append(rows)
+        return real(self, rows, split)
+
+    TabICLClassifier._finetune = spy
+    try:
+        TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2).fit(X, y)  # auto temperature
+        TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2, softmax_temperature=0.9).fit(X, y)
+    finally:
+        TabICLClassifier._finetune = real
+    assert np.intersect1d(seen[0], b).size == 0 and len(seen[0]) == len(X) - len(b)
+    np.testing.assert_array_equal(seen[1], np.arange(len(X)))  # a fixed temperature: every train row
+    # One row per class leaves no query row: fine-tuning is skipped with a warning, the estimator still works.
+    tiny = TabICLClassifier(n_estimators=1, finetune_steps=2)
+    tiny.fit(X[:2], [0, 1])
+    assert tiny._finetuned is None and tiny.finetune_loss_ == [] and tiny.predict_proba(X[:3]).shape == (3, 2)
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="finetune_steps"):
+            TabICLClassifier(finetune_steps=bad).fit(X, y)
+    for bad in (0, -1e-3, 1.0, "fast"):
+        with pytest.raises(ValueError, match="finetune_lr"):
+            TabICLClassifier(finetune_steps=2, finetune_lr=bad).fit(X, y)
+
+
+def test_finetune_keeps_the_weights_that_score_best_on_the_holdout():
+    from sklearn.metrics import log_loss
+
+    X, y = _blobs(n=220, f=4, c=3, seed=8)
+    clf = TabICLClassifier(n_estimators=2, random_state=4, finetune_steps=50, finetune_lr=3e-3).fit(X, y)
+    steps = [s for s, _ in clf.finetune_eval_]
+    assert steps == [0, 20, 40, 50] and len(clf.finetune_loss_) == 50
+    a, b = clf._holdout(clf._y_train)
+    probe = clf._probe(2)  # runs the kept weights
+    probe._setup(clf._X_train[a], clf._is_cat, clf._y_train[a])
+    ll = log_loss(clf._y_train[b], np.clip(probe._proba(clf._X_train[b]), 1e-12, 1), labels=[0, 1, 2])
+    assert ll == pytest.approx(min(v for _, v in clf.finetune_eval_), rel=1e-4)
+    # A fixed temperature leaves no holdout: all steps are kept, nothing is scored.
+    fixed = TabICLClassifier(n_estimators=2, finetune_steps=5, softmax_temperature=0.9).fit(X, y)
+    assert fixed.finetune_eval_ == [] and len(fixed.finetune_loss_) == 5

@@ -11,7 +11,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_ui", "run_comparison", "EXAMPLE"]
 
 KEY = "tabicl"
-EXAMPLE = {"dataset": "iris", "target": "target", "test_size": 0.3, "n_estimators": 4, "seed": 0}
+EXAMPLE = {"dataset": "iris", "target": "target", "test_size": 0.3, "n_estimators": 4, "seed": 0, "finetune_steps": 0}
+MAX_FINETUNE_STEPS = 300
 
 
 def _table(dataset: str, csv_path):
@@ -27,7 +28,8 @@ def _table(dataset: str, csv_path):
     return load_bundled(dataset)
 
 
-def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_estimators: int, seed: int):
+def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_estimators: int, seed: int,
+                   finetune_steps: int = 0):
     """Returns (models table, confusion matrix table, probabilities table, status text)."""
     import pandas as pd
     import torch
@@ -39,7 +41,11 @@ def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_esti
     n_estimators = int(n_estimators)
     if not 1 <= n_estimators <= 32:
         raise ValueError(f"ensemble members must be in [1, 32], got {n_estimators}")
-    out = compare_on_table(df, target, test_size=float(test_size), seed=int(seed), n_estimators=n_estimators)
+    finetune_steps = int(finetune_steps or 0)
+    if not 0 <= finetune_steps <= MAX_FINETUNE_STEPS:
+        raise ValueError(f"fine-tuning steps must be in [0, {MAX_FINETUNE_STEPS}], got {finetune_steps}")
+    out = compare_on_table(df, target, test_size=float(test_size), seed=int(seed), n_estimators=n_estimators,
+                           finetune_steps=finetune_steps)
     models = pd.DataFrame(out["models"])[["model", "accuracy", "seconds"]].round(4)
     conf = pd.DataFrame(out["confusion"], columns=[f"pred {c}" for c in out["classes"]])
     conf.insert(0, "true", out["classes"])
@@ -55,6 +61,14 @@ def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_esti
         status += (f"\n\nTabICL projected the {red['numeric_columns']} numeric columns onto {red['components']} principal "
                    f"components ({'standardised' if red['standardize'] else 'centred'}; "
                    f"{red['explained_variance']:.0%} of the variance), chosen over keeping them on a holdout of the train rows.")
+    losses = out.get("tabicl_finetune_loss") or []
+    if losses:
+        k = min(10, len(losses))
+        status += (f"\n\nTabICL was fine-tuned on the train rows for {len(losses)} steps first (in-context loss "
+                   f"{sum(losses[:k]) / k:.3f} over the first {k} steps, "
+                   f"{sum(losses[-k:]) / k:.3f} over the last {k}).")
+    elif finetune_steps:
+        status += "\n\nFine-tuning was skipped: too few train rows to hold out queries."
     for note in out["tabicl_warnings"]:
         status += f"\n\nNote: {note}."
     return models, conf, proba, status
@@ -67,7 +81,8 @@ def build_ui() -> None:
 
     gr.Markdown("## TabICL\nIn-context classification: the pretrained transformer reads the train rows with their "
                 "labels and predicts the test rows in one forward pass, no training. Compare it with classical "
-                "baselines on a held-out split of a bundled table or your CSV.")
+                "baselines on a held-out split of a bundled table or your CSV. Optionally, fine-tune the model on "
+                "the train rows first (a few gradient steps; slower, often more accurate on small tables).")
     with gr.Row():
         dataset = gr.Dropdown(list(BUNDLED), value=EXAMPLE["dataset"], label="bundled table")
         csv = gr.File(label="or upload a CSV", file_types=[".csv"], type="filepath")
@@ -76,6 +91,8 @@ def build_ui() -> None:
         test_size = gr.Slider(0.1, 0.9, value=EXAMPLE["test_size"], step=0.05, label="held-out share")
         n_est = gr.Slider(1, 32, value=EXAMPLE["n_estimators"], step=1, label="TabICL ensemble members")
         seed = gr.Number(value=EXAMPLE["seed"], precision=0, label="split seed")
+        ft = gr.Slider(0, MAX_FINETUNE_STEPS, value=EXAMPLE["finetune_steps"], step=10,
+                       label="TabICL fine-tuning steps (0 = purely in context)")
     with gr.Row():
         run = gr.Button("Compare", variant="primary")
         example = gr.Button("Run the bundled example (iris)", elem_id=f"{KEY}-example")
@@ -92,18 +109,18 @@ def build_ui() -> None:
             raise gr.Error(str(err)) from err
         return gr.update(choices=cols, value="target" if "target" in cols else cols[-1])
 
-    def _run(ds, path, tgt, ts, n, sd):
+    def _run(ds, path, tgt, ts, n, sd, steps):
         try:
-            return run_comparison(ds, path, tgt, ts, n, sd)
+            return run_comparison(ds, path, tgt, ts, n, sd, steps)
         except (ValueError, FileNotFoundError) as err:
             raise gr.Error(str(err)) from err
 
     def _example():
         e = EXAMPLE
-        return _run(e["dataset"], None, e["target"], e["test_size"], e["n_estimators"], e["seed"])
+        return _run(e["dataset"], None, e["target"], e["test_size"], e["n_estimators"], e["seed"], e["finetune_steps"])
 
     dataset.change(_columns, [dataset, csv], target, api_name=f"{KEY}_columns")
     csv.change(_columns, [dataset, csv], target, api_name=f"{KEY}_columns_csv")
     outs = [models, conf, proba, status]
-    run.click(_run, [dataset, csv, target, test_size, n_est, seed], outs, api_name=f"{KEY}_run")
+    run.click(_run, [dataset, csv, target, test_size, n_est, seed, ft], outs, api_name=f"{KEY}_run")
     example.click(_example, None, outs, api_name=f"{KEY}_example")
