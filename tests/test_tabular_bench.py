@@ -18,8 +18,8 @@ def _row(dataset, model, acc, rows=100):
 def test_targets_are_reported_for_each_tabicl_variant():
     rows = [_row("a", "TabICL", 0.90), _row("a", "TabICL-ft", 0.95), _row("a", "LogisticRegression", 0.93),
             _row("a", "HistGradientBoosting", 0.92),
-            _row("b", "TabICL", 0.80, 5000), _row("b", "TabICL-ft", 0.80, 5000), _row("b", "LogisticRegression", 0.9, 5000),
-            _row("b", "HistGradientBoosting", 0.70, 5000)]
+            _row("b", "TabICL", 0.80, 5000), _row("b", "TabICL-ft", 0.80, 5000),
+            _row("b", "LogisticRegression", 0.9, 5000), _row("b", "HistGradientBoosting", 0.70, 5000)]
     t = _targets(rows)
     base, ft = t["by_model"]["TabICL"], t["by_model"]["TabICL-ft"]
     assert base["mean_vs_hgb"]["tabicl"] == pytest.approx(0.85) and base["mean_vs_hgb"]["met"]
