@@ -32,6 +32,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
 
+from tabular.finetune import VIEWS as FINETUNE_VIEWS, finetune
 from tabular.model import TabICL
 from tabular.preprocess import TablePreprocessor, to_frame
 from tabular.weights_io import default_checkpoint, load_model
@@ -50,11 +51,6 @@ _REDUCTION_MIN_ROWS = 40  # fewer train rows than this: too noisy to choose, all
 _REDUCTION_MEMBERS = 2  # ensemble members of each candidate's holdout run
 _DEFAULT_TEMPERATURE = 0.9  # softmax temperature of the published model, and the centre of "auto"'s prior
 _TEMPERATURE_PRIOR_SIGMA = 0.5  # std of the log-normal prior of softmax_temperature="auto" (in log space)
-_FT_ROWS = 1024  # fine-tuning: at most this many train rows (stratified draw) make up one step's table
-_FT_QUERY = 0.3  # fine-tuning: share of a step's rows that are queries (the rest is the context)
-_FT_VIEWS = 2  # fine-tuning: ensemble views per step
-_FT_CLIP = 1.0  # fine-tuning: gradient-norm clip
-_FT_EVAL_EVERY = 20  # fine-tuning: steps between holdout scores (the best-scoring weights are kept)
 
 
 def _fit_rows(n: int, seed) -> np.ndarray:
@@ -383,93 +379,51 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         return ft if ft is not None else _get_model(self.checkpoint, self._device)
 
     def _finetune(self, rows: np.ndarray, split=None) -> None:
-        """Adapt a copy of the model to the train rows ``rows`` (see ``finetune_steps``); sets ``_finetuned`` and
-        ``finetune_loss_``. Labels are the root node's groups (the classes themselves up to ``max_classes``).
+        """Adapt a copy of the model to the train rows ``rows`` (see ``finetune_steps`` and :mod:`tabular.finetune`);
+        sets ``_finetuned``, ``finetune_loss_`` and ``finetune_eval_``. Labels are the root node's groups (the
+        classes themselves up to ``max_classes``); each step's tables are two of the ensemble's views.
 
-        With a holdout ``split = (a, b)`` (``b`` disjoint from ``rows``), the weights are scored on it every
-        ``_FT_EVAL_EVERY`` steps (rows ``a`` as context, log-loss of rows ``b``; step 0 = the pretrained weights)
-        and the best-scoring weights are kept (``finetune_eval_``: (step, log-loss) pairs)."""
+        With a holdout ``split = (a, b)`` (``b`` disjoint from ``rows``) the weights are scored on it (rows ``a``
+        as context, the ensemble's log-loss of rows ``b``) and the best-scoring ones are kept."""
         import copy
 
         from sklearn.metrics import log_loss
-
-        self.finetune_eval_ = []
 
         root = self._tree
         G = len(root.groups)
         group_of = np.zeros(len(self.classes_), dtype=np.int64)
         for g, members in enumerate(root.groups):
             group_of[members] = g
-        y = group_of[self._y_train[rows]]
-        rng = np.random.default_rng(self.random_state)
-        by_class = [rows[y == g] for g in range(G)]
-        # Per class: queries take _FT_QUERY of its rows in a step, but never its last row (it stays in context).
-        if sum(min(int(round(_FT_QUERY * len(r))), len(r) - 1) for r in by_class) < 1:
-            logger.warning("finetune_steps=%d skipped: %d train rows leave no query row for fine-tuning",
-                           self.finetune_steps, len(rows))
-            return
-        model = copy.deepcopy(_get_model(self.checkpoint, self._device))
-        model.train()
-        for p in model.parameters():
-            p.requires_grad_(True)
-        opt = torch.optim.AdamW(model.parameters(), lr=float(self.finetune_lr), weight_decay=0.0)
-        take = min(1.0, _FT_ROWS / len(rows))  # share of each class drawn per step (large tables)
-        losses = []
-        best = None
+
+        def make_batch(order, yy, rng):
+            pick = rng.choice(len(self._members), FINETUNE_VIEWS, replace=len(self._members) < FINETUNE_VIEWS)
+            views = [self._members[i] for i in pick]
+            xs = torch.from_numpy(np.stack([self._view(self._X_train[order], m) for m in views])).to(self._device)
+            ys = torch.from_numpy(np.stack([(yy + m.shift) % G for m in views])).to(self._device)
+            return xs, ys
+
+        score = None
         if split is not None:
             a, b = split
             probe = self._probe(min(int(self.n_estimators), 4))
             probe._setup(self._X_train[a], self._is_cat, self._y_train[a])
             labels = np.arange(len(self.classes_))
 
-            def score(step: int):
-                nonlocal best
-                model.eval()
+            def score(model):
                 probe._finetuned = model
                 for node in _walk(probe._tree):
-                    node.cache.clear()
+                    node.cache.clear()  # contexts of the previous weights
                 proba = probe._proba(self._X_train[b])
-                ll = float(log_loss(self._y_train[b], np.clip(proba, 1e-12, 1), labels=labels))
-                self.finetune_eval_.append((step, ll))
-                if best is None or ll < best[1]:
-                    best = (step, ll, {k: v.detach().clone() for k, v in model.state_dict().items()})
-                model.train()
+                return log_loss(self._y_train[b], np.clip(proba, 1e-12, 1), labels=labels)
 
-            score(0)
-        for step in range(int(self.finetune_steps)):
-            ctx, qry = [], []
-            for r in by_class:
-                n = len(r) if take == 1.0 else min(len(r), max(2, int(round(take * len(r)))))
-                drawn = rng.permutation(r)[:n]
-                nq = min(int(round(_FT_QUERY * n)), n - 1)
-                qry.append(drawn[:nq])
-                ctx.append(drawn[nq:])
-            ctx, qry = np.concatenate(ctx), np.concatenate(qry)
-            order = np.concatenate([ctx, qry])
-            yy = group_of[self._y_train[order]]
-            pick = rng.choice(len(self._members), _FT_VIEWS, replace=len(self._members) < _FT_VIEWS)
-            views = [self._members[i] for i in pick]
-            xs = torch.from_numpy(np.stack([self._view(self._X_train[order], m) for m in views])).to(self._device)
-            ys = torch.from_numpy(np.stack([(yy + m.shift) % G for m in views])).to(self._device)
-            logits = model(xs, ys[:, : len(ctx)])[..., :G]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, G), ys[:, len(ctx) :].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), _FT_CLIP)
-            opt.step()
-            losses.append(loss.item())
-            if self.verbose and (step + 1) % 10 == 0:
-                logger.info("fine-tuning step %d/%d: loss %.4f", step + 1, self.finetune_steps, np.mean(losses[-10:]))
-            if split is not None and ((step + 1) % _FT_EVAL_EVERY == 0 or step + 1 == self.finetune_steps):
-                score(step + 1)
-        if best is not None:
-            model.load_state_dict(best[2])
-            if self.verbose:
-                logger.info("fine-tuning: kept the weights of step %d (holdout log-loss %.4f)", best[0], best[1])
-        model.eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        self._finetuned, self.finetune_loss_ = model, losses
+        model = copy.deepcopy(_get_model(self.checkpoint, self._device))
+        res = finetune(model, group_of[self._y_train], rows, make_batch, n_classes=G, steps=int(self.finetune_steps),
+                       lr=self.finetune_lr, seed=self.random_state, score=score, verbose=self.verbose)
+        if res is None:
+            logger.warning("finetune_steps=%d skipped: %d train rows leave no query row for fine-tuning",
+                           self.finetune_steps, len(rows))
+            return
+        self._finetuned, self.finetune_loss_, self.finetune_eval_ = model, res.losses, res.evals
 
     def _select_reduction(self, Xv, is_cat, y_enc, width: int, split):
         """``feature_reduction='auto'``: keep all columns or project the numeric ones onto ``k`` principal

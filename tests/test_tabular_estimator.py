@@ -443,3 +443,39 @@ def test_finetune_keeps_the_weights_that_score_best_on_the_holdout():
     # A fixed temperature leaves no holdout: all steps are kept, nothing is scored.
     fixed = TabICLClassifier(n_estimators=2, finetune_steps=5, softmax_temperature=0.9).fit(X, y)
     assert fixed.finetune_eval_ == [] and len(fixed.finetune_loss_) == 5
+
+
+def test_finetune_draws_stratified_bounded_disjoint_context_and_queries():
+    from tabular.finetune import ROWS, finetune
+    from tabular.model import tabicl_tiny
+
+    rng = np.random.default_rng(0)
+    n = 3000
+    labels = np.r_[np.zeros(2900, dtype=np.int64), np.ones(95, dtype=np.int64), np.full(5, 2, dtype=np.int64)]
+    X = rng.normal(size=(n, 3)).astype(np.float32)
+    rows = np.arange(n)
+    seen = []
+
+    def make_batch(order, yy, step_rng):
+        seen.append((order.copy(), yy.copy()))
+        return torch.from_numpy(X[order][None]), torch.from_numpy(yy[None])
+
+    torch.manual_seed(0)
+    model = TabICL(tabicl_tiny())
+    res = finetune(model, labels, rows, make_batch, n_classes=3, steps=3, lr=1e-3, seed=0)
+    assert len(res.losses) == 3 and res.evals == [] and res.best_step is None and not model.training
+    take = ROWS / n
+    drawn = [round(2900 * take), round(95 * take), 2]  # stratified; a tiny class still gets two rows
+    queries = [min(round(0.3 * k), k - 1) for k in drawn]
+    assert len(seen) == 3
+    for order, yy in seen:
+        assert len(np.unique(order)) == len(order) == sum(drawn)  # a bounded draw, no row twice
+        np.testing.assert_array_equal(yy, labels[order])
+        n_ctx = len(order) - sum(queries)
+        np.testing.assert_array_equal(np.bincount(yy[n_ctx:], minlength=3), queries)  # 30% of each class
+        np.testing.assert_array_equal(np.bincount(yy[:n_ctx], minlength=3), np.subtract(drawn, queries))
+    assert not np.array_equal(seen[0][0], seen[1][0])  # a fresh draw every step
+    # Every class with a single row: no query can be drawn, the model is left as it was.
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert finetune(model, np.arange(3), np.arange(3), make_batch, n_classes=3, steps=2, lr=1e-3, seed=0) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -1,0 +1,120 @@
+"""Per-table fine-tuning of a TabICL model: gradient steps on the in-context loss of a table's own train rows.
+
+``TabICLClassifier(finetune_steps=N)`` calls :func:`finetune` at ``fit``. Each step draws a stratified subset of
+at most ``ROWS`` train rows, splits every class into context (70%) and queries (30%, never a class's last row),
+and minimises the cross-entropy of the queries given the context — the pretraining objective, on this table.
+With a ``score`` function (the estimator's holdout log-loss) the weights are scored at step 0 and every
+``EVAL_EVERY`` steps, and the best-scoring ones are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["finetune", "FinetuneResult", "ROWS", "QUERY", "VIEWS", "CLIP", "EVAL_EVERY"]
+
+ROWS = 1024  # at most this many train rows (stratified draw) make up one step's table
+QUERY = 0.3  # share of a step's rows that are queries (the rest is the context)
+VIEWS = 2  # ensemble views per step (tables in one batch)
+CLIP = 1.0  # gradient-norm clip
+EVAL_EVERY = 20  # steps between scores (when a score function is given)
+
+
+@dataclass
+class FinetuneResult:
+    losses: list = field(default_factory=list)  # in-context loss of every step
+    evals: list = field(default_factory=list)  # (step, score) pairs; step 0 = the weights passed in
+    best_step: int | None = None  # the step whose weights were kept (None: the last, no scoring)
+
+
+def _queries(n: int) -> int:
+    """Query rows drawn from a class with ``n`` rows in a step (its last row always stays in context)."""
+    return min(int(round(QUERY * n)), n - 1)
+
+
+def finetune(
+    model: torch.nn.Module,
+    labels: np.ndarray,
+    rows: np.ndarray,
+    make_batch: Callable[[np.ndarray, np.ndarray, np.random.Generator], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    n_classes: int,
+    steps: int,
+    lr: float,
+    seed,
+    score: Callable[[torch.nn.Module], float] | None = None,
+    verbose: bool = False,
+) -> FinetuneResult | None:
+    """Fine-tune ``model`` in place on train rows ``rows``; returns None (model untouched) when the rows leave no
+    query row (every class has a single row).
+
+    Args:
+        model: the model to adapt (pass a copy to keep the original); returned in eval mode.
+        labels: ``(n_train,)`` labels in ``[0, n_classes)`` of every train row (indexed by ``rows``).
+        rows: indices of the train rows fine-tuning may use.
+        make_batch: ``(order, labels[order], rng) -> (X (B, N, F), y (B, N))``: the step's tables — ``order``
+            lists the context rows then the query rows — as the model reads them (views, shifted labels).
+        n_classes: classes the loss ranges over (the first logits).
+        steps, lr: AdamW steps (no weight decay, gradient norm clipped at ``CLIP``) and learning rate.
+        seed: seed of the row draws.
+        score: lower is better; called with the model in eval mode at step 0, every ``EVAL_EVERY`` steps and
+            after the last; the best-scoring weights are restored at the end.
+    """
+    rng = np.random.default_rng(seed)
+    y = labels[rows]
+    by_class = [rows[y == c] for c in range(n_classes)]
+    if sum(_queries(len(r)) for r in by_class if len(r)) < 1:
+        return None
+    take = min(1.0, ROWS / len(rows))  # share of each class drawn per step (large tables)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(lr), weight_decay=0.0)
+    out, best = FinetuneResult(), None
+
+    def evaluate(step: int) -> None:
+        nonlocal best
+        model.eval()
+        with torch.no_grad():
+            value = float(score(model))
+        out.evals.append((step, value))
+        if best is None or value < best[1]:
+            best = (step, value, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    if score is not None:
+        evaluate(0)
+    for step in range(int(steps)):
+        model.train()
+        ctx, qry = [], []
+        for r in by_class:
+            n = len(r) if take == 1.0 else min(len(r), max(2, int(round(take * len(r)))))
+            drawn = rng.permutation(r)[:n]
+            nq = _queries(n) if n else 0
+            qry.append(drawn[:nq])
+            ctx.append(drawn[nq:])
+        ctx, qry = np.concatenate(ctx), np.concatenate(qry)
+        order = np.concatenate([ctx, qry])
+        xs, ys = make_batch(order, labels[order], rng)
+        with torch.enable_grad():
+            logits = model(xs, ys[:, : len(ctx)])[..., :n_classes]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, n_classes), ys[:, len(ctx) :].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        out.losses.append(loss.item())
+        if verbose and (step + 1) % 10 == 0:
+            logger.info("fine-tuning step %d/%d: loss %.4f", step + 1, steps, np.mean(out.losses[-10:]))
+        if score is not None and ((step + 1) % EVAL_EVERY == 0 or step + 1 == steps):
+            evaluate(step + 1)
+    if best is not None:
+        model.load_state_dict(best[2])
+        out.best_step = best[0]
+        if verbose:
+            logger.info("fine-tuning: kept the weights of step %d (score %.4f)", best[0], best[1])
+    model.eval()
+    return out
