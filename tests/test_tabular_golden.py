@@ -18,3 +18,11 @@ def test_golden_predictions_of_shipped_checkpoint():
     np.testing.assert_allclose(proba, np.array(stored["proba"]), atol=stored["atol"], rtol=0)
     _, _, Xte = golden_table()
     assert proba.shape == (len(Xte), 3)
+
+
+def test_golden_predictions_after_fine_tuning():
+    stored = json.loads(GOLDEN_PATH.read_text())
+    proba = golden_predictions(finetune_steps=stored["finetune_steps"])
+    np.testing.assert_allclose(proba, np.array(stored["proba_finetuned"]), atol=stored["finetune_atol"], rtol=0)
+    # Fine-tuning moved them: the two golden sets differ by more than the tolerance.
+    assert np.abs(np.array(stored["proba_finetuned"]) - np.array(stored["proba"])).max() > 10 * stored["finetune_atol"]
