@@ -32,7 +32,8 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
 
-from tabular.finetune import VIEWS as FINETUNE_VIEWS, finetune
+from tabular.finetune import MIN_ROWS as FINETUNE_MIN_ROWS, ROWS as FINETUNE_ROWS, VIEWS as FINETUNE_VIEWS
+from tabular.finetune import finetune, row_bytes
 from tabular.model import TabICL
 from tabular.preprocess import TablePreprocessor, to_frame
 from tabular.weights_io import default_checkpoint, load_model
@@ -51,6 +52,7 @@ _REDUCTION_MIN_ROWS = 40  # fewer train rows than this: too noisy to choose, all
 _REDUCTION_MEMBERS = 2  # ensemble members of each candidate's holdout run
 _DEFAULT_TEMPERATURE = 0.9  # softmax temperature of the published model, and the centre of "auto"'s prior
 _TEMPERATURE_PRIOR_SIGMA = 0.5  # std of the log-normal prior of softmax_temperature="auto" (in log space)
+_FINETUNE_RESERVE_MB = 256  # fine-tuning: part of memory_budget_mb kept for memory that does not grow with rows
 
 
 def _fit_rows(n: int, seed) -> np.ndarray:
@@ -191,13 +193,14 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             components; None never reduces. ``feature_reduction_`` describes what the fit chose.
         finetune_steps: 0 (default) predicts purely in context. A positive number adapts a copy of the model to
             this table first: that many AdamW steps (rate ``finetune_lr``, gradient norm clipped at 1) on the
-            in-context loss of the train rows, each step drawing two ensemble views and a stratified split of
-            at most 1,024 train rows into context (70%) and queries (30%). With ``softmax_temperature="auto"``
-            the temperature's holdout rows are left out of fine-tuning: every 20 steps the weights are scored on
-            them (log-loss; step 0 = the pretrained weights), the best-scoring weights are kept
-            (``finetune_eval_``), and the temperature is then fitted on them. Costs a forward and backward pass
-            per step (tens of seconds per 100 steps on one CPU thread); ``finetune_loss_`` holds the loss of
-            every step. Test rows are never seen.
+            in-context loss of the train rows, each step drawing two ensemble views and a stratified split of at
+            most 1,024 train rows (fewer for wide tables, so that a step fits in ``memory_budget_mb``;
+            ``finetune_rows_`` holds the number) into context (70%) and queries (30%). With
+            ``softmax_temperature="auto"`` the temperature's holdout rows are left out of fine-tuning: every 20
+            steps the weights are scored on them (log-loss; step 0 = the pretrained weights), the best-scoring
+            weights are kept (``finetune_eval_``), and the temperature is then fitted on them. Costs a forward
+            and backward pass per step (tens of seconds per 100 steps on one CPU thread); ``finetune_loss_``
+            holds the loss of every step. Test rows are never seen.
         finetune_lr: learning rate of the fine-tuning steps.
         verbose: log progress at INFO level.
     """
@@ -417,8 +420,19 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                 return log_loss(self._y_train[b], np.clip(proba, 1e-12, 1), labels=labels)
 
         model = copy.deepcopy(_get_model(self.checkpoint, self._device))
+        # A step's table is bounded by memory_budget_mb (fit holds no train-side cache, so all of it but a reserve
+        # for what does not grow with rows: the model's copy, its optimizer state, allocator slack).
+        per_row = FINETUNE_VIEWS * row_bytes(model.config.embed_dim, self._X_train.shape[1])
+        usable = max(self.memory_budget_mb / 2, self.memory_budget_mb - _FINETUNE_RESERVE_MB) * 2**20
+        max_rows = int(usable // per_row)
+        if max_rows < FINETUNE_MIN_ROWS:
+            logger.warning("memory_budget_mb=%s allows %d rows per fine-tuning step for %d features; using %d",
+                           self.memory_budget_mb, max_rows, self._X_train.shape[1], FINETUNE_MIN_ROWS)
+            max_rows = FINETUNE_MIN_ROWS
+        self.finetune_rows_ = min(FINETUNE_ROWS, max_rows, len(rows))
         res = finetune(model, group_of[self._y_train], rows, make_batch, n_classes=G, steps=int(self.finetune_steps),
-                       lr=self.finetune_lr, seed=self.random_state, score=score, verbose=self.verbose)
+                       lr=self.finetune_lr, seed=self.random_state, score=score, max_rows=max_rows,
+                       verbose=self.verbose)
         if res is None:
             logger.warning("finetune_steps=%d skipped: %d train rows leave no query row for fine-tuning",
                            self.finetune_steps, len(rows))

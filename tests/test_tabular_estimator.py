@@ -479,3 +479,32 @@ def test_finetune_draws_stratified_bounded_disjoint_context_and_queries():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert finetune(model, np.arange(3), np.arange(3), make_batch, n_classes=3, steps=2, lr=1e-3, seed=0) is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_finetune_rows_per_step_follow_the_memory_budget(monkeypatch):
+    import tabular.estimator as est
+    from tabular.finetune import MIN_ROWS, ROWS, VIEWS, row_bytes
+
+    X, y = _blobs(n=1500, f=40, c=2, seed=9)
+    sizes = []
+    real = est.finetune
+
+    def spy(model, labels, rows, make_batch, **kw):
+        def wrapped(order, yy, rng):
+            sizes.append(len(order))
+            return make_batch(order, yy, rng)
+
+        return real(model, labels, rows, wrapped, **kw)
+
+    monkeypatch.setattr(est, "finetune", spy)
+    per_row = VIEWS * row_bytes(32, 40)  # the shipped model: embed 32
+    fits = {}
+    for budget in (4096.0, 400.0, 1.0):
+        sizes.clear()
+        clf = TabICLClassifier(n_estimators=2, finetune_steps=2, softmax_temperature=0.9, memory_budget_mb=budget,
+                               feature_reduction=None).fit(X, y)
+        fits[budget] = (clf.finetune_rows_, max(sizes))
+    usable = max(400 / 2, 400 - est._FINETUNE_RESERVE_MB) * 2**20
+    assert fits[4096.0][0] == ROWS and fits[4096.0][1] <= ROWS + 2  # wide enough budget: the fixed cap
+    assert fits[400.0][0] == int(usable // per_row) < ROWS and fits[400.0][1] <= fits[400.0][0] + 2
+    assert fits[1.0][0] == MIN_ROWS and fits[1.0][1] <= MIN_ROWS + 2  # a budget too small: the floor (warned)
