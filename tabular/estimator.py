@@ -328,7 +328,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         trained_width = model.card.get("pretrained_max_features")
         self._reducer, self.reduction_scores_ = None, []
         # A refit starts from the pretrained model again.
-        self._finetuned, self.finetune_loss_, self.finetune_eval_ = None, [], []
+        self._finetuned, self.finetune_loss_, self.finetune_eval_, self.finetune_rows_ = None, [], [], 0
         auto_reduce = self.feature_reduction == "auto" and trained_width and Xv.shape[1] > trained_width
         # One train holdout serves both choices made at fit time (the reduction, then the temperature).
         split = self._holdout(y_enc) if auto_reduce or self.softmax_temperature == "auto" else None

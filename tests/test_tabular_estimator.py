@@ -374,7 +374,7 @@ def test_finetune_adapts_a_copy_and_keeps_the_shared_model():
     pb, pf = base.predict_proba(X[120:]), ft.predict_proba(X[120:])
     assert np.abs(pb - pf).max() > 1e-4 and np.allclose(pf.sum(1), 1)
     ft.set_params(finetune_steps=0).fit(X[:120], y[:120])
-    assert ft._finetuned is None and ft.finetune_loss_ == []
+    assert ft._finetuned is None and ft.finetune_loss_ == [] and ft.finetune_rows_ == 0
     np.testing.assert_allclose(ft.predict_proba(X[120:]), pb, rtol=1e-6, atol=1e-7)
 
 
