@@ -32,8 +32,8 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
 
-from tabular.finetune import MIN_ROWS as FINETUNE_MIN_ROWS, ROWS as FINETUNE_ROWS, VIEWS as FINETUNE_VIEWS
-from tabular.finetune import finetune, row_bytes
+from tabular.finetune import VIEWS as FINETUNE_VIEWS
+from tabular.finetune import finetune, rows_for_budget
 from tabular.model import TabICL
 from tabular.preprocess import TablePreprocessor, to_frame
 from tabular.weights_io import default_checkpoint, load_model
@@ -52,7 +52,6 @@ _REDUCTION_MIN_ROWS = 40  # fewer train rows than this: too noisy to choose, all
 _REDUCTION_MEMBERS = 2  # ensemble members of each candidate's holdout run
 _DEFAULT_TEMPERATURE = 0.9  # softmax temperature of the published model, and the centre of "auto"'s prior
 _TEMPERATURE_PRIOR_SIGMA = 0.5  # std of the log-normal prior of softmax_temperature="auto" (in log space)
-_FINETUNE_RESERVE_MB = 256  # fine-tuning: part of memory_budget_mb kept for memory that does not grow with rows
 
 
 def _fit_rows(n: int, seed) -> np.ndarray:
@@ -420,16 +419,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                 return log_loss(self._y_train[b], np.clip(proba, 1e-12, 1), labels=labels)
 
         model = copy.deepcopy(_get_model(self.checkpoint, self._device))
-        # A step's table is bounded by memory_budget_mb (fit holds no train-side cache, so all of it but a reserve
-        # for what does not grow with rows: the model's copy, its optimizer state, allocator slack).
-        per_row = FINETUNE_VIEWS * row_bytes(model.config.embed_dim, self._X_train.shape[1])
-        usable = max(self.memory_budget_mb / 2, self.memory_budget_mb - _FINETUNE_RESERVE_MB) * 2**20
-        max_rows = int(usable // per_row)
-        if max_rows < FINETUNE_MIN_ROWS:
-            logger.warning("memory_budget_mb=%s allows %d rows per fine-tuning step for %d features; using %d",
-                           self.memory_budget_mb, max_rows, self._X_train.shape[1], FINETUNE_MIN_ROWS)
-            max_rows = FINETUNE_MIN_ROWS
-        self.finetune_rows_ = min(FINETUNE_ROWS, max_rows, len(rows))
+        # fit holds no train-side cache, so a fine-tuning step may use the whole budget (less a reserve).
+        max_rows = rows_for_budget(self.memory_budget_mb, model.config.embed_dim, self._X_train.shape[1])
         res = finetune(model, group_of[self._y_train], rows, make_batch, n_classes=G, steps=int(self.finetune_steps),
                        lr=self.finetune_lr, seed=self.random_state, score=score, max_rows=max_rows,
                        verbose=self.verbose)
@@ -438,6 +429,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                            self.finetune_steps, len(rows))
             return
         self._finetuned, self.finetune_loss_, self.finetune_eval_ = model, res.losses, res.evals
+        self.finetune_rows_ = res.rows_per_step
 
     def _select_reduction(self, Xv, is_cat, y_enc, width: int, split):
         """``feature_reduction='auto'``: keep all columns or project the numeric ones onto ``k`` principal

@@ -18,10 +18,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["finetune", "row_bytes", "FinetuneResult", "ROWS", "MIN_ROWS", "QUERY", "VIEWS", "CLIP", "EVAL_EVERY"]
+__all__ = ["finetune", "row_bytes", "rows_for_budget", "FinetuneResult", "ROWS", "MIN_ROWS", "RESERVE_MB", "QUERY",
+           "VIEWS", "CLIP", "EVAL_EVERY"]
 
 ROWS = 1024  # at most this many train rows (stratified draw) make up one step's table
 MIN_ROWS = 64  # a memory budget never shrinks a step's table below this
+RESERVE_MB = 256  # part of a memory budget kept for what does not grow with rows (model copy, optimizer state)
 QUERY = 0.3  # share of a step's rows that are queries (the rest is the context)
 VIEWS = 2  # ensemble views per step (tables in one batch)
 CLIP = 1.0  # gradient-norm clip
@@ -33,6 +35,7 @@ class FinetuneResult:
     losses: list = field(default_factory=list)  # in-context loss of every step
     evals: list = field(default_factory=list)  # (step, score) pairs; step 0 = the weights passed in
     best_step: int | None = None  # the step whose weights were kept (None: the last, no scoring)
+    rows_per_step: int = 0  # most rows of one step's table
 
 
 def row_bytes(embed_dim: int, n_features: int) -> int:
@@ -41,6 +44,18 @@ def row_bytes(embed_dim: int, n_features: int) -> int:
     measured for the small model (embed 32) on 1,024-row steps of two views: 423, 830 and 1,255 KB per row at
     20, 50 and 100 features, against 512, 896 and 1,536 KB from the formula."""
     return 4 * int(embed_dim) * (100 * int(n_features) + 2000)
+
+
+def rows_for_budget(budget_mb: float, embed_dim: int, n_features: int) -> int:
+    """Most rows of one step's table (``VIEWS`` views) whose activations fit in ``budget_mb`` less ``RESERVE_MB``
+    (or half of it, if larger), by :func:`row_bytes`; never below ``MIN_ROWS`` (logged) nor above ``ROWS``."""
+    usable = max(budget_mb / 2, budget_mb - RESERVE_MB) * 2**20
+    rows = int(usable // (VIEWS * row_bytes(embed_dim, n_features)))
+    if rows < MIN_ROWS:
+        logger.warning("a memory budget of %s MB allows %d rows per fine-tuning step for %d features; using %d",
+                       budget_mb, rows, n_features, MIN_ROWS)
+        return MIN_ROWS
+    return min(ROWS, rows)
 
 
 def _queries(n: int) -> int:
@@ -76,16 +91,16 @@ def finetune(
         seed: seed of the row draws.
         score: lower is better; called with the model in eval mode at step 0, every ``EVAL_EVERY`` steps and
             after the last; the best-scoring weights are restored at the end.
-        max_rows: most rows of one step's table (a memory bound, see :func:`row_bytes`); at most ``ROWS``.
+        max_rows: most rows of one step's table (a memory bound, see :func:`rows_for_budget`); at most ``ROWS``.
     """
     rng = np.random.default_rng(seed)
     y = labels[rows]
     by_class = [rows[y == c] for c in range(n_classes)]
     if sum(_queries(len(r)) for r in by_class if len(r)) < 1:
         return None
-    take = min(1.0, min(ROWS, int(max_rows)) / len(rows))  # share of each class drawn per step (large tables)
+    out, best = FinetuneResult(rows_per_step=min(ROWS, int(max_rows), len(rows))), None
+    take = out.rows_per_step / len(rows)  # share of each class drawn per step (< 1 on large tables)
     opt = torch.optim.AdamW(model.parameters(), lr=float(lr), weight_decay=0.0)
-    out, best = FinetuneResult(), None
 
     def evaluate(step: int) -> None:
         nonlocal best

@@ -138,8 +138,9 @@ def test_segment_anchor_sets_which_steps_every_segment_covers(anchor):
     ts, valid = b["timesteps"].numpy(), b["valid"].numpy()
     lengths = valid.sum(1)
     assert (lengths >= 1).all() and (lengths <= K).all()
-    for row, n_valid in zip(ts, lengths):  # valid positions first, consecutive steps
-        assert valid[0, 0] and np.array_equal(row[:n_valid], np.arange(row[0], row[0] + n_valid))
+    for row, v, n_valid in zip(ts, valid, lengths):  # valid positions first, consecutive steps
+        assert v[:n_valid].all() and not v[n_valid:].any()
+        assert np.array_equal(row[:n_valid], np.arange(row[0], row[0] + n_valid))
     # observations follow the timesteps (the state equals its step index here)
     np.testing.assert_array_equal(b["states"][..., 0].numpy()[valid], ts[valid].astype(np.float32))
     counts = np.bincount(ts[valid], minlength=n) / 4000

@@ -397,7 +397,7 @@ def test_finetune_is_seeded_and_test_rows_stay_independent():
     np.testing.assert_allclose(again.predict_proba(Xt), a, rtol=1e-5, atol=1e-6)
 
 
-def test_finetune_holds_out_the_temperature_rows_and_refuses_bad_params():
+def test_finetune_holds_out_the_temperature_rows_and_refuses_bad_params(monkeypatch):
     X, y = _blobs(n=200, f=4, c=3, seed=7)
     clf = TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2).fit(X, y)
     a, b = clf._holdout(clf._y_train)
@@ -408,12 +408,9 @@ def test_finetune_holds_out_the_temperature_rows_and_refuses_bad_params():
         seen.append(rows)
         return real(self, rows, split)
 
-    TabICLClassifier._finetune = spy
-    try:
-        TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2).fit(X, y)  # auto temperature
-        TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2, softmax_temperature=0.9).fit(X, y)
-    finally:
-        TabICLClassifier._finetune = real
+    monkeypatch.setattr(TabICLClassifier, "_finetune", spy)
+    TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2).fit(X, y)  # auto temperature
+    TabICLClassifier(n_estimators=2, random_state=2, finetune_steps=2, softmax_temperature=0.9).fit(X, y)
     assert np.intersect1d(seen[0], b).size == 0 and len(seen[0]) == len(X) - len(b)
     np.testing.assert_array_equal(seen[1], np.arange(len(X)))  # a fixed temperature: every train row
     # One row per class leaves no query row: fine-tuning is skipped with a warning, the estimator still works.
@@ -483,7 +480,7 @@ def test_finetune_draws_stratified_bounded_disjoint_context_and_queries():
 
 def test_finetune_rows_per_step_follow_the_memory_budget(monkeypatch):
     import tabular.estimator as est
-    from tabular.finetune import MIN_ROWS, ROWS, VIEWS, row_bytes
+    from tabular.finetune import MIN_ROWS, RESERVE_MB, ROWS, VIEWS, row_bytes
 
     X, y = _blobs(n=1500, f=40, c=2, seed=9)
     sizes = []
@@ -504,7 +501,7 @@ def test_finetune_rows_per_step_follow_the_memory_budget(monkeypatch):
         clf = TabICLClassifier(n_estimators=2, finetune_steps=2, softmax_temperature=0.9, memory_budget_mb=budget,
                                feature_reduction=None).fit(X, y)
         fits[budget] = (clf.finetune_rows_, max(sizes))
-    usable = max(400 / 2, 400 - est._FINETUNE_RESERVE_MB) * 2**20
+    usable = max(400 / 2, 400 - RESERVE_MB) * 2**20
     assert fits[4096.0][0] == ROWS and fits[4096.0][1] <= ROWS + 2  # wide enough budget: the fixed cap
     assert fits[400.0][0] == int(usable // per_row) < ROWS and fits[400.0][1] <= fits[400.0][0] + 2
     assert fits[1.0][0] == MIN_ROWS and fits[1.0][1] <= MIN_ROWS + 2  # a budget too small: the floor (warned)
