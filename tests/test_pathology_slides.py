@@ -189,10 +189,14 @@ def test_tissue_mask_matches_truth_and_grid(dataset, tmp_path):
     assert g.patch_size_level0 == 128 and g.coords.shape[1] == 2 and len(g.coords) > 0
     assert (g.coords % 128 == 0).all()
     assert (g.coords[:, 0] + 128 <= s.dimensions[0]).all() and (g.coords[:, 1] + 128 <= s.dimensions[1]).all()
-    # kept patches are mostly tissue in the truth map
+    # kept patches are mostly tissue in the truth map. Measured on 240 slides of this size (seeds 0-79): the share
+    # of kept patches whose centre is truth tissue is 0.71-1.00, mean 0.89; 14 slides are at or below 0.8, the
+    # bound this test had when Otsu ran on raw saturation (then 0.71-1.00, mean 0.95, 2 slides at or below 0.8).
+    # That mask kept fewer border patches but missed tissue: on seeds 0-29 its pixel recall was 0.74 (at worst
+    # 0.55) at precision 0.95, against 0.90 and 0.90 now.
     cy = (g.coords[:, 1] + 64) // LAYOUT_SCALE
     cx = (g.coords[:, 0] + 64) // LAYOUT_SCALE
-    assert truth[np.minimum(cy, truth.shape[0] - 1), np.minimum(cx, truth.shape[1] - 1)].mean() > 0.8
+    assert truth[np.minimum(cy, truth.shape[0] - 1), np.minimum(cx, truth.shape[1] - 1)].mean() > 0.65
     # HDF5 round trip (CLAM layout)
     feats = np.random.default_rng().standard_normal((len(g.coords), 7)).astype(np.float32)
     p = tmp_path / "x.h5"
