@@ -7,7 +7,8 @@ Rules (fitted on the train table, applied unchanged at predict time):
   appearance-sorted value; missing values get their own code, and categories unseen at fit time map to that
   same "missing/unknown" code.
 * A **numeric** column keeps its values; ``±inf`` counts as missing (NaN). Missing numeric cells stay NaN and
-  the model imputes the train mean.
+  the model imputes the train mean. Datetime and timedelta columns are numeric (nanoseconds).
+* Missing means None, NaN, NaT or pandas' NA (the nullable ``boolean``, ``string``, ``Int64``, ``Float64`` dtypes).
 * Columns that are entirely missing or constant on the train rows carry no information and are dropped.
 """
 
@@ -98,10 +99,13 @@ class TablePreprocessor:
         return self._encode(s, j), kind
 
     def _encode(self, s, j: int) -> np.ndarray:
+        import pandas as pd
+
         mapping = self.categories_[j]
         unknown = float(len(mapping))  # missing and unseen categories share one extra code
-        return np.array([mapping.get(v, unknown) if v == v and v is not None else unknown for v in s.tolist()],
-                        dtype=np.float64)
+        # pd.isna covers None, NaN, NaT and pandas' NA (nullable boolean / string / Int64 columns), whose
+        # comparisons are not booleans.
+        return np.array([unknown if pd.isna(v) else mapping.get(v, unknown) for v in s.tolist()], dtype=np.float64)
 
     def fit_transform(self, X) -> tuple[np.ndarray, np.ndarray]:
         """Fit the rules on the train table; returns ``(values (n, F') float32, is_categorical (F',) bool)``."""

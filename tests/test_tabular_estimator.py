@@ -70,6 +70,32 @@ def test_mixed_pandas_types_missing_and_unseen_categories():
     assert set(clf.predict(test)) <= {"spam", "ham"} and list(clf.classes_) == ["ham", "spam"]
 
 
+def test_pandas_nullable_dtypes_with_missing_values():
+    """pandas' nullable dtypes mark a missing cell with pd.NA, whose comparisons are not booleans."""
+    from tabular.preprocess import TablePreprocessor
+
+    n = 60
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({
+        "flag": pd.array([True, None, False] * (n // 3), dtype="boolean"),
+        "word": pd.array(["x", "y", None] * (n // 3), dtype="string"),
+        "count": pd.array([1, None, 3] * (n // 3), dtype="Int64"),
+        "value": pd.array(rng.normal(size=n), dtype="Float64"),
+        "when": pd.date_range("2020-01-01", periods=n, freq="D"),
+    })
+    df.loc[5, "value"] = None
+    pre = TablePreprocessor()
+    Xv, is_cat = pre.fit_transform(df)
+    assert pre.kinds_ == ["cat", "cat", "num", "num", "num"] and list(is_cat) == [True, True, False, False, False]
+    # Each categorical column: its two values get codes 0 and 1, pd.NA the shared missing/unknown code 2.
+    assert sorted(np.unique(Xv[:, 0])) == [0, 1, 2] and Xv[1, 0] == 2 and Xv[2, 1] == 2
+    assert np.isnan(Xv[1, 2]) and np.isnan(Xv[5, 3]) and Xv[0, 2] == 1
+    y = np.arange(n) % 2
+    clf = TabICLClassifier(n_estimators=2).fit(df, y)
+    proba = clf.predict_proba(df.iloc[:6])
+    assert proba.shape == (6, 2) and np.isfinite(proba).all()
+
+
 def test_bad_inputs_have_clear_errors():
     X, y = _blobs(40, 3, 2)
     clf = TabICLClassifier(n_estimators=1).fit(X, y)
