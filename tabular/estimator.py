@@ -173,7 +173,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
     Args:
         n_estimators: ensemble members (feature shuffles x class shifts x normalisations).
         checkpoint: path of a ``.safetensors`` (or pretraining ``.pt``) checkpoint; None = the shipped default.
-        device: "cpu", "cuda", ... ; None picks CUDA when available, else CPU.
+        device: "cpu", "cuda", "cuda:N", ... ; None picks CUDA when available, else CPU. ``fit`` refuses a device this
+            machine lacks with a ValueError.
         random_state: seed of the ensemble's feature permutations.
         memory_budget_mb: memory the inference may use: half bounds the activations (sets the row chunk and
             member batch sizes), half the train-side cache (contexts beyond it are recomputed per call).
@@ -270,6 +271,25 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         if not (fr is None or fr == "auto" or isinstance(fr, (int, np.integer)) and not isinstance(fr, bool) and fr >= 1):
             raise ValueError(f"feature_reduction must be 'auto', None or a positive int (principal components), got {fr!r}")
 
+    def _resolve_device(self) -> torch.device:
+        """``device`` as a torch device; a clear error for a malformed one or an accelerator this machine lacks."""
+        if not self.device:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N' (a torch device), got {self.device!r}") from e
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r} but CUDA is not available on this machine; use device='cpu' "
+                                 "or None (CUDA when available, else CPU)")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(f"device={self.device!r} but this machine has {torch.cuda.device_count()} CUDA "
+                                 "device(s)")
+        elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise ValueError(f"device={self.device!r} but MPS is not available on this machine; use device='cpu'")
+        return dev
+
     def _norm_list(self):
         """``norm_methods`` as a sequence (a single name is accepted too)."""
         return (self.norm_methods,) if isinstance(self.norm_methods, str) else self.norm_methods
@@ -320,7 +340,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.classes_, y_enc = np.unique(y, return_inverse=True)
         self._pre = TablePreprocessor()
         Xv, is_cat = self._pre.fit_transform(df)
-        self._device = torch.device(self.device) if self.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._device = self._resolve_device()
         model = _get_model(self.checkpoint, self._device)
         self._max_classes = model.config.max_classes
         y_enc = y_enc.astype(np.int64)

@@ -111,6 +111,15 @@ def test_bad_inputs_have_clear_errors():
         TabICLClassifier(n_estimators=0).fit(X, y)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TabICLClassifier(checkpoint="no/such/file.safetensors").fit(X, y)
+    with pytest.raises(ValueError, match="device must be None, 'cpu', 'cuda'.*got 'bogus'"):
+        TabICLClassifier(n_estimators=1, device="bogus").fit(X, y)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available on this machine"):
+            TabICLClassifier(n_estimators=1, device="cuda").fit(X, y)
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            TabICLClassifier(n_estimators=1, device=f"cuda:{torch.cuda.device_count()}").fit(X, y)
+    assert TabICLClassifier(n_estimators=1, device="cpu").fit(X, y).predict(X[:2]).shape == (2,)
     df = pd.DataFrame(X, columns=["a", "b", "c"])
     clf = TabICLClassifier(n_estimators=1).fit(df, y)
     with pytest.raises(ValueError, match="feature names"):
