@@ -203,11 +203,18 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.csv.is_file():
             raise SystemExit(f"CSV file {args.csv} does not exist")
-        df = pd.read_csv(args.csv)
+        try:
+            df = pd.read_csv(args.csv)
+        except (ValueError, UnicodeDecodeError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
+            raise SystemExit(f"could not read {args.csv} as CSV: {e}") from None
     else:
         df = load_bundled(args.dataset)
-    out = compare_on_table(df, args.target, test_size=args.test_size, seed=args.seed, n_estimators=args.n_estimators,
-                           checkpoint=args.checkpoint, finetune_steps=args.finetune_steps)
+    try:
+        out = compare_on_table(df, args.target, test_size=args.test_size, seed=args.seed,
+                               n_estimators=args.n_estimators, checkpoint=args.checkpoint,
+                               finetune_steps=args.finetune_steps)
+    except (ValueError, FileNotFoundError) as e:  # bad table, target or checkpoint: one line, exit status 1
+        raise SystemExit(f"error: {e}") from None
     print(json.dumps(out, indent=1))
     return 0
 

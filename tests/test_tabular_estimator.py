@@ -540,3 +540,18 @@ def test_finetune_rows_per_step_follow_the_memory_budget(monkeypatch):
     assert fits[4096.0][0] == ROWS and fits[4096.0][1] <= ROWS + 2  # wide enough budget: the fixed cap
     assert fits[400.0][0] == int(usable // per_row) < ROWS and fits[400.0][1] <= fits[400.0][0] + 2
     assert fits[1.0][0] == MIN_ROWS and fits[1.0][1] <= MIN_ROWS + 2  # a budget too small: the floor (warned)
+
+
+def test_compare_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    from tabular.compare import main
+
+    path = tmp_path / "t.csv"
+    path.write_text("a,b,t\n1,2,x\n3,4,y\n5,6,x\n7,8,y\n")
+    with pytest.raises(SystemExit, match=r"^error: target column 'nope' is not in the table; columns are \['a', 'b', 't'\]"):
+        main(["--csv", str(path), "--target", "nope"])
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="could not read .*empty.csv as CSV"):
+        main(["--csv", str(empty), "--target", "t"])
+    with pytest.raises(SystemExit, match="error: .*does not exist"):
+        main(["--csv", str(path), "--target", "t", "--checkpoint", str(tmp_path / "none.safetensors")])
