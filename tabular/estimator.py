@@ -202,7 +202,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             and backward pass per step (tens of seconds per 100 steps on one CPU thread); ``finetune_loss_``
             holds the loss of every step. Test rows are never seen.
         finetune_lr: learning rate of the fine-tuning steps.
-        verbose: log progress at INFO level.
+        verbose: progress bars on standard error (predictions: ensemble views done; fine-tuning: steps and
+            loss) and the choices made at fit (temperature, feature reduction, kept fine-tuning step) logged at
+            INFO level.
     """
 
     def __init__(
@@ -508,7 +510,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
     def _probe(self, n_estimators: int) -> "TabICLClassifier":
         """An estimator of the same settings to run on holdout splits (no reduction, the default temperature)."""
         probe = type(self)(**{**self.get_params(), "n_estimators": n_estimators, "feature_reduction": None,
-                              "softmax_temperature": _DEFAULT_TEMPERATURE})
+                              "softmax_temperature": _DEFAULT_TEMPERATURE, "verbose": False})
         probe.classes_, probe._device, probe._max_classes = self.classes_, self._device, self._max_classes
         probe.temperature_ = _DEFAULT_TEMPERATURE
         probe._finetuned = getattr(self, "_finetuned", None)  # holdouts run the model the estimator predicts with
@@ -646,6 +648,11 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             views.setdefault(v % len(folds), []).append(self._members[v % len(self._members)])
         budget = self.memory_budget_mb * 2**20
         total = np.zeros((n_test, G), dtype=np.float64)
+        from tqdm import tqdm
+
+        where = "" if node is self._tree else f", class group of {len(node.classes)}"
+        bar = tqdm(total=n_views, desc=f"TabICL predict ({n_test} rows{where})", unit="view",
+                   disable=not self.verbose, leave=node is self._tree)
         for f, members in views.items():
             Xtr, ytr = self._X_train[rows_at[folds[f]]], ytr_all[folds[f]]
             per_batch, chunk = self._plan(model, Xtr.shape[1], len(Xtr), len(members), n_test)
@@ -667,8 +674,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                 for j, m in enumerate(batch):
                     # Undo the class shift: shifted id (g + s) % G holds group g.
                     total += logits[j][:, (np.arange(G) + m.shift) % G]
-                if self.verbose:
-                    logger.info("fold %d/%d: %d member(s) done (chunk %d rows)", f + 1, len(folds), b0 + len(batch), chunk)
+                bar.update(len(batch))
+                bar.set_postfix_str(f"fold {f + 1}/{len(folds)}, chunk {chunk}", refresh=False)
+        bar.close()
         return total / n_views
 
     def _node_proba(self, node: _Node, X_test: np.ndarray, temperature: float, memo: dict | None = None) -> np.ndarray:

@@ -92,6 +92,7 @@ def finetune(
         score: lower is better; called with the model in eval mode at step 0, every ``EVAL_EVERY`` steps and
             after the last; the best-scoring weights are restored at the end.
         max_rows: most rows of one step's table (a memory bound, see :func:`rows_for_budget`); at most ``ROWS``.
+        verbose: a progress bar of the steps (mean loss of the last 10, best holdout score) on standard error.
     """
     rng = np.random.default_rng(seed)
     y = labels[rows]
@@ -113,6 +114,9 @@ def finetune(
 
     if score is not None:
         evaluate(0)
+    from tqdm import tqdm
+
+    bar = tqdm(total=int(steps), desc="TabICL fine-tuning", unit="step", disable=not verbose)
     for step in range(int(steps)):
         model.train()
         ctx, qry = [], []
@@ -133,10 +137,13 @@ def finetune(
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         out.losses.append(loss.item())
-        if verbose and (step + 1) % 10 == 0:
-            logger.info("fine-tuning step %d/%d: loss %.4f", step + 1, steps, np.mean(out.losses[-10:]))
+        bar.update(1)
         if score is not None and ((step + 1) % EVAL_EVERY == 0 or step + 1 == steps):
             evaluate(step + 1)
+        if verbose:
+            held = f", best holdout {min(v for _, v in out.evals):.4f}" if out.evals else ""
+            bar.set_postfix_str(f"loss {np.mean(out.losses[-10:]):.4f}{held}", refresh=False)
+    bar.close()
     if best is not None:
         model.load_state_dict(best[2])
         out.best_step = best[0]

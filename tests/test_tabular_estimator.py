@@ -555,3 +555,15 @@ def test_compare_cli_reports_bad_input_in_one_line(tmp_path, capsys):
         main(["--csv", str(empty), "--target", "t"])
     with pytest.raises(SystemExit, match="error: .*does not exist"):
         main(["--csv", str(path), "--target", "t", "--checkpoint", str(tmp_path / "none.safetensors")])
+
+
+def test_verbose_shows_progress_bars(capsys):
+    X, y = _blobs(80, 3, 2, seed=0)
+    clf = TabICLClassifier(n_estimators=3, verbose=True, finetune_steps=2, random_state=0).fit(X[:60], y[:60])
+    err = capsys.readouterr().err
+    assert "TabICL fine-tuning" in err and "2/2" in err and "loss" in err
+    clf.predict_proba(X[60:])
+    err = capsys.readouterr().err
+    assert "TabICL predict (20 rows)" in err and "3/3" in err
+    TabICLClassifier(n_estimators=3, random_state=0).fit(X[:60], y[:60]).predict_proba(X[60:])
+    assert "TabICL" not in capsys.readouterr().err  # quiet by default
