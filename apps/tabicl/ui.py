@@ -29,8 +29,9 @@ def _table(dataset: str, csv_path):
 
 
 def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_estimators: int, seed: int,
-                   finetune_steps: int = 0):
-    """Returns (models table, confusion matrix table, probabilities table, status text)."""
+                   finetune_steps: int = 0, verbose: bool = False):
+    """Returns (models table, confusion matrix table, probabilities table, status text). ``verbose``: TabICL's
+    progress bars (the tab shows them through ``gr.Progress(track_tqdm=True)``)."""
     import pandas as pd
     import torch
 
@@ -45,7 +46,7 @@ def run_comparison(dataset: str, csv_path, target: str, test_size: float, n_esti
     if not 0 <= finetune_steps <= MAX_FINETUNE_STEPS:
         raise ValueError(f"fine-tuning steps must be in [0, {MAX_FINETUNE_STEPS}], got {finetune_steps}")
     out = compare_on_table(df, target, test_size=float(test_size), seed=int(seed), n_estimators=n_estimators,
-                           finetune_steps=finetune_steps)
+                           finetune_steps=finetune_steps, verbose=verbose)
     models = pd.DataFrame(out["models"])[["model", "accuracy", "seconds"]].round(4)
     conf = pd.DataFrame(out["confusion"], columns=[f"pred {c}" for c in out["classes"]])
     conf.insert(0, "true", out["classes"])
@@ -109,13 +110,13 @@ def build_ui() -> None:
             raise gr.Error(str(err)) from err
         return gr.update(choices=cols, value="target" if "target" in cols else cols[-1])
 
-    def _run(ds, path, tgt, ts, n, sd, steps):
+    def _run(ds, path, tgt, ts, n, sd, steps, progress=gr.Progress(track_tqdm=True)):  # the bars of TabICL
         try:
-            return run_comparison(ds, path, tgt, ts, n, sd, steps)
+            return run_comparison(ds, path, tgt, ts, n, sd, steps, verbose=True)
         except (ValueError, FileNotFoundError) as err:
             raise gr.Error(str(err)) from err
 
-    def _example():
+    def _example(progress=gr.Progress(track_tqdm=True)):
         e = EXAMPLE
         return _run(e["dataset"], None, e["target"], e["test_size"], e["n_estimators"], e["seed"], e["finetune_steps"])
 
