@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-estimators", type=int, default=4, help="TabICL ensemble members")
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: shipped)")
     p.add_argument("--seed", type=int, default=0, help="split seed")
+    p.add_argument("--verbose", action="store_true", help="TabICL's progress bars (fine-tuning, predictions) on stderr")
     p.add_argument("--finetune-steps", type=int, default=0,
                    help="fine-tune TabICL on the train rows for this many steps first (0 = purely in context)")
     return p
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = compare_on_table(df, args.target, test_size=args.test_size, seed=args.seed,
                                n_estimators=args.n_estimators, checkpoint=args.checkpoint,
-                               finetune_steps=args.finetune_steps)
+                               finetune_steps=args.finetune_steps, verbose=args.verbose)
     except (ValueError, FileNotFoundError) as e:  # bad table, target or checkpoint: one line, exit status 1
         raise SystemExit(f"error: {e}") from None
     print(json.dumps(out, indent=1))
