@@ -33,7 +33,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
 
 from tabular.finetune import VIEWS as FINETUNE_VIEWS
-from tabular.finetune import finetune, rows_for_budget
+from tabular.finetune import finetune, rows_for_budget, say
 from tabular.model import TabICL
 from tabular.preprocess import TablePreprocessor, to_frame
 from tabular.weights_io import default_checkpoint, load_model
@@ -203,8 +203,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             holds the loss of every step. Test rows are never seen.
         finetune_lr: learning rate of the fine-tuning steps.
         verbose: progress bars on standard error (predictions: ensemble views done; fine-tuning: steps and
-            loss) and the choices made at fit (temperature, feature reduction, kept fine-tuning step) logged at
-            INFO level.
+            loss), and there too the choices made at fit (temperature, feature reduction, kept fine-tuning step).
     """
 
     def __init__(
@@ -485,8 +484,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             if best is None or (rec["accuracy"], -rec["log_loss"]) > (best[0]["accuracy"], -best[0]["log_loss"]):
                 best = (rec, cand)
             if self.verbose:
-                logger.info("feature reduction %s: holdout accuracy %.3f, log-loss %.3f", cand, rec["accuracy"],
-                            rec["log_loss"])
+                say(f"feature reduction {cand}: holdout accuracy {rec['accuracy']:.3f}, log-loss {rec['log_loss']:.3f}")
         cand = best[1]
         if cand is None:
             return None, scores
@@ -536,8 +534,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         res = minimize_scalar(neg_log_posterior, bounds=(math.log(0.02), math.log(10.0)), method="bounded")
         t = float(math.exp(res.x))
         if self.verbose:
-            logger.info("softmax temperature %.3f (holdout of %d rows; negative log-posterior %.3f, %.3f at the "
-                        "default %.1f)", t, len(b), res.fun, neg_log_posterior(centre), _DEFAULT_TEMPERATURE)
+            say(f"softmax temperature {t:.3f} (holdout of {len(b)} rows; negative log-posterior {res.fun:.3f}, "
+                f"{neg_log_posterior(centre):.3f} at the default {_DEFAULT_TEMPERATURE:.1f})")
         return t
 
     def _fit_norm(self, Xv: np.ndarray, method: str):

@@ -562,6 +562,7 @@ def test_verbose_shows_progress_bars(capsys):
     clf = TabICLClassifier(n_estimators=3, verbose=True, finetune_steps=2, random_state=0).fit(X[:60], y[:60])
     err = capsys.readouterr().err
     assert "TabICL fine-tuning" in err and "2/2" in err and "loss" in err
+    assert "TabICL: fine-tuning: kept the weights of step" in err and "TabICL: softmax temperature" in err
     clf.predict_proba(X[60:])
     err = capsys.readouterr().err
     assert "TabICL predict (20 rows)" in err and "3/3" in err
