@@ -92,10 +92,12 @@ def models(n_estimators: int, checkpoint, seed: int, finetune_steps: int = 0) ->
     from tabular import TabICLClassifier
     from tabular.compare import baseline_models
 
-    out = {"TabICL": lambda: TabICLClassifier(n_estimators=n_estimators, checkpoint=checkpoint, random_state=seed)}
+    def tabicl(**extra):
+        return lambda: TabICLClassifier(n_estimators=n_estimators, checkpoint=checkpoint, random_state=seed, **extra)
+
+    out = {"TabICL": tabicl()}
     if finetune_steps:
-        out["TabICL-ft"] = lambda: TabICLClassifier(n_estimators=n_estimators, checkpoint=checkpoint,
-                                                    random_state=seed, finetune_steps=finetune_steps)
+        out["TabICL-ft"] = tabicl(finetune_steps=finetune_steps)
     return {**out, **baseline_models(seed)}
 
 
@@ -120,6 +122,7 @@ def _targets(rows: list[dict]) -> dict:
     The keys ``mean_vs_hgb`` / ``small_vs_lr`` hold TabICL's; ``by_model`` holds each variant's."""
     acc = {(r["dataset"], r["model"]): r["accuracy"] for r in rows}
     out: dict = {"lines": [], "by_model": {}}
+    small = sorted({r["dataset"] for r in rows if r["rows"] < 1000})
     for model in ("TabICL", "TabICL-ft"):
         res: dict = {}
         common = sorted({d for d, m in acc if m == model} & {d for d, m in acc if m == "HistGradientBoosting"})
@@ -129,7 +132,6 @@ def _targets(rows: list[dict]) -> dict:
             res["mean_vs_hgb"] = {"datasets": common, "tabicl": t, "hgb": h, "met": t >= h}
             out["lines"].append(f"target mean accuracy >= HGB over {len(common)} datasets: {model} {t:.3f} vs HGB "
                                 f"{h:.3f} -> {'met' if t >= h else 'NOT met'}")
-        small = sorted({r["dataset"] for r in rows if r["rows"] < 1000})
         per = {d: {"tabicl": acc.get((d, model)), "lr": acc.get((d, "LogisticRegression"))} for d in small}
         per = {d: v for d, v in per.items() if None not in v.values()}
         if per:

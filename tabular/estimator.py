@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -31,9 +32,10 @@ import torch
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
+from tqdm import tqdm
 
 from tabular.finetune import VIEWS as FINETUNE_VIEWS
-from tabular.finetune import finetune, rows_for_budget, say
+from tabular.finetune import finetune, rows_for_budget
 from tabular.model import TabICL
 from tabular.preprocess import TablePreprocessor, to_frame
 from tabular.weights_io import default_checkpoint, load_model
@@ -148,6 +150,18 @@ class _Node:
     groups: list  # per group: array of encoded class ids
     children: list  # per group: _Node, or None when the group is a single class
     cache: dict = field(default_factory=dict)  # train context per member batch
+
+    def group_of(self, n_classes: int) -> np.ndarray:
+        """``(n_classes,)`` group index of every encoded class at this node (-1: a class outside it)."""
+        out = np.full(n_classes, -1, dtype=np.int64)
+        for g, members in enumerate(self.groups):
+            out[members] = g
+        return out
+
+
+def say(text: str) -> None:
+    """A ``verbose`` message on standard error, written around any progress bar shown."""
+    tqdm.write(f"TabICL: {text}", file=sys.stderr)
 
 
 def _walk(node: _Node):
@@ -412,11 +426,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
 
         from sklearn.metrics import log_loss
 
-        root = self._tree
-        G = len(root.groups)
-        group_of = np.zeros(len(self.classes_), dtype=np.int64)
-        for g, members in enumerate(root.groups):
-            group_of[members] = g
+        G = len(self._tree.groups)
+        group_of = self._tree.group_of(len(self.classes_))  # the root covers every class
 
         def make_batch(order, yy, rng):
             pick = rng.choice(len(self._members), FINETUNE_VIEWS, replace=len(self._members) < FINETUNE_VIEWS)
@@ -451,6 +462,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             return
         self._finetuned, self.finetune_loss_, self.finetune_eval_ = model, res.losses, res.evals
         self.finetune_rows_ = res.rows_per_step
+        if self.verbose and res.best_step is not None:
+            say(f"fine-tuning: kept the weights of step {res.best_step} (holdout score "
+                f"{dict(res.evals)[res.best_step]:.4f})")
 
     def _select_reduction(self, Xv, is_cat, y_enc, width: int, split):
         """``feature_reduction='auto'``: keep all columns or project the numeric ones onto ``k`` principal
@@ -632,9 +646,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         fold gets at least one member and each member at least one fold.
         """
         model = self._model()
-        group_of = np.full(len(self.classes_), -1, dtype=np.int64)
-        for g, members in enumerate(node.groups):
-            group_of[members] = g
+        group_of = node.group_of(len(self.classes_))
         rows_at = np.flatnonzero(np.isin(self._y_train, node.classes))  # train rows under this node (no copy)
         ytr_all = group_of[self._y_train[rows_at]]
         G = len(node.groups)
@@ -646,8 +658,6 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             views.setdefault(v % len(folds), []).append(self._members[v % len(self._members)])
         budget = self.memory_budget_mb * 2**20
         total = np.zeros((n_test, G), dtype=np.float64)
-        from tqdm import tqdm
-
         where = "" if node is self._tree else f", class group of {len(node.classes)}"
         bar = tqdm(total=n_views, desc=f"TabICL predict ({n_test} rows{where})", unit="view",
                    disable=not self.verbose, leave=node is self._tree)

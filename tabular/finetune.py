@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["finetune", "say", "row_bytes", "rows_for_budget", "FinetuneResult", "ROWS", "MIN_ROWS", "RESERVE_MB", "QUERY",
+__all__ = ["finetune", "row_bytes", "rows_for_budget", "FinetuneResult", "ROWS", "MIN_ROWS", "RESERVE_MB", "QUERY",
            "VIEWS", "CLIP", "EVAL_EVERY"]
 
 ROWS = 1024  # at most this many train rows (stratified draw) make up one step's table
@@ -36,15 +37,6 @@ class FinetuneResult:
     evals: list = field(default_factory=list)  # (step, score) pairs; step 0 = the weights passed in
     best_step: int | None = None  # the step whose weights were kept (None: the last, no scoring)
     rows_per_step: int = 0  # most rows of one step's table
-
-
-def say(text: str) -> None:
-    """A ``verbose`` message on standard error, written around any progress bar shown."""
-    import sys
-
-    from tqdm import tqdm
-
-    tqdm.write(f"TabICL: {text}", file=sys.stderr)
 
 
 def row_bytes(embed_dim: int, n_features: int) -> int:
@@ -123,8 +115,6 @@ def finetune(
 
     if score is not None:
         evaluate(0)
-    from tqdm import tqdm
-
     bar = tqdm(total=int(steps), desc="TabICL fine-tuning", unit="step", disable=not verbose)
     for step in range(int(steps)):
         model.train()
@@ -156,7 +146,5 @@ def finetune(
     if best is not None:
         model.load_state_dict(best[2])
         out.best_step = best[0]
-        if verbose:
-            say(f"fine-tuning: kept the weights of step {best[0]} (holdout score {best[1]:.4f})")
     model.eval()
     return out
