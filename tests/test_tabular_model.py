@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tabular.model import TabICL, TabICLConfig, tabicl_base, tabicl_small, tabicl_tiny
+from tabular.model import CONFIGS, TabICL, TabICLConfig, tabicl_base, tabicl_medium, tabicl_small, tabicl_tiny
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import load_model, save_model
 
@@ -25,6 +25,9 @@ def test_output_shape_and_config_sizes():
     assert out.shape == (2, 60 - 36, 10) and torch.isfinite(out).all()
     n_small = sum(p.numel() for p in TabICL(tabicl_small()).parameters())
     assert n_small * 4 < 20 * 2**20  # the shipped size fits the 20 MB limit in fp32
+    n_medium = sum(p.numel() for p in TabICL(tabicl_medium()).parameters())
+    assert n_small < n_medium and n_medium * 4 < 20 * 2**20  # the next size still ships under 20 MB
+    assert tabicl_medium().icl_dim == 2 * tabicl_small().icl_dim and CONFIGS["medium"] is tabicl_medium
     assert tabicl_base().icl_dim == 512 and tabicl_base().icl_blocks == 12
 
 
