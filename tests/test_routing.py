@@ -228,4 +228,5 @@ def test_packed_call_equals_padded_call_in_values_and_gradients(mode):
         if g0 is None:
             assert g1 is None or not g1.any()
         else:
-            torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-4)
+            # fp32 sums in another order (packed rows): differences ~1e-6 of the gradient's scale (up to 209 here)
+            torch.testing.assert_close(g1, g0, atol=1e-5 + 2e-6 * float(g0.abs().max()), rtol=1e-4)
