@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
-from tabular.weights_io import atomic_write_text, save_model
+from tabular.weights_io import atomic_write_text, load_model, save_model
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +250,22 @@ class Trainer:
         self.size_rng.setstate(state["size_rng"])
         torch.set_rng_state(state["torch_rng"])
 
+    def init_from_weights(self, path: Path) -> None:
+        """Start the trainer from exported weights (a run's ``best``/``last`` ``.safetensors``, well under the size of
+        a full ``last.pt``): the model, and the step, tables seen, wall time, widest table and invocations of its card,
+        so the curriculum and the rate schedule continue where that run was; the optimizer state starts fresh."""
+        src = load_model(path, device=self.device)
+        if src.config.to_dict() != self.model_config.to_dict():
+            raise ValueError(f"{path} holds a {src.config.to_dict()} model, not --config {self.args.config!r}")
+        self.model.load_state_dict(src.state_dict())
+        card = src.card
+        self.step, self.tables_seen = int(card.get("step") or 0), int(card.get("tables_seen") or 0)
+        self.wall_time = float(card.get("wall_time_s") or 0.0)
+        self.max_features_seen = card.get("pretrained_max_features")
+        self.commands = list(card.get("commands") or [])
+        # the rate of the run's schedule at this step
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor, last_epoch=self.step - 1)
+
 
 def _atomic_torch_save(obj: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -319,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which validation score picks the best checkpoint (accuracy, or log-loss)")
     p.add_argument("--export", type=Path, default=None, help="also write the best model here (.safetensors + card)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start a new run folder from exported weights (.safetensors written by this script): model, "
+                        "step and tables seen from its card; fresh optimizer state")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -377,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("resumed from %s at step %d (%d tables seen)", last, trainer.step, trainer.tables_seen)
     elif last.exists() and rank == 0:
         raise SystemExit(f"{last} exists: pass --resume to continue that run or choose another --out")
+    if args.init_from is not None:
+        if args.resume:
+            raise SystemExit("--init-from starts a new run folder; it cannot be combined with --resume")
+        trainer.init_from_weights(args.init_from)
+        logger.info("initialised from %s at step %d (%d tables seen)", args.init_from, trainer.step, trainer.tables_seen)
     command = "python -m tabular.pretrain " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     trainer.commands.append({"from_step": trainer.step, "command": command})
     val_batches = []
@@ -449,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
         if rank == 0:
             _atomic_torch_save(trainer.state_dict(), last)
+            # The weights alone (a quarter of last.pt, no optimizer state): what --init-from starts from.
+            save_model(trainer.model, out / "last.safetensors", extra=model_card(trainer, {}, command))
         if bar is not None:
             bar.close()
         if world > 1:

@@ -110,6 +110,27 @@ def test_resume_is_exact(tmp_path):
         pretrain.main([*TINY, "--out", str(a), "--steps", "5"])
 
 
+def test_init_from_exported_weights_continues_the_run(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert pretrain.main([*TINY, "--out", str(a), "--steps", "3", "--val-every", "3"]) == 0
+    src = load_model(a / "last.safetensors")
+    assert src.card["step"] == 3 and src.card["tables_seen"] == 6
+    assert pretrain.main([*TINY, "--out", str(b), "--steps", "3", "--init-from", str(a / "last.safetensors")]) == 0
+    sb = torch.load(b / "last.pt", weights_only=False)  # already at --steps: no step taken, weights unchanged
+    assert sb["step"] == 3 and sb["tables_seen"] == 6 and sb["max_features_seen"] == src.card["pretrained_max_features"]
+    for k, v in src.state_dict().items():
+        torch.testing.assert_close(sb["model"][k], v, rtol=0, atol=0)
+    assert [c["from_step"] for c in sb["commands"]] == [0, 3]
+    assert sb["scheduler"]["last_epoch"] == 3  # the rate schedule continues at the run's step
+    assert pretrain.main([*TINY, "--out", str(b), "--steps", "5", "--resume"]) == 0
+    assert torch.load(b / "last.pt", weights_only=False)["step"] == 5
+    with pytest.raises(ValueError, match="not --config"):
+        pretrain.main([*TINY, "--config", "small", "--out", str(tmp_path / "c"), "--steps", "4",
+                       "--init-from", str(a / "last.safetensors")])
+    with pytest.raises(SystemExit, match="--resume"):
+        pretrain.main([*TINY, "--out", str(b), "--steps", "6", "--resume", "--init-from", str(a / "last.safetensors")])
+
+
 def test_sigterm_checkpoints_the_current_step_and_resume_drops_later_log_records(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
