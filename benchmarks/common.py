@@ -200,11 +200,13 @@ def _portable_path(text: str) -> str:
 
 
 def portable_args(args: Any) -> dict[str, Any]:
-    """``vars(args)`` for a results file: paths (also comma-separated lists of them) without this machine's
+    """``vars(args)`` for a results file: paths (also lists and comma-separated lists of them) without this machine's
     directories, so that a committed result does not name where it was run."""
     out = {}
     for k, v in vars(args).items():
-        if isinstance(v, Path):
+        if isinstance(v, (list, tuple)) and all(isinstance(x, (str, Path)) for x in v):
+            v = [_portable_path(str(x)) if isinstance(x, Path) or os.sep in x else x for x in v]
+        elif isinstance(v, Path):
             v = _portable_path(str(v))
         elif isinstance(v, str) and os.sep in v:
             v = ",".join(_portable_path(part) for part in v.split(","))

@@ -16,6 +16,10 @@ def test_portable_args_strips_machine_directories():
                               merge="/scratch/a.json,/scratch/b.json", data_dir="data/rl", n=3, name="iris")
     assert portable_args(args) == {"out": "benchmarks/results/x.json", "checkpoint": "w.safetensors",
                                    "merge": "a.json,b.json", "data_dir": "data/rl", "n": 3, "name": "iris"}
+    listed = argparse.Namespace(checkpoints=["/elsewhere/a.safetensors", "training/b.safetensors"], noise=[0.4],
+                                features=[5, 10])
+    assert portable_args(listed) == {"checkpoints": ["a.safetensors", "training/b.safetensors"], "noise": [0.4],
+                                     "features": [5, 10]}
 
 
 def _absolute_paths(obj, where=""):
