@@ -14,6 +14,10 @@ features: ``X (B, N, F)`` float (NaN = missing), ``y_train (B, n_train)`` int64 
    all rows attend to keys/values of the train rows only (one attention call with train keys; no N² mask), so
    train rows attend to train rows and a test row attends to train rows only. An MLP decoder maps each test
    row to ``max_classes`` logits. Row vectors are standardized with train-row statistics before this stage.
+   Optional (``icl_ridge``, off by default): an in-context ridge readout — ridge regression of the one-hot train
+   labels on the train row vectors, solved in closed form inside the forward pass — whose predictions (leave-one-out
+   for train rows) are added to the rows entering this stage, so a linear fit is an input of the ICL stage
+   instead of something its attention has to learn to compute.
 
 All attention goes through ``core`` modules (backend chosen per module, ``core.attention`` picks memory-bounded
 kernels for long contexts).
@@ -53,6 +57,10 @@ class TabICLConfig:
     icl_ffn: int = 1024  # MLP hidden size of the ICL blocks (paper: 1024)
     mlp_ratio: float = 2.0  # MLP hidden size / width in the column and row blocks
     clip_value: float = 10.0  # standardized cells are clipped to +-clip_value before embedding
+    # In-context ridge readout (an addition to the published design, off when empty): for each alpha, ridge
+    # regression of the one-hot train labels on the standardized train row vectors (penalty alpha * n_train);
+    # its predictions (leave-one-out for train rows) enter the ICL stage through a zero-initialised projection.
+    icl_ridge: tuple = ()
 
     def __post_init__(self) -> None:
         for name in ("max_classes", "embed_dim", "col_blocks", "col_heads", "col_inducing", "row_blocks",
@@ -74,6 +82,13 @@ class TabICLConfig:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
         if not self.clip_value > 0:
             raise ValueError(f"clip_value must be > 0, got {self.clip_value}")
+        try:
+            alphas = tuple(float(a) for a in self.icl_ridge)
+        except (TypeError, ValueError):
+            raise ValueError(f"icl_ridge must be a sequence of positive numbers, got {self.icl_ridge!r}") from None
+        if any(not a > 0 for a in alphas):
+            raise ValueError(f"icl_ridge penalties must be > 0, got {self.icl_ridge!r}")
+        self.icl_ridge = alphas  # JSON round trips give lists
 
     @property
     def icl_dim(self) -> int:
@@ -149,9 +164,11 @@ class TrainContext:
     row_mean: torch.Tensor  # (B, 1, D) train row-vector mean
     row_std: torch.Tensor  # (B, 1, D) train row-vector std
     n_train: int  # train rows
+    ridge_w: torch.Tensor | None = None  # (B, D, len(icl_ridge) * max_classes) ridge readout weights, if any
 
     def nbytes(self) -> int:
         ts = [self.mean, self.std, self.row_mean, self.row_std, *self.summaries, *(t for kv in self.kv for t in kv)]
+        ts += [] if self.ridge_w is None else [self.ridge_w]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -273,6 +290,52 @@ class ICLTransformer(nn.Module):
         )
         self.norm = nn.LayerNorm(D)
         self.decoder = MLP(D, 2 * D, out_dim=cfg.max_classes)
+        self.ridge_alphas = tuple(cfg.icl_ridge)
+        if self.ridge_alphas:
+            self.ridge_proj = nn.Linear(len(self.ridge_alphas) * cfg.max_classes, D)
+            nn.init.zeros_(self.ridge_proj.weight)  # a model extended with the readout starts as the model without
+            nn.init.zeros_(self.ridge_proj.bias)
+
+    def ridge_fit(self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int = 1024
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ridge readout of standardized train rows ``(B, n, D)``: weights ``(B, D, A·C)`` (``A`` penalties, ``C =
+        max_classes``) and the train rows' leave-one-out predictions ``(B, n, A·C)``.
+
+        Targets are the one-hot labels centred on their train mean; the penalty of ``alpha`` is ``alpha · n`` (the
+        rows are standardized, so ``RᵀR`` has ``n`` on its diagonal). Solved in float64 in the primal (``D × D``),
+        ``chunk`` rows at a time, so time is linear in ``n`` and the float64 working memory is ``O(B·D²)`` plus one
+        chunk. Leave-one-out: ``(ŷᵢ − hᵢ·yᵢ) / (1 − hᵢ)`` with the hat diagonal ``hᵢ``, so train rows see
+        predictions of the same kind as test rows (not their own fitted labels).
+        """
+        B, n, D = rows_train.shape
+        C = self.max_classes
+        Y = nn.functional.one_hot(y_train, C).double()
+        Y = Y - Y.mean(1, keepdim=True)
+        G = rows_train.new_zeros(B, D, D, dtype=torch.float64)
+        RtY = rows_train.new_zeros(B, D, C, dtype=torch.float64)
+        for s in range(0, n, chunk):
+            R = rows_train[:, s : s + chunk].double()
+            G = G + R.transpose(1, 2) @ R
+            RtY = RtY + R.transpose(1, 2) @ Y[:, s : s + chunk]
+        eye = torch.eye(D, dtype=torch.float64, device=rows_train.device)
+        ws, loos = [], []
+        for alpha in self.ridge_alphas:
+            Ainv = torch.cholesky_inverse(torch.linalg.cholesky(G + (alpha * n) * eye))  # (B, D, D)
+            W = Ainv @ RtY
+            parts = []
+            for s in range(0, n, chunk):
+                R = rows_train[:, s : s + chunk].double()
+                h = ((R @ Ainv) * R).sum(-1, keepdim=True)  # hat diagonal of these rows
+                parts.append((R @ W - h * Y[:, s : s + chunk]) / (1.0 - h).clamp_min(1e-6))
+            ws.append(W)
+            loos.append(torch.cat(parts, dim=1))
+        dtype = rows_train.dtype
+        return torch.cat(ws, dim=2).to(dtype), torch.cat(loos, dim=2).to(dtype)
+
+    def ridge_features(self, rows: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """The readout's contribution ``(B, S, D)`` for standardized rows ``(B, S, D)`` and weights from
+        :meth:`ridge_fit`."""
+        return self.ridge_proj(rows @ W)
 
     def _block(self, blk: SelfAttentionBlock, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One block for rows ``x (B, S, D)`` attending to cached train keys/values ``(B, H, n_train, hd)``."""
@@ -286,15 +349,19 @@ class ICLTransformer(nn.Module):
         return rows_train + self.label_embed(onehot)
 
     def context(
-        self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int | None = None
+        self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int | None = None,
+        ridge_loo: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-block train keys/values: the train-side cache that test rows attend to.
 
         ``rows_train`` must already be standardized (see :meth:`row_stats`). Keys/values of a block need all
         train rows; the queries, the attention over those keys and the MLP run ``chunk`` rows at a time
-        (None = all at once).
+        (None = all at once). ``ridge_loo``: the train rows' leave-one-out readout (:meth:`ridge_fit`), when
+        the model has one.
         """
         x = self.embed_train(rows_train, y_train)
+        if ridge_loo is not None:
+            x = x + self.ridge_proj(ridge_loo)
         n = x.shape[1]
         chunk = n if chunk is None else max(1, int(chunk))
         cache = []
@@ -335,6 +402,9 @@ class ICLTransformer(nn.Module):
         mean, std = self.row_stats(rows[:, :n_train])
         rows = (rows - mean) / std
         x = torch.cat([self.embed_train(rows[:, :n_train], y_train), rows[:, n_train:]], dim=1)
+        if self.ridge_alphas:
+            W, loo = self.ridge_fit(rows[:, :n_train], y_train)
+            x = x + torch.cat([self.ridge_proj(loo), self.ridge_features(rows[:, n_train:], W)], dim=1)
         for blk in self.blocks:
             h = blk.norm1(x)
             k, v = blk.attn.project_kv(h[:, :n_train])  # keys/values from train rows only
@@ -435,8 +505,12 @@ class TabICL(nn.Module):
         del cells
         row_mean, row_std = self.icl.row_stats(rows)
         rows.sub_(row_mean).div_(row_std)
-        kv = self.icl.context(rows, y_train, chunk=chunk)
-        return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, row_mean=row_mean, row_std=row_std, n_train=n)
+        ridge_w = loo = None
+        if self.icl.ridge_alphas:
+            ridge_w, loo = self.icl.ridge_fit(rows, y_train, chunk=chunk)
+        kv = self.icl.context(rows, y_train, chunk=chunk, ridge_loo=loo)
+        return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, row_mean=row_mean, row_std=row_std,
+                            n_train=n, ridge_w=ridge_w)
 
     @torch.no_grad()
     def predict_logits(self, X_test: torch.Tensor, ctx: TrainContext, *, chunk: int = 4096) -> torch.Tensor:
@@ -448,5 +522,7 @@ class TabICL(nn.Module):
         for s in range(0, X_test.shape[1], chunk):
             Z = standardize(X_test[:, s : s + chunk], ctx.mean, ctx.std, self.config.clip_value)
             rows = (self._rows_from_cells(Z, ctx.summaries, chunk) - ctx.row_mean) / ctx.row_std
+            if ctx.ridge_w is not None:
+                rows = rows + self.icl.ridge_features(rows, ctx.ridge_w)
             out.append(self.icl.predict(rows, ctx.kv))
         return torch.cat(out, dim=1)

@@ -16,6 +16,7 @@ Runs under ``torchrun --nproc_per_node=K`` (DDP; gloo on CPU, NCCL on GPU): each
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -134,6 +135,8 @@ class Trainer:
         self.rank, self.world = rank, world
         self.device = device or torch.device("cpu")
         self.model_config: TabICLConfig = CONFIGS[args.config]()
+        if getattr(args, "icl_ridge", None):
+            self.model_config = dataclasses.replace(self.model_config, icl_ridge=tuple(args.icl_ridge))
         torch.manual_seed(args.seed)
         self.model = TabICL(self.model_config).to(self.device)
         self.ddp_model: torch.nn.Module = self.model
@@ -226,8 +229,9 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["model_config"] != self.model_config.to_dict():
-            raise ValueError(f"checkpoint config {state['model_config']} differs from --config {self.args.config!r}")
+        if TabICLConfig(**state["model_config"]).to_dict() != self.model_config.to_dict():  # older: no icl_ridge
+            raise ValueError(f"checkpoint config {state['model_config']} differs from --config {self.args.config!r}"
+                             f" --icl-ridge {' '.join(map(str, self.model_config.icl_ridge)) or '(none)'}")
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -255,9 +259,17 @@ class Trainer:
         a full ``last.pt``): the model, and the step, tables seen, wall time, widest table and invocations of its card,
         so the curriculum and the rate schedule continue where that run was; the optimizer state starts fresh."""
         src = load_model(path, device=self.device)
-        if src.config.to_dict() != self.model_config.to_dict():
-            raise ValueError(f"{path} holds a {src.config.to_dict()} model, not --config {self.args.config!r}")
-        self.model.load_state_dict(src.state_dict())
+        extend = not src.config.icl_ridge and bool(self.model_config.icl_ridge)  # add the ridge readout
+        want = dataclasses.replace(self.model_config, icl_ridge=()) if extend else self.model_config
+        if src.config.to_dict() != want.to_dict():
+            raise ValueError(f"{path} holds a {src.config.to_dict()} model, not --config {self.args.config!r}"
+                             f" --icl-ridge {' '.join(map(str, self.model_config.icl_ridge)) or '(none)'}")
+        missing, unexpected = self.model.load_state_dict(src.state_dict(), strict=not extend)
+        if extend and (unexpected or any(not k.startswith("icl.ridge_proj.") for k in missing)):
+            raise ValueError(f"{path}: unexpected weights {unexpected} or missing {missing} when adding the readout")
+        if extend:
+            logger.info("added the ridge readout %s (zero-initialised) to the weights of %s",
+                        self.model_config.icl_ridge, path)
         card = src.card
         self.step, self.tables_seen = int(card.get("step") or 0), int(card.get("tables_seen") or 0)
         self.wall_time = float(card.get("wall_time_s") or 0.0)
@@ -324,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on features per table (only lowers the curriculum's bound)")
     p.add_argument("--feature-bound", type=int, default=None,
                    help="most features per table, replacing the curriculum's bound (raises it too)")
+    p.add_argument("--icl-ridge", type=float, nargs="+", default=None, metavar="ALPHA",
+                   help="add the in-context ridge readout with these penalties to the model (tabular.model; "
+                        "with --init-from from weights without it, the readout starts at zero)")
     p.add_argument("--p-factor", type=float, default=0.0,
                    help="share of factor-SCM tables in the full prior (tabular.prior; taken from the MLP share)")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")

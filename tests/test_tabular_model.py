@@ -98,3 +98,63 @@ def test_config_and_input_validation():
         m(b.X, torch.full((1, b.n_train), 10))
     with pytest.raises(ValueError, match="n_train"):
         m(b.X, torch.zeros(1, b.X.shape[1], dtype=torch.long))
+
+
+def _ridge_model(seed=0):
+    """A tiny model with the ridge readout, its projection made non-zero so the readout matters."""
+    torch.manual_seed(seed)
+    m = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), "icl_ridge": [0.1, 1.0]})).eval()
+    with torch.no_grad():
+        m.icl.ridge_proj.weight.normal_(0, 0.5)
+    return m
+
+
+def test_ridge_readout_keeps_the_contract():
+    m = _ridge_model()
+    assert m.config.icl_ridge == (0.1, 1.0)  # a JSON list becomes a tuple
+    b = _batch(B=2, N=70, n_train=45, F=4, seed=3)
+    y = b.y[:, :45]
+    with torch.no_grad():
+        full = m(b.X, y)
+        ctx = m.build_context(b.X[:, :45], y, chunk=8)
+        torch.testing.assert_close(m.predict_logits(b.X[:, 45:], ctx, chunk=9), full, rtol=1e-4, atol=1e-5)
+        X2 = b.X.clone()
+        X2[0, 45 + 3] = torch.randn(4) * 3  # one test row changes: no other prediction moves
+        diff = (m(X2, y) - full).abs().amax(-1)[0]
+    assert diff[3] > 1e-4 and torch.all(diff[torch.arange(diff.numel()) != 3] < 1e-5)
+    assert ctx.ridge_w.shape == (2, m.config.icl_dim, 2 * m.config.max_classes)
+    # zero projection (as created): the same function as the model without the readout
+    plain = TabICL(tabicl_tiny()).eval()
+    fresh = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), "icl_ridge": [0.1]})).eval()
+    missing, unexpected = fresh.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(missing) == ["icl.ridge_proj.bias", "icl.ridge_proj.weight"] and not unexpected
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(b.X, y), plain(b.X, y))
+    with pytest.raises(ValueError, match="icl_ridge"):
+        TabICLConfig(icl_ridge=[0.0])
+    with pytest.raises(ValueError, match="icl_ridge"):
+        TabICLConfig(icl_ridge="x")
+
+
+def test_ridge_readout_is_ridge_regression_with_exact_leave_one_out():
+    m = _ridge_model()
+    g = torch.Generator().manual_seed(0)
+    n, D = 30, m.config.icl_dim
+    R = torch.randn(1, n, D, generator=g)
+    y = torch.randint(0, 3, (1, n), generator=g)
+    W, loo = m.icl.ridge_fit(R, y)
+    W7, loo7 = m.icl.ridge_fit(R, y, chunk=7)  # rows in chunks: the same result
+    torch.testing.assert_close(W7, W)
+    torch.testing.assert_close(loo7, loo)
+    C = m.config.max_classes
+    for a, alpha in enumerate((0.1, 1.0)):
+        Y = torch.nn.functional.one_hot(y[0], C).double()
+        Yc = Y - Y.mean(0)
+        Rd = R[0].double()
+        ref = torch.linalg.solve(Rd.T @ Rd + alpha * n * torch.eye(D, dtype=torch.float64), Rd.T @ Yc)
+        torch.testing.assert_close(W[0, :, a * C : (a + 1) * C].double(), ref, rtol=1e-4, atol=1e-6)
+        for i in (0, 7, 29):  # refit without row i (same centring, as in the closed form) and predict it
+            keep = torch.arange(n) != i
+            Ri = Rd[keep]
+            wi = torch.linalg.solve(Ri.T @ Ri + alpha * n * torch.eye(D, dtype=torch.float64), Ri.T @ Yc[keep])
+            torch.testing.assert_close(loo[0, i, a * C : (a + 1) * C].double(), Rd[i] @ wi, rtol=1e-4, atol=1e-5)

@@ -131,6 +131,24 @@ def test_init_from_exported_weights_continues_the_run(tmp_path):
         pretrain.main([*TINY, "--out", str(b), "--steps", "6", "--resume", "--init-from", str(a / "last.safetensors")])
 
 
+def test_init_from_weights_without_the_ridge_readout_adds_it(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert pretrain.main([*TINY, "--out", str(a), "--steps", "2", "--val-every", "2"]) == 0
+    ridge = ["--icl-ridge", "0.1", "1"]
+    assert pretrain.main([*TINY, *ridge, "--out", str(b), "--steps", "4", "--init-from",
+                          str(a / "last.safetensors")]) == 0
+    m = load_model(b / "last.safetensors")
+    assert m.config.icl_ridge == (0.1, 1.0) and m.card["step"] == 4
+    assert m.icl.ridge_proj.weight.abs().sum() > 0  # the readout trained from its zero start
+    src = load_model(a / "last.safetensors")
+    assert not src.config.icl_ridge and not hasattr(src.icl, "ridge_proj")
+    assert pretrain.main([*TINY, *ridge, "--out", str(b), "--steps", "5", "--resume"]) == 0
+    with pytest.raises(ValueError, match=r"\(0.1, 1.0\).*--icl-ridge \(none\)"):  # resuming needs it
+        pretrain.main([*TINY, "--out", str(b), "--steps", "6", "--resume"])
+    with pytest.raises(ValueError, match="not --config"):  # weights with a readout cannot drop it
+        pretrain.main([*TINY, "--out", str(tmp_path / "c"), "--steps", "6", "--init-from", str(b / "last.safetensors")])
+
+
 def test_sigterm_checkpoints_the_current_step_and_resume_drops_later_log_records(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
