@@ -568,3 +568,24 @@ def test_verbose_shows_progress_bars(capsys):
     assert "TabICL predict (20 rows)" in err and "3/3" in err
     TabICLClassifier(n_estimators=3, random_state=0).fit(X[:60], y[:60]).predict_proba(X[60:])
     assert "TabICL" not in capsys.readouterr().err  # quiet by default
+
+
+def test_checkpoint_with_ridge_readout_predicts_in_batches_and_from_cache(tmp_path):
+    from tabular.model import TabICLConfig, tabicl_tiny
+    from tabular.weights_io import save_model
+
+    torch.manual_seed(0)
+    m = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), "icl_ridge": [0.3]}))
+    with torch.no_grad():
+        m.icl.ridge_proj.weight.normal_(0, 0.5)  # a readout that matters
+    path = tmp_path / "ridge.safetensors"
+    save_model(m, path)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 4))
+    y = (X[:, 0] + 0.5 * X[:, 1] > 0).astype(int)
+    clf = TabICLClassifier(n_estimators=2, checkpoint=str(path), random_state=0).fit(X[:80], y[:80])
+    p = clf.predict_proba(X[80:])
+    assert p.shape == (40, 2) and np.allclose(p.sum(1), 1)
+    np.testing.assert_allclose(clf.predict_proba(X[80:]), p, rtol=0, atol=0)  # repeated call: the cached context
+    small = TabICLClassifier(n_estimators=2, checkpoint=str(path), random_state=0, batch_size=7).fit(X[:80], y[:80])
+    np.testing.assert_allclose(small.predict_proba(X[80:]), p, atol=1e-5)
