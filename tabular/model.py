@@ -18,6 +18,10 @@ features: ``X (B, N, F)`` float (NaN = missing), ``y_train (B, n_train)`` int64 
    labels on the train row vectors, solved in closed form inside the forward pass — whose predictions (leave-one-out
    for train rows) are added to the rows entering this stage, so a linear fit is an input of the ICL stage
    instead of something its attention has to learn to compute.
+   Optional (``icl_logistic``, off by default): an in-context logistic readout (:mod:`tabular.readout`) —
+   one-vs-rest penalised logistic regression of the train labels on the standardized cells themselves, fitted
+   by Newton's method inside the forward pass — whose logits (approximate leave-one-out for train rows) enter
+   the ICL stage the same way.
 
 All attention goes through ``core`` modules (backend chosen per module, ``core.attention`` picks memory-bounded
 kernels for long contexts).
@@ -33,6 +37,7 @@ from torch import nn
 
 from core.layers import MLP, InducedSetAttentionBlock, SelfAttentionBlock
 from core.rope import RotaryEmbedding
+from tabular.readout import logistic_readout, logistic_scores
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,12 @@ class TabICLConfig:
     # regression of the one-hot train labels on the standardized train row vectors (penalty alpha * n_train);
     # its predictions (leave-one-out for train rows) enter the ICL stage through a zero-initialised projection.
     icl_ridge: tuple = ()
+    # In-context logistic readout (an addition to the published design, off when empty; tabular.readout): for each
+    # alpha, one-vs-rest logistic regression of the train labels on the standardized cells (weight penalty
+    # alpha * n_train); its logits (leave-one-out for train rows) enter the ICL stage through a zero-initialised
+    # projection. The cells keep what the row embedding loses on wide tables (logistic regression on the medium
+    # model's row vectors: 0.954 on breast_cancer, on the cells 0.967).
+    icl_logistic: tuple = ()
 
     def __post_init__(self) -> None:
         for name in ("max_classes", "embed_dim", "col_blocks", "col_heads", "col_inducing", "row_blocks",
@@ -82,13 +93,15 @@ class TabICLConfig:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
         if not self.clip_value > 0:
             raise ValueError(f"clip_value must be > 0, got {self.clip_value}")
-        try:
-            alphas = tuple(float(a) for a in self.icl_ridge)
-        except (TypeError, ValueError):
-            raise ValueError(f"icl_ridge must be a sequence of positive numbers, got {self.icl_ridge!r}") from None
-        if any(not a > 0 for a in alphas):
-            raise ValueError(f"icl_ridge penalties must be > 0, got {self.icl_ridge!r}")
-        self.icl_ridge = alphas  # JSON round trips give lists
+        for name in ("icl_ridge", "icl_logistic"):
+            given = getattr(self, name)
+            try:
+                alphas = tuple(float(a) for a in given)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name} must be a sequence of positive numbers, got {given!r}") from None
+            if any(not a > 0 for a in alphas):
+                raise ValueError(f"{name} penalties must be > 0, got {given!r}")
+            setattr(self, name, alphas)  # JSON round trips give lists
 
     @property
     def icl_dim(self) -> int:
@@ -165,10 +178,11 @@ class TrainContext:
     row_std: torch.Tensor  # (B, 1, D) train row-vector std
     n_train: int  # train rows
     ridge_w: torch.Tensor | None = None  # (B, D, len(icl_ridge) * max_classes) ridge readout weights, if any
+    logit_w: torch.Tensor | None = None  # (B, F + 1, len(icl_logistic) * max_classes) logistic readout, if any
 
     def nbytes(self) -> int:
         ts = [self.mean, self.std, self.row_mean, self.row_std, *self.summaries, *(t for kv in self.kv for t in kv)]
-        ts += [] if self.ridge_w is None else [self.ridge_w]
+        ts += [t for t in (self.ridge_w, self.logit_w) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -295,6 +309,11 @@ class ICLTransformer(nn.Module):
             self.ridge_proj = nn.Linear(len(self.ridge_alphas) * cfg.max_classes, D)
             nn.init.zeros_(self.ridge_proj.weight)  # a model extended with the readout starts as the model without
             nn.init.zeros_(self.ridge_proj.bias)
+        self.logistic_alphas = tuple(cfg.icl_logistic)
+        if self.logistic_alphas:
+            self.logit_proj = nn.Linear(len(self.logistic_alphas) * cfg.max_classes, D)
+            nn.init.zeros_(self.logit_proj.weight)  # as for the ridge readout: starts as the model without it
+            nn.init.zeros_(self.logit_proj.bias)
 
     def ridge_fit(self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int = 1024
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,18 +369,20 @@ class ICLTransformer(nn.Module):
 
     def context(
         self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int | None = None,
-        ridge_loo: torch.Tensor | None = None,
+        ridge_loo: torch.Tensor | None = None, logit_loo: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-block train keys/values: the train-side cache that test rows attend to.
 
         ``rows_train`` must already be standardized (see :meth:`row_stats`). Keys/values of a block need all
         train rows; the queries, the attention over those keys and the MLP run ``chunk`` rows at a time
         (None = all at once). ``ridge_loo``: the train rows' leave-one-out readout (:meth:`ridge_fit`), when
-        the model has one.
+        the model has one; ``logit_loo``: the same for the logistic readout (:func:`tabular.readout.logistic_readout`).
         """
         x = self.embed_train(rows_train, y_train)
         if ridge_loo is not None:
             x = x + self.ridge_proj(ridge_loo)
+        if logit_loo is not None:
+            x = x + self.logit_proj(logit_loo)
         n = x.shape[1]
         chunk = n if chunk is None else max(1, int(chunk))
         cache = []
@@ -391,8 +412,11 @@ class ICLTransformer(nn.Module):
         std = rows_train.std(1, keepdim=True, unbiased=False) + 1e-5
         return mean, std
 
-    def forward(self, rows: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, y_train: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``(B, N, D)`` with the first ``n_train = y_train.shape[1]`` labelled -> test logits.
+
+        ``logits``: the logistic readout's ``(B, N, P·C)`` features (leave-one-out for train rows), when the model
+        has one.
 
         Row vectors are first standardized with their train rows' mean and std (per table and dimension):
         it removes the component shared by all rows, so rows differ at unit scale from the first step on
@@ -405,6 +429,10 @@ class ICLTransformer(nn.Module):
         if self.ridge_alphas:
             W, loo = self.ridge_fit(rows[:, :n_train], y_train)
             x = x + torch.cat([self.ridge_proj(loo), self.ridge_features(rows[:, n_train:], W)], dim=1)
+        if self.logistic_alphas:
+            if logits is None:
+                raise ValueError("this model has a logistic readout (icl_logistic): pass its logits")
+            x = x + self.logit_proj(logits)
         for blk in self.blocks:
             h = blk.norm1(x)
             k, v = blk.attn.project_kv(h[:, :n_train])  # keys/values from train rows only
@@ -458,7 +486,16 @@ class TabICL(nn.Module):
         if int(y_train.min()) < 0 or int(y_train.max()) >= self.config.max_classes:
             raise ValueError(f"labels must lie in [0, {self.config.max_classes}), got [{int(y_train.min())}, {int(y_train.max())}]")
         rows = self.encode_rows(X, n_train)
-        return self.icl(rows, y_train)
+        return self.icl(rows, y_train, self._readout_logits(X, y_train))
+
+    def _readout_logits(self, X: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor | None:
+        """The logistic readout's features ``(B, N, P·C)`` of raw tables (train rows: leave-one-out), or None."""
+        if not self.icl.logistic_alphas:
+            return None
+        n_train = y_train.shape[1]
+        Z = standardize_columns(X, n_train, self.config.clip_value)
+        W, loo = logistic_readout(Z[:, :n_train], y_train, self.icl.logistic_alphas, self.config.max_classes)
+        return torch.cat([loo, logistic_scores(Z[:, n_train:], W)], dim=1)
 
     # -- inference with a train-side cache ---------------------------------------------------------------
     def _rows_from_cells(self, Z: torch.Tensor, summaries: list, chunk: int) -> torch.Tensor:
@@ -492,6 +529,9 @@ class TabICL(nn.Module):
         mean, std = column_stats(X_train)
         Z = standardize(X_train, mean, std, self.config.clip_value)
         B, n, F = Z.shape
+        logit_w = logit_loo = None
+        if self.icl.logistic_alphas:
+            logit_w, logit_loo = logistic_readout(Z, y_train, self.icl.logistic_alphas, self.config.max_classes)
         cols = Z.permute(0, 2, 1).reshape(B * F, n, 1)
         del Z
         summaries, cells = self.col.encode_train(cols, chunk=chunk)  # cells (B*F, n, d)
@@ -508,9 +548,9 @@ class TabICL(nn.Module):
         ridge_w = loo = None
         if self.icl.ridge_alphas:
             ridge_w, loo = self.icl.ridge_fit(rows, y_train, chunk=chunk)
-        kv = self.icl.context(rows, y_train, chunk=chunk, ridge_loo=loo)
+        kv = self.icl.context(rows, y_train, chunk=chunk, ridge_loo=loo, logit_loo=logit_loo)
         return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, row_mean=row_mean, row_std=row_std,
-                            n_train=n, ridge_w=ridge_w)
+                            n_train=n, ridge_w=ridge_w, logit_w=logit_w)
 
     @torch.no_grad()
     def predict_logits(self, X_test: torch.Tensor, ctx: TrainContext, *, chunk: int = 4096) -> torch.Tensor:
@@ -524,5 +564,7 @@ class TabICL(nn.Module):
             rows = (self._rows_from_cells(Z, ctx.summaries, chunk) - ctx.row_mean) / ctx.row_std
             if ctx.ridge_w is not None:
                 rows = rows + self.icl.ridge_features(rows, ctx.ridge_w)
+            if ctx.logit_w is not None:
+                rows = rows + self.icl.logit_proj(logistic_scores(Z, ctx.logit_w))
             out.append(self.icl.predict(rows, ctx.kv))
         return torch.cat(out, dim=1)

@@ -127,6 +127,10 @@ def evaluate(model: torch.nn.Module, batches: list, device: torch.device) -> dic
     return {"val_loss": float(np.mean(losses)), "val_acc": float(np.mean(accs))}
 
 
+# Optional readouts of the config, and the ICL-stage projection each one adds (zero-initialised when added).
+_READOUTS = {"icl_ridge": "ridge_proj", "icl_logistic": "logit_proj"}
+
+
 class Trainer:
     """Owns model, optimizer, prior and counters; ``train_step() -> dict`` and a full ``state_dict``."""
 
@@ -135,8 +139,9 @@ class Trainer:
         self.rank, self.world = rank, world
         self.device = device or torch.device("cpu")
         self.model_config: TabICLConfig = CONFIGS[args.config]()
-        if getattr(args, "icl_ridge", None):
-            self.model_config = dataclasses.replace(self.model_config, icl_ridge=tuple(args.icl_ridge))
+        for name in _READOUTS:
+            if getattr(args, name, None):
+                self.model_config = dataclasses.replace(self.model_config, **{name: tuple(getattr(args, name))})
         torch.manual_seed(args.seed)
         self.model = TabICL(self.model_config).to(self.device)
         self.ddp_model: torch.nn.Module = self.model
@@ -229,9 +234,9 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if TabICLConfig(**state["model_config"]).to_dict() != self.model_config.to_dict():  # older: no icl_ridge
+        if TabICLConfig(**state["model_config"]).to_dict() != self.model_config.to_dict():  # older: no readouts
             raise ValueError(f"checkpoint config {state['model_config']} differs from --config {self.args.config!r}"
-                             f" --icl-ridge {' '.join(map(str, self.model_config.icl_ridge)) or '(none)'}")
+                             f"{self._readout_flags()}")
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -254,22 +259,29 @@ class Trainer:
         self.size_rng.setstate(state["size_rng"])
         torch.set_rng_state(state["torch_rng"])
 
+    def _readout_flags(self) -> str:
+        """This run's readout options as command-line flags, for error messages."""
+        return "".join(f" --{name.replace('_', '-')} {' '.join(map(str, getattr(self.model_config, name))) or '(none)'}"
+                       for name in _READOUTS)
+
     def init_from_weights(self, path: Path) -> None:
         """Start the trainer from exported weights (a run's ``best``/``last`` ``.safetensors``, well under the size of
         a full ``last.pt``): the model, and the step, tables seen, wall time, widest table and invocations of its card,
         so the curriculum and the rate schedule continue where that run was; the optimizer state starts fresh."""
         src = load_model(path, device=self.device)
-        extend = not src.config.icl_ridge and bool(self.model_config.icl_ridge)  # add the ridge readout
-        want = dataclasses.replace(self.model_config, icl_ridge=()) if extend else self.model_config
+        # readouts the weights lack and this run asks for are added (zero-initialised, so the function is unchanged)
+        added = [name for name in _READOUTS if not getattr(src.config, name) and getattr(self.model_config, name)]
+        want = dataclasses.replace(self.model_config, **{name: () for name in added})
         if src.config.to_dict() != want.to_dict():
             raise ValueError(f"{path} holds a {src.config.to_dict()} model, not --config {self.args.config!r}"
-                             f" --icl-ridge {' '.join(map(str, self.model_config.icl_ridge)) or '(none)'}")
-        missing, unexpected = self.model.load_state_dict(src.state_dict(), strict=not extend)
-        if extend and (unexpected or any(not k.startswith("icl.ridge_proj.") for k in missing)):
-            raise ValueError(f"{path}: unexpected weights {unexpected} or missing {missing} when adding the readout")
-        if extend:
-            logger.info("added the ridge readout %s (zero-initialised) to the weights of %s",
-                        self.model_config.icl_ridge, path)
+                             f"{self._readout_flags()}")
+        missing, unexpected = self.model.load_state_dict(src.state_dict(), strict=not added)
+        prefixes = tuple(f"icl.{_READOUTS[name]}." for name in added)
+        if added and (unexpected or any(not k.startswith(prefixes) for k in missing)):
+            raise ValueError(f"{path}: unexpected weights {unexpected} or missing {missing} when adding {added}")
+        for name in added:
+            logger.info("added the %s readout %s (zero-initialised) to the weights of %s", name.removeprefix("icl_"),
+                        getattr(self.model_config, name), path)
         card = src.card
         self.step, self.tables_seen = int(card.get("step") or 0), int(card.get("tables_seen") or 0)
         self.wall_time = float(card.get("wall_time_s") or 0.0)
@@ -339,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--icl-ridge", type=float, nargs="+", default=None, metavar="ALPHA",
                    help="add the in-context ridge readout with these penalties to the model (tabular.model; "
                         "with --init-from from weights without it, the readout starts at zero)")
+    p.add_argument("--icl-logistic", type=float, nargs="+", default=None, metavar="ALPHA",
+                   help="add the in-context logistic readout (tabular.readout) with these penalties to the model; "
+                        "like --icl-ridge, it starts at zero when added with --init-from")
     p.add_argument("--p-factor", type=float, default=0.0,
                    help="share of factor-SCM tables in the full prior (tabular.prior; taken from the MLP share)")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")

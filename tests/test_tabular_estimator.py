@@ -570,14 +570,16 @@ def test_verbose_shows_progress_bars(capsys):
     assert "TabICL" not in capsys.readouterr().err  # quiet by default
 
 
-def test_checkpoint_with_ridge_readout_predicts_in_batches_and_from_cache(tmp_path):
+@pytest.mark.parametrize("readout", ["icl_ridge", "icl_logistic"])
+def test_checkpoint_with_a_readout_predicts_in_batches_and_from_cache(tmp_path, readout):
     from tabular.model import TabICLConfig, tabicl_tiny
     from tabular.weights_io import save_model
 
     torch.manual_seed(0)
-    m = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), "icl_ridge": [0.3]}))
+    m = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), readout: [0.3]}))
     with torch.no_grad():
-        m.icl.ridge_proj.weight.normal_(0, 0.5)  # a readout that matters
+        proj = m.icl.ridge_proj if readout == "icl_ridge" else m.icl.logit_proj
+        proj.weight.normal_(0, 0.5)  # a readout that matters
     path = tmp_path / "ridge.safetensors"
     save_model(m, path)
     rng = np.random.default_rng(0)

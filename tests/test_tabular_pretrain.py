@@ -149,6 +149,21 @@ def test_init_from_weights_without_the_ridge_readout_adds_it(tmp_path):
         pretrain.main([*TINY, "--out", str(tmp_path / "c"), "--steps", "6", "--init-from", str(b / "last.safetensors")])
 
 
+def test_init_from_weights_with_one_readout_adds_the_logistic_one(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    ridge, logistic = ["--icl-ridge", "0.3"], ["--icl-logistic", "0.01", "0.1"]
+    assert pretrain.main([*TINY, *ridge, "--out", str(a), "--steps", "2", "--val-every", "2"]) == 0
+    assert pretrain.main([*TINY, *ridge, *logistic, "--out", str(b), "--steps", "4", "--init-from",
+                          str(a / "last.safetensors")]) == 0
+    m, src = load_model(b / "last.safetensors"), load_model(a / "last.safetensors")
+    assert m.config.icl_logistic == (0.01, 0.1) and m.config.icl_ridge == (0.3,) and m.card["step"] == 4
+    assert m.icl.logit_proj.weight.abs().sum() > 0  # trained from its zero start
+    assert m.icl.ridge_proj.weight.abs().sum() > 0  # the readout it had keeps training
+    assert not src.config.icl_logistic and not hasattr(src.icl, "logit_proj")
+    with pytest.raises(ValueError, match=r"--icl-logistic \(none\)"):  # resuming needs the same readouts
+        pretrain.main([*TINY, *ridge, "--out", str(b), "--steps", "6", "--resume"])
+
+
 def test_sigterm_checkpoints_the_current_step_and_resume_drops_later_log_records(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
