@@ -315,10 +315,11 @@ class ICLTransformer(nn.Module):
             nn.init.zeros_(self.logit_proj.weight)  # as for the ridge readout: starts as the model without it
             nn.init.zeros_(self.logit_proj.bias)
 
-    def ridge_fit(self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int = 1024
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def ridge_fit(self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int = 1024,
+                  alphas: tuple[float, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Ridge readout of standardized train rows ``(B, n, D)``: weights ``(B, D, A·C)`` (``A`` penalties, ``C =
-        max_classes``) and the train rows' leave-one-out predictions ``(B, n, A·C)``.
+        max_classes``) and the train rows' leave-one-out predictions ``(B, n, A·C)``. ``alphas``: the penalties
+        (default the config's ``icl_ridge``).
 
         Targets are the one-hot labels centred on their train mean; the penalty of ``alpha`` is ``alpha · n`` (the
         rows are standardized, so ``RᵀR`` has ``n`` on its diagonal). Solved in float64 in the primal (``D × D``),
@@ -338,7 +339,7 @@ class ICLTransformer(nn.Module):
             RtY = RtY + R.transpose(1, 2) @ Y[:, s : s + chunk]
         eye = torch.eye(D, dtype=torch.float64, device=rows_train.device)
         ws, loos = [], []
-        for alpha in self.ridge_alphas:
+        for alpha in self.ridge_alphas if alphas is None else alphas:
             Ainv = torch.cholesky_inverse(torch.linalg.cholesky(G + (alpha * n) * eye))  # (B, D, D)
             W = Ainv @ RtY
             parts = []
