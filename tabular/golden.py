@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GOLDEN_PATH", "golden_table", "golden_predictions", "build_parser", "main"]
 
-GOLDEN_PATH = DEFAULT_WEIGHTS.with_name("tabicl_small_golden.json")
+GOLDEN_PATH = DEFAULT_WEIGHTS.with_name(f"{DEFAULT_WEIGHTS.stem}_golden.json")
 _ATOL = 1e-4
 _FINETUNE_STEPS = 20  # the fine-tuned golden predictions (gradient steps amplify float rounding: wider tolerance)
 _FINETUNE_ATOL = 1e-3

@@ -302,6 +302,14 @@ def _val_signature(args) -> dict:
     return {"val_tables": args.val_tables, "val_max_rows": args.val_max_rows, "select": args.select}
 
 
+def _data_line(args) -> str:
+    """What this invocation trained on, for the card."""
+    p = float(getattr(args, "p_factor", 0.0) or 0.0)
+    mix = "70% MLP-SCM, 30% tree-SCM" if p == 0 else f"{100 - 30 - 100 * p:g}% MLP-SCM, 30% tree-SCM, {100 * p:g}% factor-SCM"
+    return (f"synthetic tables from tabular.prior.TablePrior ({mix}), fresh every step; "
+            f"the first {args.easy_steps} steps from the easy warm-up prior tabular.pretrain.EASY_PRIOR")
+
+
 def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
     """The card written beside an exported checkpoint."""
     n_params = sum(p.numel() for p in trainer.model.parameters())
@@ -311,8 +319,7 @@ def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
         "parameters": n_params,
         "command": command,
         "commands": trainer.commands,  # every invocation of the run, with the step it started from
-        "data": ("synthetic tables from tabular.prior.TablePrior (70% MLP-SCM, 30% tree-SCM), fresh every step; "
-                 f"the first {trainer.args.easy_steps} steps from the easy warm-up prior tabular.pretrain.EASY_PRIOR"),
+        "data": _data_line(trainer.args),
         "step": trainer.step,
         "tables_seen": trainer.tables_seen,
         "pretrained_max_features": trainer.max_features_seen,  # TabICLClassifier warns on wider tables

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["save_model", "load_model", "default_checkpoint", "atomic_write_text"]
 
 #: The shipped default checkpoint, inside the package.
-DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "tabicl_small.safetensors"
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "tabicl_medium.safetensors"
 
 
 def default_checkpoint() -> Path:
