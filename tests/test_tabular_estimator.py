@@ -261,6 +261,7 @@ def test_warns_on_tables_wider_than_the_checkpoint_was_pretrained_on(tmp_path):
     from tabular.weights_io import default_checkpoint
 
     assert load_model(default_checkpoint()).card["pretrained_max_features"] == 40
+    assert default_checkpoint().stat().st_size < 20 * 2**20  # a shipped file stays under 20 MB
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TabICLClassifier(n_estimators=1).fit(X, y)
@@ -529,7 +530,9 @@ def test_finetune_rows_per_step_follow_the_memory_budget(monkeypatch):
         return real(model, labels, rows, wrapped, **kw)
 
     monkeypatch.setattr(est, "finetune", spy)
-    per_row = VIEWS * row_bytes(32, 40)  # the shipped model: embed 32
+    from tabular.weights_io import default_checkpoint, load_model
+
+    per_row = VIEWS * row_bytes(load_model(default_checkpoint()).config.embed_dim, 40)  # the shipped model's width
     fits = {}
     for budget in (4096.0, 400.0, 1.0):
         sizes.clear()
