@@ -100,18 +100,22 @@ def test_config_and_input_validation():
         m(b.X, torch.zeros(1, b.X.shape[1], dtype=torch.long))
 
 
-def _ridge_model(seed=0):
-    """A tiny model with the ridge readout, its projection made non-zero so the readout matters."""
+_PROJ = {"icl_ridge": "ridge_proj", "icl_logistic": "logit_proj"}
+
+
+def _readout_model(readout="icl_ridge", seed=0):
+    """A tiny model with a readout, its projection made non-zero so the readout matters."""
     torch.manual_seed(seed)
-    m = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), "icl_ridge": [0.1, 1.0]})).eval()
+    m = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), readout: [0.1, 1.0]})).eval()
     with torch.no_grad():
-        m.icl.ridge_proj.weight.normal_(0, 0.5)
+        getattr(m.icl, _PROJ[readout]).weight.normal_(0, 0.5)
     return m
 
 
-def test_ridge_readout_keeps_the_contract():
-    m = _ridge_model()
-    assert m.config.icl_ridge == (0.1, 1.0)  # a JSON list becomes a tuple
+@pytest.mark.parametrize("readout", ["icl_ridge", "icl_logistic"])
+def test_readout_keeps_the_contract(readout):
+    m = _readout_model(readout)
+    assert getattr(m.config, readout) == (0.1, 1.0)  # a JSON list becomes a tuple
     b = _batch(B=2, N=70, n_train=45, F=4, seed=3)
     y = b.y[:, :45]
     with torch.no_grad():
@@ -122,22 +126,26 @@ def test_ridge_readout_keeps_the_contract():
         X2[0, 45 + 3] = torch.randn(4) * 3  # one test row changes: no other prediction moves
         diff = (m(X2, y) - full).abs().amax(-1)[0]
     assert diff[3] > 1e-4 and torch.all(diff[torch.arange(diff.numel()) != 3] < 1e-5)
-    assert ctx.ridge_w.shape == (2, m.config.icl_dim, 2 * m.config.max_classes)
+    if readout == "icl_ridge":
+        assert ctx.ridge_w.shape == (2, m.config.icl_dim, 2 * m.config.max_classes) and ctx.logit_w is None
+    else:
+        assert ctx.logit_w.shape == (2, 4 + 1, 2 * m.config.max_classes) and ctx.ridge_w is None
+    assert ctx.nbytes() > 4 * (ctx.ridge_w if ctx.logit_w is None else ctx.logit_w).numel()
     # zero projection (as created): the same function as the model without the readout
     plain = TabICL(tabicl_tiny()).eval()
-    fresh = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), "icl_ridge": [0.1]})).eval()
+    fresh = TabICL(TabICLConfig(**{**tabicl_tiny().to_dict(), readout: [0.1]})).eval()
     missing, unexpected = fresh.load_state_dict(plain.state_dict(), strict=False)
-    assert sorted(missing) == ["icl.ridge_proj.bias", "icl.ridge_proj.weight"] and not unexpected
+    assert sorted(missing) == [f"icl.{_PROJ[readout]}.bias", f"icl.{_PROJ[readout]}.weight"] and not unexpected
     with torch.no_grad():
         torch.testing.assert_close(fresh(b.X, y), plain(b.X, y))
-    with pytest.raises(ValueError, match="icl_ridge"):
-        TabICLConfig(icl_ridge=[0.0])
-    with pytest.raises(ValueError, match="icl_ridge"):
-        TabICLConfig(icl_ridge="x")
+    with pytest.raises(ValueError, match=readout):
+        TabICLConfig(**{readout: [0.0]})
+    with pytest.raises(ValueError, match=readout):
+        TabICLConfig(**{readout: "x"})
 
 
 def test_ridge_readout_is_ridge_regression_with_exact_leave_one_out():
-    m = _ridge_model()
+    m = _readout_model()
     g = torch.Generator().manual_seed(0)
     n, D = 30, m.config.icl_dim
     R = torch.randn(1, n, D, generator=g)
