@@ -494,9 +494,10 @@ class TabICL(nn.Module):
         if not self.icl.logistic_alphas:
             return None
         n_train = y_train.shape[1]
-        Z = standardize_columns(X, n_train, self.config.clip_value)
-        W, loo = logistic_readout(Z[:, :n_train], y_train, self.icl.logistic_alphas, self.config.max_classes)
-        return torch.cat([loo, logistic_scores(Z[:, n_train:], W)], dim=1)
+        with torch.no_grad():  # no parameters: a closed-form fit of the cells, no graph through it
+            Z = standardize_columns(X, n_train, self.config.clip_value)
+            W, loo = logistic_readout(Z[:, :n_train], y_train, self.icl.logistic_alphas, self.config.max_classes)
+            return torch.cat([loo, logistic_scores(Z[:, n_train:], W)], dim=1)
 
     # -- inference with a train-side cache ---------------------------------------------------------------
     def _rows_from_cells(self, Z: torch.Tensor, summaries: list, chunk: int) -> torch.Tensor:

@@ -89,4 +89,5 @@ def test_gradients_reach_the_projection_but_not_through_the_readout():
     X = b.X.clone().requires_grad_(True)
     m(X, b.y[:, :30]).sum().backward()
     assert m.icl.logit_proj.weight.grad.abs().sum() > 0
-    assert X.grad is not None  # the cells still get gradients through the row embedding
+    assert not m._readout_logits(X, b.y[:, :30]).requires_grad  # a closed-form fit: no graph through Newton's steps
+    assert X.grad is not None and X.grad.abs().sum() > 0  # the cells still get gradients through the row embedding
