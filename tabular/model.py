@@ -453,18 +453,21 @@ class TabICL(nn.Module):
         self.row = RowInteraction(self.config)
         self.icl = ICLTransformer(self.config)
 
-    def _cells(self, X: torch.Tensor, n_train: int) -> torch.Tensor:
-        """``(B, N, F)`` raw -> cell embeddings ``(B, N, F, d)``."""
-        B, N, F = X.shape
-        Z = standardize_columns(X, n_train, self.config.clip_value)
+    def _cells(self, Z: torch.Tensor, n_train: int) -> torch.Tensor:
+        """``(B, N, F)`` standardized (:func:`standardize_columns`) -> cell embeddings ``(B, N, F, d)``."""
+        B, N, F = Z.shape
         cols = Z.permute(0, 2, 1).reshape(B * F, N, 1)  # (B*F, N, 1): one set per column
         E = self.col(cols, n_train)  # (B*F, N, d)
         return E.reshape(B, F, N, -1).permute(0, 2, 1, 3)
 
     def encode_rows(self, X: torch.Tensor, n_train: int) -> torch.Tensor:
         """Row vectors ``(B, N, n_cls * d)`` of raw tables ``X (B, N, F)``."""
-        B, N, F = X.shape
-        E = self._cells(X, n_train)
+        return self._rows(standardize_columns(X, n_train, self.config.clip_value), n_train)
+
+    def _rows(self, Z: torch.Tensor, n_train: int) -> torch.Tensor:
+        """Row vectors ``(B, N, n_cls * d)`` of standardized cells ``Z (B, N, F)``."""
+        B, N, F = Z.shape
+        E = self._cells(Z, n_train)
         return self.row(E.reshape(B * N, F, -1)).reshape(B, N, -1)
 
     def forward(self, X: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
@@ -486,16 +489,16 @@ class TabICL(nn.Module):
             raise ValueError(f"n_train ({n_train}) must be in [1, N) with N = {X.shape[1]}")
         if int(y_train.min()) < 0 or int(y_train.max()) >= self.config.max_classes:
             raise ValueError(f"labels must lie in [0, {self.config.max_classes}), got [{int(y_train.min())}, {int(y_train.max())}]")
-        rows = self.encode_rows(X, n_train)
-        return self.icl(rows, y_train, self._readout_logits(X, y_train))
+        Z = standardize_columns(X, n_train, self.config.clip_value)  # the cells both stages and the readout read
+        return self.icl(self._rows(Z, n_train), y_train, self._readout_logits(Z, y_train))
 
-    def _readout_logits(self, X: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor | None:
-        """The logistic readout's features ``(B, N, P·C)`` of raw tables (train rows: leave-one-out), or None."""
+    def _readout_logits(self, Z: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor | None:
+        """The logistic readout's features ``(B, N, P·C)`` of standardized cells (train rows: leave-one-out), or
+        None."""
         if not self.icl.logistic_alphas:
             return None
         n_train = y_train.shape[1]
         with torch.no_grad():  # no parameters: a closed-form fit of the cells, no graph through it
-            Z = standardize_columns(X, n_train, self.config.clip_value)
             W, loo = logistic_readout(Z[:, :n_train], y_train, self.icl.logistic_alphas, self.config.max_classes)
             return torch.cat([loo, logistic_scores(Z[:, n_train:], W)], dim=1)
 
