@@ -53,9 +53,14 @@ class _ProgressLog:
             def emit(self, record) -> None:
                 log.write(record.getMessage())
 
-        logger = logging.getLogger("tabular.estimator")
-        logger.addHandler(_Handler(level=logging.INFO))
-        logger.setLevel(logging.INFO)
+        self.logger = logging.getLogger("tabular.estimator")  # one DEBUG line per predicted view (or member batch)
+        self.handler, self.level = _Handler(level=logging.DEBUG), self.logger.level
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.DEBUG)
+
+    def close(self) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
 
     def write(self, msg: str) -> None:
         rec = {"phase": self.phase, "wall_s": time.perf_counter() - self.w0, "cpu_s": time.process_time() - self.c0,
@@ -79,16 +84,20 @@ def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: 
     # feature_reduction=None: the model reads every column (a projection would measure a narrower table).
     clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu", checkpoint=checkpoint,
                            feature_reduction=None, verbose=plog is not None)
-    _, fit_s, fit_cpu = _timed(lambda: clf.fit(X[:rows], y[:rows]))
-    peak = PeakRSS()
-    peak.start()
-    if plog:
-        plog.phase = "first predict"
-        plog.write("fit done")
-    proba, first, first_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
-    if plog:
-        plog.phase = "repeat predict"
-    _, second, second_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
+    try:
+        _, fit_s, fit_cpu = _timed(lambda: clf.fit(X[:rows], y[:rows]))
+        peak = PeakRSS()
+        peak.start()
+        if plog:
+            plog.phase = "first predict"
+            plog.write("fit done")
+        proba, first, first_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
+        if plog:
+            plog.phase = "repeat predict"
+        _, second, second_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
+    finally:
+        if plog:
+            plog.close()
     hwm = _status_kb("VmHWM")
     acc = float((proba.argmax(1) == y[rows:]).mean())
     n_ctx = sum(1 for _ in _contexts(clf._tree))

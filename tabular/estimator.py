@@ -661,6 +661,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         where = "" if node is self._tree else f", class group of {len(node.classes)}"
         bar = tqdm(total=n_views, desc=f"TabICL predict ({n_test} rows{where})", unit="view",
                    disable=not self.verbose, leave=node is self._tree)
+        done = 0
         for f, members in views.items():
             Xtr, ytr = self._X_train[rows_at[folds[f]]], ytr_all[folds[f]]
             per_batch, chunk = self._plan(model, Xtr.shape[1], len(Xtr), len(members), n_test)
@@ -684,6 +685,10 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                     total += logits[j][:, (np.arange(G) + m.shift) % G]
                 bar.update(len(batch))
                 bar.set_postfix_str(f"fold {f + 1}/{len(folds)}, chunk {chunk}", refresh=False)
+                done += len(batch)
+                logger.debug("predict %d rows%s: %d/%d views, fold %d/%d, context %s, train cache %.0f MB",
+                             n_test, where, done, n_views, f + 1, len(folds), "cached" if key in node.cache else
+                             "not kept", self._cache.nbytes / 2**20)
         bar.close()
         return total / n_views
 
