@@ -41,9 +41,10 @@ class FinetuneResult:
 
 def row_bytes(embed_dim: int, n_features: int) -> int:
     """Bytes one row of one view holds during a training step (forward activations kept for the backward pass,
-    and their gradients): ``4 · embed_dim · (100 · n_features + 2000)``. A conservative fit of peak-RSS growth
-    measured for the small model (embed 32) on 1,024-row steps of two views: 423, 830 and 1,255 KB per row at
-    20, 50 and 100 features, against 512, 896 and 1,536 KB from the formula."""
+    and their gradients): ``4 · embed_dim · (100 · n_features + 2000)``. Conservative against the growth of peak
+    RSS over a first 1,024-row step of two views (``python -m benchmarks.tabular_finetune_memory``): small model
+    (embed 32) 245, 491, 909 KB per row at 20, 50, 100 features against 500, 875, 1,500 KB from the formula;
+    medium model (embed 64, 6 ICL blocks) 454, 1,016, 1,581 KB against 1,000, 1,750, 3,000 KB."""
     return 4 * int(embed_dim) * (100 * int(n_features) + 2000)
 
 
