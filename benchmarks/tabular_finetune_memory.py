@@ -50,7 +50,7 @@ def _case(checkpoint: str, features: int, rows: int, threads: int) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return float(loss)
+        return loss.item()
 
     peak = PeakRSS()
     peak.start()
@@ -62,7 +62,8 @@ def _case(checkpoint: str, features: int, rows: int, threads: int) -> dict:
     return {"status": "ok", "checkpoint": Path(checkpoint).name, "embed_dim": cfg.embed_dim, "icl_dim": cfg.icl_dim,
             "icl_blocks": cfg.icl_blocks, "features": features, "rows": rows, "views": VIEWS,
             "step_cpu_s": time.process_time() - c0, "peak_growth_mb": grow, "peak_method": peak.method,
-            "measured_kb_per_row": measured / 1024, "row_bytes_kb": est / 1024, "estimate_over_measured": est / measured}
+            "measured_kb_per_row": measured / 1024, "row_bytes_kb": est / 1024,
+            "estimate_over_measured": est / measured if measured > 0 else None}
 
 
 def main(argv: list[str] | None = None) -> int:
