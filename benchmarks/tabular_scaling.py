@@ -6,10 +6,10 @@ and predicts ``--test-rows`` test rows twice: the first call includes the train-
 train-side cache (as far as it fits half the budget). Recorded per case: fit, first and repeated predict time
 (wall and CPU seconds of the process), the process's peak resident set (``VmHWM``, everything included: Python,
 torch, the table, the fitted estimator), the growth of that peak during the two predictions
-(``benchmarks.common.PeakRSS``), and the bytes of the kept train cache. A case that times out or runs out of
-memory is recorded as an error, not dropped; results are rewritten after every case. The slope of peak memory
-against train rows (least squares over the completed cases of one feature count, with its R²) is reported in
-MB per 1K rows.
+(``benchmarks.common.PeakRSS``), and the bytes and number of the kept train contexts (and how many the cache had
+no room for). A case that times out or runs out of memory is recorded as an error, not dropped; results are
+rewritten after every case. The slope of peak memory against train rows (least squares over the completed cases
+of one feature count, with its R²) is reported in MB per 1K rows.
 
     python -m benchmarks.tabular_scaling --quick          # 1K and 10K rows, 20 features
     python -m benchmarks.tabular_scaling                  # 1K, 10K, 100K, 500K rows x 20, 100 features
@@ -92,6 +92,7 @@ def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: 
             plog.phase = "first predict"
             plog.write("fit done")
         proba, first, first_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
+        not_kept = clf._cache.skipped  # contexts of the first call the cache had no room for
         if plog:
             plog.phase = "repeat predict"
         _, second, second_cpu = _timed(lambda: clf.predict_proba(X[rows:]))
@@ -107,6 +108,7 @@ def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: 
             "peak_rss_mb": (hwm or 0) / 1024 if peak.method.startswith("VmHWM") else None,
             "predict_peak_growth_mb": peak.peak_mb(), "peak_method": peak.method,
             "table_mb": X.nbytes / 2**20, "cache_mb": clf._cache.nbytes / 2**20, "cached_contexts": n_ctx,
+            "contexts_not_kept": not_kept,
             "folds": len(clf._folds(clf._y_train)), "accuracy": acc}
 
 
@@ -152,15 +154,22 @@ def _fmt(v, nd=1):
     return "" if v is None else f"{v:,.{nd}f}"
 
 
+def _kept(r: dict) -> str:
+    """Kept train contexts of a case, out of those its predict built (count alone for older records)."""
+    if "contexts_not_kept" not in r:
+        return f"{r['cached_contexts']}"
+    return f"{r['cached_contexts']} of {r['cached_contexts'] + r['contexts_not_kept']}"
+
+
 def markdown(results: list[dict], slopes: dict, args) -> str:
     """The results as a Markdown table plus the slope lines."""
     lines = [
         f"TabICL scaling: {args.n_estimators} members, memory_budget_mb={args.memory_mb:g}, {args.test_rows:,} test rows, "
         f"{args.threads} torch thread(s); times in seconds (wall / CPU), memory in MB.",
         "",
-        "| train rows | features | folds | fit (s) | first predict (s) | repeat predict, cached (s) | peak RSS (MB) "
-        "| peak growth in predict (MB) | train cache (MB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| train rows | features | folds | fit (s) | first predict (s) | repeat predict (s) | contexts kept "
+        "| peak RSS (MB) | peak growth in predict (MB) | train cache (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.get("status") != "ok":
@@ -171,11 +180,11 @@ def markdown(results: list[dict], slopes: dict, args) -> str:
                 why += (f"; got to {last['msg'].split(':')[0]} ({last['phase']}) in {last['wall_s']:,.0f} s wall / "
                         f"{last['cpu_s']:,.0f} s CPU")
             peak = f"{pr['peak_rss_mb']:,.0f} (so far)" if pr else ""
-            lines.append(f"| {r['rows']:,} | {r['features']} | | {why} | | | {peak} | | |")
+            lines.append(f"| {r['rows']:,} | {r['features']} | | {why} | | | | {peak} | | |")
             continue
         lines.append(
             f"| {r['rows']:,} | {r['features']} | {r['folds']} | {_fmt(r['fit_s'])} / {_fmt(r['fit_cpu_s'])} | {_fmt(r['predict_s'])} / "
-            f"{_fmt(r['predict_cpu_s'])} | {_fmt(r['repeat_predict_s'])} / {_fmt(r['repeat_predict_cpu_s'])} | "
+            f"{_fmt(r['predict_cpu_s'])} | {_fmt(r['repeat_predict_s'])} / {_fmt(r['repeat_predict_cpu_s'])} | {_kept(r)} | "
             f"{_fmt(r['peak_rss_mb'], 0)} | {_fmt(r['predict_peak_growth_mb'], 0)} | {_fmt(r['cache_mb'], 0)} |"
         )
     lines.append("")
@@ -187,13 +196,17 @@ def markdown(results: list[dict], slopes: dict, args) -> str:
 
 
 def _slopes(results: list[dict], features: list[int]) -> dict:
-    """Per feature count: slopes of peak RSS and of its growth in predict, over all completed cases and over
-    the multi-fold ones (train rows above ``max_context``: contexts at their full size, only their number grows)."""
+    """Per feature count: slopes of peak RSS and of its growth in predict, over all completed cases, over
+    the multi-fold ones (train rows above ``max_context``: contexts at their full size, only their number grows)
+    and, when some case's cache filled up, over the cases whose contexts were all kept (past that point the
+    cache stops at half of ``memory_budget_mb`` and only the recomputed contexts' working memory remains)."""
     out = {}
     for f in features:
         ok = [r for r in results if r.get("status") == "ok" and r["features"] == f]
         by = {}
-        for tag, sel in (("all", ok), ("multi-fold", [r for r in ok if r.get("folds", 1) > 1])):
+        kept = [r for r in ok if r.get("contexts_not_kept") == 0]
+        for tag, sel in (("all", ok), ("multi-fold", [r for r in ok if r.get("folds", 1) > 1]),
+                         ("all contexts kept", kept if len(kept) < len(ok) else [])):
             if len(sel) >= 2:
                 by[f"peak_rss ({tag})"] = slope([r["rows"] for r in sel], [r["peak_rss_mb"] for r in sel])
                 by[f"predict_peak_growth ({tag})"] = slope([r["rows"] for r in sel], [r["predict_peak_growth_mb"] for r in sel])

@@ -140,6 +140,7 @@ class _CacheLedger:
     """Bytes held by the train-side cache of a fitted estimator (mutated by ``predict``, so not a plain attribute)."""
 
     nbytes: int = 0  # sum of the kept contexts' tensor bytes
+    skipped: int = 0  # contexts built by the last predict call and not kept (the cache was full)
 
 
 @dataclass(kw_only=True)
@@ -677,6 +678,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                     if self._cache.nbytes + ctx.nbytes() <= budget / 2:  # keep contexts while half the budget lasts
                         node.cache[key] = ctx
                         self._cache.nbytes += ctx.nbytes()
+                    else:
+                        self._cache.skipped += 1
                 xt = torch.from_numpy(np.stack([self._view(X_test, m) for m in batch])).to(self._device)
                 logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()  # (b, n, G)
                 del ctx
@@ -725,6 +728,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         return self._proba(Xv)
 
     def _proba(self, Xv: np.ndarray) -> np.ndarray:
+        self._cache.skipped = 0
         if self._tree is None:  # a single class seen at fit time
             return np.ones((len(Xv), 1))
         proba = self._node_proba(self._tree, Xv, self.temperature_)

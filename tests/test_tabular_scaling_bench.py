@@ -32,6 +32,9 @@ def test_a_case_records_each_predicted_view_in_its_progress_file(tmp_path):
     repeat = [s["msg"] for s in steps if s["phase"] == "repeat predict"]
     assert repeat and all("context cached" in m for m in repeat)  # the second call reads the kept context
     assert logging.getLogger("tabular.estimator").level == level  # the progress handler is removed after the case
+    assert res["contexts_not_kept"] == 0
+    full = _case(300, 5, n_estimators=2, threads=1, memory_mb=0.5, test_rows=40)  # no room for a context
+    assert full["status"] == "ok" and full["cached_contexts"] == 0 and full["contexts_not_kept"] >= 1
 
 
 def test_merging_runs_with_different_settings_is_refused(tmp_path):
@@ -39,7 +42,7 @@ def test_merging_runs_with_different_settings_is_refused(tmp_path):
         return {"env": {"time_utc": "t"}, "args": {"n_estimators": 4, "memory_mb": 4096.0, "test_rows": 1000,
                                                    "threads": threads},
                 "cases": [{"status": "ok", "rows": rows, "features": 20, "peak_rss_mb": rows / 100, "folds": 1,
-                           "predict_peak_growth_mb": rows / 200, "cache_mb": 1.0,
+                           "predict_peak_growth_mb": rows / 200, "cache_mb": 1.0, "cached_contexts": 1,
                            **dict.fromkeys(("fit_s", "fit_cpu_s", "predict_s", "predict_cpu_s", "repeat_predict_s",
                                             "repeat_predict_cpu_s"), 1.0)}]}
 
