@@ -43,8 +43,8 @@ def row_bytes(embed_dim: int, n_features: int) -> int:
     """Bytes one row of one view holds during a training step (forward activations kept for the backward pass,
     and their gradients): ``4 · embed_dim · (100 · n_features + 2000)``. Conservative against the growth of peak
     RSS over a first 1,024-row step of two views (``python -m benchmarks.tabular_finetune_memory``): small model
-    (embed 32) 245, 491, 909 KB per row at 20, 50, 100 features against 500, 875, 1,500 KB from the formula;
-    medium model (embed 64, 6 ICL blocks) 454, 1,016, 1,581 KB against 1,000, 1,750, 3,000 KB."""
+    (embed 32) 291, 551, 1,003 KB per row at 20, 50, 100 features against 500, 875, 1,500 KB from the formula;
+    medium model (embed 64, 6 ICL blocks) 508, 1,082, 1,671 KB against 1,000, 1,750, 3,000 KB."""
     return 4 * int(embed_dim) * (100 * int(n_features) + 2000)
 
 
