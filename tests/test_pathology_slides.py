@@ -193,10 +193,14 @@ def test_tissue_mask_matches_truth_and_grid(dataset, tmp_path):
     # of kept patches whose centre is truth tissue is 0.71-1.00, mean 0.89; 14 slides are at or below 0.8, the
     # bound this test had when Otsu ran on raw saturation (then 0.71-1.00, mean 0.95, 2 slides at or below 0.8).
     # That mask kept fewer border patches but missed tissue: on seeds 0-29 its pixel recall was 0.74 (at worst
-    # 0.55) at precision 0.95, against 0.90 and 0.90 now.
+    # 0.55) at precision 0.95, against 0.90 and 0.90 now. A further 249 random slides: 0.69-1.00, mean 0.90; one
+    # CI run drew a slide at 0.64 (36 kept patches, so one patch moves the share by 0.03), below the 0.65 this
+    # bound had: the bound sits at 0.55, above a grid that ignores tissue (every 128-px patch kept: 0.16-0.45,
+    # mean 0.33, on 30 random slides).
     cy = (g.coords[:, 1] + 64) // LAYOUT_SCALE
     cx = (g.coords[:, 0] + 64) // LAYOUT_SCALE
-    assert truth[np.minimum(cy, truth.shape[0] - 1), np.minimum(cx, truth.shape[1] - 1)].mean() > 0.65
+    share = truth[np.minimum(cy, truth.shape[0] - 1), np.minimum(cx, truth.shape[1] - 1)].mean()
+    assert share > 0.55, (share, specs[2])
     # HDF5 round trip (CLAM layout)
     feats = np.random.default_rng().standard_normal((len(g.coords), 7)).astype(np.float32)
     p = tmp_path / "x.h5"
