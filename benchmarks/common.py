@@ -18,11 +18,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from core.fileio import write_json_atomic  # moved down to core: rl and the benchmarks both use it
 
 __all__ = [
     "PeakRSS",
@@ -134,22 +135,6 @@ def run_isolated(argv: Sequence[str], *, timeout_s: float, env: dict[str, str] |
         return {"status": "error", "reason": f"unparsable output: {lines[-1][:200]}"}
     out.setdefault("process_wall_s", wall)
     return out
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON via a temp file in the same folder and ``os.replace`` (a killed run leaves no half file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def read_json(path: str | os.PathLike) -> Any | None:

@@ -1,0 +1,37 @@
+"""Atomic file writes: a temp file in the target's folder, then ``os.replace``, so a killed process never leaves
+a half-written file under the final name.
+
+Used by the domain packages' CLIs and by the benchmark scripts (which re-export :func:`write_json_atomic` from
+``benchmarks.common``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_text_atomic", "write_json_atomic"]
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``; creates the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    """``obj`` as indented JSON (trailing newline) at ``path``, written atomically (see :func:`write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
