@@ -71,3 +71,50 @@ def test_hub_serves_overview(tmp_path):
     for s in REGISTRY:
         if s.ui_module:
             assert s.title in config
+
+
+def test_readme_apps_table_matches_registry():
+    """The root README's apps table and the registry say the same thing (one source: `apps.REGISTRY`)."""
+    from apps.readme_table import README, apps_table, write_readme
+
+    table = apps_table()
+    for s in REGISTRY:
+        assert s.status in table, f"{s.key}: its status is missing from the generated table"
+    assert write_readme(README, check=True), (
+        "README.md's apps table differs from apps.REGISTRY; regenerate it with `python -m apps.readme_table`"
+    )
+
+
+def test_readme_table_rewrite_and_check(tmp_path):
+    """The writer replaces exactly the marked part, reports a stale table, and refuses a README without markers."""
+    from dataclasses import replace
+
+    from apps.readme_table import END, START, render_readme, write_readme
+
+    (tmp_path / "tabular").mkdir()
+    (tmp_path / "tabular" / "README.md").write_text("# t\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{START}\n| stale |\n{END}\nafter\n")
+    specs = [replace(get_app("tabicl"), status="a | piped\nstatus"), get_app("comemo")]
+    assert not write_readme(readme, check=True, specs=specs)
+    assert "stale" in readme.read_text(), "--check must not write"
+    assert not write_readme(readme, specs=specs)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{END}\nafter\n") and "stale" not in text
+    assert "| [TabICL](tabular/README.md) |" in text, "an app whose README exists links to it"
+    assert "| CoMemo |" in text and "`apps/comemo/` |" in text, "an app without a README is not linked"
+    assert "a \\| piped status" in text, "pipes and line breaks must not break the table"
+    assert write_readme(readme, check=True, specs=specs)
+    with pytest.raises(ValueError, match="markers"):
+        render_readme("no markers here", "| t |")
+
+
+def test_readme_table_cli_check(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- apps-table:start -->\n<!-- apps-table:end -->\n")
+    r = subprocess.run([sys.executable, "-m", "apps.readme_table", "--check", "--readme", str(readme)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 1 and "differs" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "apps.readme_table", "--readme", str(readme)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0
+    r = subprocess.run([sys.executable, "-m", "apps.readme_table", "--check", "--readme", str(readme)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
