@@ -14,12 +14,19 @@ Continuous attention (a Gibbs density over time) reads it: with keys ``K(t) = W_
 ordinary softmax attention over the ``T`` evaluated points with an additive bias ``log w_i`` (the
 trapezoid weights), so it runs through :func:`core.attention.attention` like every other attention.
 
-Consolidation (the ∞-Video long-term memory): when a new chunk arrives, ``M`` positions ``s_m`` of the old
-signal are sampled, the old values ``x_old(s_m)`` are squeezed into ``(0, tau]`` (placed at
-``tau * s_m``), the new chunk's vectors are placed evenly on ``(tau, 1]``, and ``B`` is refit.
-"Sticky" memories draw the ``s_m`` from the previous attention density (a histogram over ``num_bins``
-bins, categorical draws) instead of evenly, so time spans that were attended keep more detail.
-Drawn positions are sorted (time order is preserved) and every bin, the first included, can be drawn.
+Consolidation (the ∞-Video long-term memory): when a new chunk arrives, ``M`` positions ``s_1 <= .. <= s_M``
+of the old signal are sampled, the old values ``x_old(s_m)`` are placed, in that order, at ``M`` evenly
+spaced positions ``u_m = tau (m - 1/2) / M`` of ``(0, tau]``, the new chunk's vectors are placed evenly on
+``(tau, 1]``, and ``B`` is refit. "Sticky" memories draw the ``s_m`` from the previous attention density
+(a histogram over ``num_bins`` bins, categorical draws) instead of evenly: an attended span receives more
+samples, and since every sample gets the same share of ``(0, tau]``, it is stretched over more basis
+functions while the rest is compressed, never erased (every basis function of ``(0, tau]`` keeps samples).
+This is the placement of the released ∞-Video code; sampling evenly reduces to squeezing ``x_old(t)`` to
+``x_old(t / tau)``. Drawn positions are sorted (time order is preserved) and every bin, the first
+included, can be drawn.
+
+Because sticky consolidation warps the time axis, the memory also carries a *source map*: for each
+integration point, the stream time (the caller's frame times, or frame counts) whose signal it holds.
 """
 
 from __future__ import annotations
@@ -370,6 +377,16 @@ def sticky_positions(
     return pos.sort(dim=1).values.to(hist_BK.device)
 
 
+def _interp_rows(values_BK: torch.Tensor, pos_BP: torch.Tensor) -> torch.Tensor:
+    """Linear interpolation along rows: ``values[b]`` at fractional indices ``pos[b]`` (clamped to ``[0, K-1]``)."""
+    K = values_BK.shape[1]
+    pos = pos_BP.clamp(0, K - 1)
+    lo = pos.floor().long().clamp_(max=K - 1)
+    hi = (lo + 1).clamp_(max=K - 1)
+    w = pos - lo.to(pos.dtype)
+    return values_BK.gather(1, lo) * (1 - w) + values_BK.gather(1, hi) * w
+
+
 @dataclass(kw_only=True)
 class ContinuousMemoryConfig:
     """Settings of one continuous long-term memory (one per attention layer)."""
@@ -379,8 +396,8 @@ class ContinuousMemoryConfig:
     gaussian_width: float | None = None  # sigma of the Gaussian basis; None = 1/N
     ridge: float = 0.5  # lambda of the ridge fit (published default)
     tau: float = 0.75  # old memory is squeezed into (0, tau], the new chunk goes on (tau, 1]
-    num_samples: int = 512  # M positions of the old signal resampled at each consolidation
-    sticky: bool = True  # draw the M positions from the last attention density instead of evenly
+    num_samples: int = 512  # M samples of the old signal per consolidation, placed evenly on (0, tau]
+    sticky: bool = True  # draw the M sample positions from the last attention density instead of evenly
     num_bins: int = 128  # histogram bins of the density for sticky draws
     num_points: int = 1000  # trapezoid integration points of the continuous attention
 
@@ -425,6 +442,7 @@ class ContinuousMemory:
         """Forget everything (call at the start of each video)."""
         self.coef: torch.Tensor | None = None  # (B, N, D)
         self.density: torch.Tensor | None = None  # (B, T) last attention density at the integration points
+        self.source: torch.Tensor | None = None  # (B, T) stream time held at each integration point
         self.num_chunks = 0
         self.num_frames = 0
         self._generator = torch.Generator()
@@ -458,12 +476,17 @@ class ContinuousMemory:
             return c if first else self.config.tau + (1 - self.config.tau) * c
         return self._cached(("t_new", L, first, str(device)), build)
 
-    def _fixed_maps(self, L: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Consolidation with evenly spaced resampling as two matrices: ``coef' = R_old coef + R_new x``.
+    def _fixed_maps(self, L: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Consolidation as matrices: the fit positions never change, only the values sampled from the old signal.
 
-        The positions do not change from chunk to chunk, so ``A = (F F^T + lambda I)^-1 F`` is solved once;
-        ``R_old = A[:, :M] psi(s)^T`` (``N x N``) carries the old coefficients through sampling at ``s`` and
-        squeezing, ``R_new = A[:, M:]`` (``N x L``) fits the new frames.
+        The old samples always go to the evenly spaced ``u_m = tau (m - 1/2) / M`` and the new frames to
+        the centres of ``(tau, 1]``, so ``A = (F F^T + lambda I)^-1 F`` is solved once per chunk length and
+        ``coef' = A_old x_old(s) + A_new x`` with ``A_old = A[:, :M]`` (``N x M``), ``A_new = A[:, M:]``
+        (``N x L``). For even resampling (``s = u / tau``) the old part is linear in the old coefficients:
+        ``R_old = A_old psi(s)^T`` (``N x N``).
+
+        Returns:
+            ``(A_old, A_new, R_old)``.
         """
         def build():
             cfg = self.config
@@ -472,7 +495,8 @@ class ContinuousMemory:
             eye = torch.eye(t_all.numel(), device=device)[None]  # fitting the identity gives A^T
             A_NP = _ridge_fit(eye, t_all, self.basis, cfg.ridge)[0]  # (N, M + L): row p of the identity -> A[:, p]
             M = cfg.num_samples
-            return A_NP[:, :M] @ self.basis(s_M).T, A_NP[:, M:].contiguous()
+            A_old = A_NP[:, :M].contiguous()
+            return A_old, A_NP[:, M:].contiguous(), A_old @ self.basis(s_M).T
         return self._cached(("maps", L, str(device)), build)
 
     def resample_positions(self, batch: int, device=None) -> torch.Tensor:
@@ -497,12 +521,18 @@ class ContinuousMemory:
             raise ValueError("density has zero mass")
         return hist / total
 
-    def update(self, x_BLD: torch.Tensor) -> None:
+    def update(self, x_BLD: torch.Tensor, times_BL: torch.Tensor | None = None) -> None:
         """Consolidate a new chunk ``(B, L, D)`` (one vector per frame) into the memory.
 
-        Evenly spaced resampling (not sticky, or no density yet) is linear in the old coefficients and the
-        new frames with matrices that depend only on ``L`` (cached, see :meth:`_fixed_maps`); sticky
-        positions change every chunk and are refitted, all rows at once (a scatter-add for the box basis).
+        Args:
+            x_BLD: the chunk's vectors.
+            times_BL: the stream time of each frame, ``(B, L)`` or ``(L,)``, increasing (e.g. its time in
+                the video); only used for the source map (:meth:`source_times`). Default: frame counts,
+                ``n + 1/2`` for the ``n``-th frame fed since :meth:`reset`.
+
+        Old samples are placed evenly on ``(0, tau]`` whatever positions they were drawn at, so the fit
+        positions depend only on ``L`` and the refit is two cached matrix products (:meth:`_fixed_maps`);
+        evenly spaced resampling folds the sampling into the first matrix.
         """
         if x_BLD.dim() != 3 or x_BLD.shape[1] < 1:
             raise ValueError(f"chunk must be (B, L, D) with L >= 1, got shape {tuple(x_BLD.shape)}")
@@ -510,28 +540,64 @@ class ContinuousMemory:
         B, L, D = x_BLD.shape
         x = x_BLD.float()
         dev = x.device
+        if times_BL is None:
+            times_BL = self.num_frames + 0.5 + torch.arange(L, device=dev, dtype=torch.float32)
+        times_BL = times_BL.to(device=dev, dtype=torch.float32)
+        if times_BL.dim() == 1:
+            times_BL = times_BL[None]
+        if times_BL.shape[-1] != L or times_BL.shape[0] not in (1, B):
+            raise ValueError(f"times must be ({L},) or ({B}, {L}) to match the chunk, got {tuple(times_BL.shape)}")
+        times_BL = times_BL.expand(B, L)
+        t_T = self.grid(device=dev)[0]
         if self.coef is None:
             self.coef = _ridge_fit(x, self._new_positions(L, True, dev), self.basis, cfg.ridge)
+            self.source = _interp_rows(times_BL, (t_T * L - 0.5).expand(B, -1))
         else:
             if self.coef.shape[0] != B or self.coef.shape[2] != D:
                 raise ValueError(f"chunk {tuple(x_BLD.shape)} does not match the memory's (B, D) = "
                                  f"({self.coef.shape[0]}, {self.coef.shape[2]}); reset() between videos")
+            A_old, A_new, R_old = self._fixed_maps(L, dev)
+            M = cfg.num_samples
             if not (cfg.sticky and self.density is not None):
-                R_old, R_new = self._fixed_maps(L, dev)
-                self.coef = torch.matmul(R_old, self.coef) + torch.matmul(R_new, x)
+                s_BM = uniform_positions(M, device=dev).expand(B, -1)
+                coef_old = torch.matmul(R_old, self.coef)
             else:
-                s_BM = self.resample_positions(B, device=dev)
-                # old signal at s_m, placed at tau * s_m in (0, tau]
+                s_BM = self.resample_positions(B, device=dev)  # sorted
+                # the old signal at s_m, placed at u_m = tau (m - 1/2) / M
                 if isinstance(self.basis, BoxBasis):
                     idx = self.basis.index(s_BM)  # (B, M)
-                    old_BMD = self.coef.gather(1, idx[..., None].expand(B, idx.shape[1], D))
+                    old_BMD = self.coef.gather(1, idx[..., None].expand(B, M, D))
                 else:
-                    psi_NBM = self.basis(s_BM.reshape(-1)).reshape(cfg.num_basis, B, -1)
+                    psi_NBM = self.basis(s_BM.reshape(-1)).reshape(cfg.num_basis, B, M)
                     old_BMD = torch.einsum("nbm,bnd->bmd", psi_NBM, self.coef)
-                t_all = torch.cat([cfg.tau * s_BM, self._new_positions(L, False, dev).expand(B, L)], dim=1)
-                self.coef = _ridge_fit(torch.cat([old_BMD, x], dim=1), t_all, self.basis, cfg.ridge)
+                coef_old = torch.matmul(A_old, old_BMD)
+            self.coef = coef_old + torch.matmul(A_new, x)
+            self.source = self._next_source(s_BM, times_BL, t_T)
         self.num_chunks += 1
         self.num_frames += L
+
+    def _next_source(self, s_BM: torch.Tensor, times_BL: torch.Tensor, t_T: torch.Tensor) -> torch.Tensor:
+        """The source map after a consolidation that sampled the old signal at ``s_BM`` (sorted)."""
+        cfg = self.config
+        B, M = s_BM.shape
+        L = times_BL.shape[1]
+        T = t_T.numel()
+        old = t_T <= cfg.tau  # (T,)
+        # an old point t holds the sample placed there: index m = M t / tau - 1/2 among the sorted draws
+        s_at = _interp_rows(s_BM, (t_T[old] / cfg.tau * M - 0.5).expand(B, -1))  # (B, T_old) old positions
+        src_old = _interp_rows(self.source, s_at * (T - 1))  # the old map at those positions (grid spacing 1/(T-1))
+        frac_new = (t_T[~old] - cfg.tau) / (1 - cfg.tau)
+        src_new = _interp_rows(times_BL, (frac_new * L - 0.5).expand(B, -1))
+        return torch.cat([src_old, src_new], dim=1)
+
+    def source_times(self) -> torch.Tensor:
+        """The source map ``(B, T)``: for each integration point, the stream time whose signal it holds.
+
+        Non-decreasing along the points; frame counts unless :meth:`update` was given frame times.
+        """
+        if self.coef is None:
+            raise ValueError("the memory is empty: call update() with a chunk first")
+        return self.source
 
     def points(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The signal at the integration points ``(B, T, D)`` and the log weights ``(T,)``."""
@@ -589,6 +655,8 @@ class ContinuousMemory:
             out["coef"] = self.coef
         if self.density is not None:
             out["density"] = self.density
+        if self.source is not None:
+            out["source"] = self.source
         return out
 
     def nbytes(self) -> int:

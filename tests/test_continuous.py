@@ -282,7 +282,8 @@ def test_box_ridge_zero_needs_every_box_filled():
 
 @pytest.mark.parametrize("kind,sticky", [("box", True), ("box", False), ("gaussian", True), ("gaussian", False)])
 def test_memory_update_equals_the_plain_consolidation(kind, sticky):
-    """Cached maps / batched refits give the coefficients of sampling, squeezing and refitting row by row."""
+    """Cached maps / batched refits equal, row by row: sample the old signal at the sorted s_m, place the
+    samples at evenly spaced u_m in (0, tau], the new frames on (tau, 1], refit."""
     cfg = ContinuousMemoryConfig(basis=kind, num_basis=24, num_samples=96, num_bins=16, num_points=120,
                                  sticky=sticky, ridge=float(torch.rand(()) * 0.9 + 0.1))
     seed = int(torch.randint(0, 2**30, (1,)))
@@ -300,7 +301,8 @@ def test_memory_update_equals_the_plain_consolidation(kind, sticky):
             rows = []
             for b in range(B):
                 old = ref.basis(s[b]).T @ ref.coef[b]  # the old signal at s
-                t_all = torch.cat([cfg.tau * s[b], cfg.tau + (1 - cfg.tau) * c])
+                u = cfg.tau * (torch.arange(cfg.num_samples, dtype=torch.float64) + 0.5) / cfg.num_samples
+                t_all = torch.cat([u, cfg.tau + (1 - cfg.tau) * c])  # old samples evenly on (0, tau], in order
                 rows.append(_dense_ridge(torch.cat([old, x[b].double()]), t_all, ref.basis, cfg.ridge))
             ref.coef = torch.stack(rows)
         torch.testing.assert_close(fast.coef.double(), ref.coef, rtol=1e-4, atol=1e-4)
@@ -337,3 +339,114 @@ def test_project_points_equals_projecting_every_point(kind):
         torch.testing.assert_close(k[:, 0], lin_k(x_T), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v[:, 0], lin_v(x_T), rtol=1e-4, atol=1e-5)
     assert torch.equal(logw, logw_ref)
+
+
+# -- sticky memories: samples drawn from the attention density, placed evenly -----------------------------
+
+
+def _peaked_density(T: int, centre: float, width: float, floor: float = 1e-4) -> torch.Tensor:
+    t_T, logw = trapezoid_grid(T)
+    dens = torch.exp(-((t_T - centre) ** 2) / (2 * width**2)) + floor
+    return (dens / (dens * logw.exp()).sum())[None]  # (1, T), integrates to 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sticky_update_leaves_no_basis_function_without_support(seed):
+    """A peaked density draws nearly every sample from one span; every box still gets samples and keeps
+    a non-zero, signal-sized value (placing the samples at tau * s_m left most boxes exactly 0)."""
+    cfg = ContinuousMemoryConfig(num_basis=64, num_samples=512, num_bins=128, num_points=500, sticky=True)
+    mem = ContinuousMemory(cfg, seed=seed)
+    D = 4
+    gen = torch.Generator().manual_seed(seed)
+    mem.update(torch.randn(1, 64, D, generator=gen) + 3.0)  # values around 3, far from 0
+    mem.set_density(_peaked_density(cfg.num_points, centre=0.3 + 0.1 * seed, width=0.01))
+    hist = mem._histogram()
+    assert (hist[0] > 0.05).sum() <= 8, "the density must be peaked for this test to mean anything"
+    mem.update(torch.randn(1, 32, D, generator=gen) + 3.0)
+    norms = mem.coef[0].norm(dim=1)  # (N,)
+    assert (norms > 1.0).all(), f"boxes without support: {(norms <= 1.0).nonzero().flatten().tolist()}"
+    # the samples' fit positions cover every box of (0, tau]
+    u = cfg.tau * (torch.arange(cfg.num_samples) + 0.5) / cfg.num_samples
+    boxes = torch.unique(mem.basis.index(u))
+    assert boxes.tolist() == list(range(int(cfg.tau * cfg.num_basis)))
+
+
+@pytest.mark.parametrize("kind", ["box", "gaussian"])
+def test_constant_signal_stays_constant_through_sticky_updates(kind):
+    cfg = ContinuousMemoryConfig(basis=kind, num_basis=32, num_samples=256, num_bins=64, num_points=400,
+                                 ridge=1e-3, sticky=True)
+    mem = ContinuousMemory(cfg, seed=int(torch.randint(0, 2**30, (1,))))
+    c = torch.randn(5)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**30, (1,))))
+    for n in range(20):
+        mem.update(c.expand(1, 16 + n, 5).clone())
+        # a different peaked density every time: sampling must only ever see the constant
+        mem.set_density(_peaked_density(cfg.num_points, float(torch.rand((), generator=gen)), 0.02))
+    x_T, _ = mem.points()
+    inner = slice(20, -20) if kind == "gaussian" else slice(None)  # a Gaussian fit sags at the ends
+    err = (x_T[0, inner] - c).norm(dim=-1).max() / c.norm()
+    assert err < 0.02, f"relative deviation from the constant: {err:.4f}"
+
+
+def _reconstruction_errors(mem: ContinuousMemory, x_LD: torch.Tensor, span: tuple[int, int]) -> tuple[float, float]:
+    """Mean squared error of the memory against the frames ``x_LD`` of its first chunk, inside and outside
+    ``span`` (frame indices), each frame looked up at the integration point whose source is closest to it."""
+    x_T, _ = mem.points()
+    src = mem.source_times()[0]  # (T,) frame counts of the first chunk's frames are 0.5 .. L - 0.5
+    L = x_LD.shape[0]
+    frames = torch.arange(L) + 0.5
+    point = (src[None, :] - frames[:, None]).abs().argmin(dim=1)  # (L,)
+    err = ((x_T[0, point] - x_LD) ** 2).sum(-1)  # (L,)
+    inside = torch.zeros(L, dtype=torch.bool)
+    inside[span[0]:span[1]] = True
+    return float(err[inside].mean()), float(err[~inside].mean())
+
+
+@pytest.mark.parametrize("kind", ["box", "gaussian"])
+def test_sticky_keeps_the_attended_span_and_compresses_the_rest(kind):
+    """Against even resampling from the same memory: the attended span's error goes down, the rest's up."""
+    base = dict(basis=kind, num_basis=64, num_samples=512, num_bins=128, num_points=1000, ridge=0.05)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**30, (1,))))
+    L, D = 64, 8  # one box per frame for the box basis: the first memory holds every frame
+    x = torch.randn(L, D, generator=gen)  # detail at every frame
+    new = torch.randn(1, 32, D, generator=gen)
+    span = (20, 32)  # frames 20..31, memory positions ~0.31..0.5
+    errs = {}
+    for sticky in (True, False):
+        mem = ContinuousMemory(ContinuousMemoryConfig(sticky=sticky, **base), seed=7)
+        mem.update(x[None])
+        mem.set_density(_peaked_density(1000, centre=(span[0] + span[1]) / 2 / L, width=0.04, floor=0.05))
+        mem.update(new)
+        errs[sticky] = _reconstruction_errors(mem, x, span)
+    (att_s, rest_s), (att_e, rest_e) = errs[True], errs[False]
+    # measured over seeds 0-4: attended 0.11-0.43x (box), 0.72-0.75x (Gaussian); the rest 2.2-2.8x
+    assert att_s < 0.85 * att_e, f"attended span: sticky {att_s:.3f} vs even {att_e:.3f}"
+    assert rest_s > 1.5 * rest_e, f"unattended frames: sticky {rest_s:.3f} vs even {rest_e:.3f}"
+
+
+def test_source_map_follows_the_consolidations():
+    """Even resampling squeezes the map: source'(t) = source(t / tau) on (0, tau]; new frames on (tau, 1]."""
+    cfg = ContinuousMemoryConfig(num_basis=32, num_samples=256, num_points=401, sticky=False, tau=0.5)
+    mem = ContinuousMemory(cfg)
+    mem.update(torch.randn(1, 10, 3), times_BL=torch.linspace(0.0, 0.9, 10))
+    src0 = mem.source_times()[0].clone()
+    assert src0[0] == 0.0 and src0[-1] == pytest.approx(0.9) and (src0[1:] >= src0[:-1]).all()
+    mem.update(torch.randn(1, 10, 3), times_BL=torch.linspace(1.0, 1.9, 10))
+    src1 = mem.source_times()[0]
+    t_T, _ = trapezoid_grid(401)
+    old = t_T <= 0.5
+    want_old = torch.from_numpy(__import__("numpy").interp((t_T[old] / 0.5).numpy(), t_T.numpy(), src0.numpy()))
+    torch.testing.assert_close(src1[old], want_old.float(), atol=0.02, rtol=0)
+    assert (src1[~old] >= 1.0).all() and src1[-1] == pytest.approx(1.9)
+    # sticky: still a non-decreasing map of the same range
+    mem_s = ContinuousMemory(ContinuousMemoryConfig(num_basis=32, num_samples=256, num_points=401, tau=0.5), seed=0)
+    mem_s.update(torch.randn(1, 10, 3), times_BL=torch.linspace(0.0, 0.9, 10))
+    mem_s.set_density(_peaked_density(401, 0.7, 0.05))
+    mem_s.update(torch.randn(1, 10, 3), times_BL=torch.linspace(1.0, 1.9, 10))
+    src_s = mem_s.source_times()[0]
+    assert (src_s[1:] >= src_s[:-1] - 1e-6).all()
+    # more of (0, tau] now holds the attended stretch (source ~0.63 around position 0.7) than under even sampling
+    near = lambda s: ((s[old] > 0.5) & (s[old] < 0.75)).float().mean()
+    assert near(src_s) > 1.5 * near(src1)
+    with pytest.raises(ValueError, match="times"):
+        mem_s.update(torch.randn(1, 10, 3), times_BL=torch.zeros(9))
