@@ -2,13 +2,18 @@
 
 Starts ``python -m apps`` (what ``make demo`` serves) on a free port, opens it with Playwright in Debian's
 Chromium, and for each registered app clicks its example button (``#<key>-example``) and waits for its status
-output (``#<key>-status``) to show the app's expected text. Screenshots go to ``artifacts/screenshots/``.
+output (``#<key>-status``) to show the app's expected text. Then it waits until every image, plot, gallery and video
+that the example fills (read from the hub's Gradio config) has rendered in the tab, checks that each shows
+something (an image of more than one colour, a video with frames), and only then takes the "after" screenshot.
+Screenshots go to ``artifacts/screenshots/``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,6 +36,8 @@ CHROMIUM_ARGS = [
 ]
 SHOTS = REPO / "artifacts" / "screenshots"
 EXAMPLE_TIMEOUT_MS = 300_000
+RENDER_TIMEOUT_MS = 60_000  # after the status says done, the outputs' images must appear within this
+MEDIA_TYPES = ("image", "plot", "gallery", "video")  # Gradio output components that show pictures
 APPS = [s for s in REGISTRY if s.ui_module]
 
 
@@ -59,6 +66,75 @@ def browser():
         b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield b
         b.close()
+
+
+@pytest.fixture(scope="module")
+def hub_config(hub_url):
+    """The served app's Gradio config: its components and event dependencies."""
+    with urllib.request.urlopen(hub_url + "config", timeout=60) as r:
+        return json.loads(r.read().decode())
+
+
+def media_outputs(config: dict, key: str) -> list[str]:
+    """Types of the picture outputs (image, plot, gallery, video) that clicking ``#<key>-example`` fills.
+
+    Follows the dependencies the button triggers and those chained after them (``.then``).
+    """
+    comps = {c["id"]: c for c in config["components"]}
+    buttons = {i for i, c in comps.items() if c.get("props", {}).get("elem_id") == f"{key}-example"}
+    deps = config["dependencies"]
+    chosen = {d["id"] for d in deps if any(t[0] in buttons for t in d["targets"])}
+    grew = True
+    while grew:  # add the dependencies chained after a chosen one
+        more = {d["id"] for d in deps if d.get("trigger_after") in chosen} - chosen
+        chosen |= more
+        grew = bool(more)
+    outputs = sorted({o for d in deps if d["id"] in chosen for o in d["outputs"]})
+    return [comps[o]["type"] for o in outputs if comps[o]["type"] in MEDIA_TYPES]
+
+
+# Runs in the page: scroll unloaded pictures into view (Gradio loads images lazily), and report every <img> and
+# <video> of the tab: loaded or not, size, and how many distinct colours a 64x64 sample of an image has.
+_MEDIA_JS = """(key) => {
+    const root = document.querySelector('#tab-' + key);
+    if (!root) return null;
+    const out = [];
+    for (const el of root.querySelectorAll('img, video')) {
+        if (el.tagName === 'IMG') {
+            const ok = el.complete && el.naturalWidth > 0;
+            if (!ok) { el.scrollIntoView({block: 'center'}); out.push({tag: 'img', loaded: false}); continue; }
+            let colours = -1;
+            try {
+                const c = document.createElement('canvas'); c.width = 64; c.height = 64;
+                const g = c.getContext('2d'); g.drawImage(el, 0, 0, 64, 64);
+                const px = g.getImageData(0, 0, 64, 64).data; const seen = new Set();
+                for (let i = 0; i < px.length; i += 4) seen.add((px[i] << 16) | (px[i + 1] << 8) | px[i + 2]);
+                colours = seen.size;
+            } catch (e) { colours = -2; }
+            out.push({tag: 'img', loaded: true, w: el.naturalWidth, h: el.naturalHeight, colours: colours});
+        } else {
+            const ok = el.readyState >= 1 && el.videoWidth > 0;
+            if (!ok) el.scrollIntoView({block: 'center'});
+            out.push({tag: 'video', loaded: ok, w: el.videoWidth, h: el.videoHeight, duration: el.duration || 0});
+        }
+    }
+    return out;
+}"""
+
+
+def _wait_for_media(page, key: str, expected: list[str]) -> list[dict]:
+    """Wait until the tab holds at least one loaded picture per expected output (videos as videos); return them."""
+    want_videos = expected.count("video")
+    want_images = len(expected) - want_videos
+    page.wait_for_function(
+        "([key, js, nImg, nVid]) => { const m = eval(js)(key); if (!m) return false;"
+        " const img = m.filter(e => e.tag === 'img' && e.loaded).length;"
+        " const vid = m.filter(e => e.tag === 'video' && e.loaded).length;"
+        " return img >= nImg && vid >= nVid && m.every(e => e.loaded); }",
+        arg=[key, _MEDIA_JS, want_images, want_videos],
+        timeout=RENDER_TIMEOUT_MS,
+    )
+    return page.evaluate(_MEDIA_JS, key)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +189,30 @@ def _dismiss_toasts(page) -> None:
         page.get_by_role("tab", name="Overview").wait_for(timeout=180_000)
 
 
+def test_media_outputs_reads_the_config():
+    """The picture outputs are found from the config (a wrong lookup would silently expect nothing)."""
+    config = {
+        "components": [
+            {"id": 1, "type": "button", "props": {"elem_id": "x-example"}},
+            {"id": 2, "type": "image", "props": {}},
+            {"id": 3, "type": "markdown", "props": {"elem_id": "x-status"}},
+            {"id": 4, "type": "video", "props": {}},
+            {"id": 5, "type": "plot", "props": {}},
+            {"id": 6, "type": "button", "props": {"elem_id": "y-example"}},
+        ],
+        "dependencies": [
+            {"id": 0, "targets": [[1, "click"]], "outputs": [2, 3], "trigger_after": None},
+            {"id": 1, "targets": [], "outputs": [4], "trigger_after": 0},
+            {"id": 2, "targets": [[6, "click"]], "outputs": [5], "trigger_after": None},
+        ],
+    }
+    assert media_outputs(config, "x") == ["image", "video"]
+    assert media_outputs(config, "y") == ["plot"]
+    assert media_outputs(config, "z") == []
+
+
 @pytest.mark.parametrize("spec", APPS, ids=lambda s: s.key)
-def test_app_tab_runs_its_example(page, spec):
+def test_app_tab_runs_its_example(page, hub_config, spec):
     _dismiss_toasts(page)
     page.get_by_role("tab", name=spec.title, exact=True).click()
     button = page.locator(f"#{spec.key}-example")
@@ -123,6 +221,8 @@ def test_app_tab_runs_its_example(page, spec):
     button.click()
     status = page.locator(f"#{spec.key}-status")
     # Wait until the status shows the expected text, or until Gradio shows an error (then fail at once).
+    expected = media_outputs(hub_config, spec.key)
+    media: list[dict] = []
     try:
         outcome = page.wait_for_function(
             """([sel, want]) => {
@@ -134,9 +234,21 @@ def test_app_tab_runs_its_example(page, spec):
             arg=[f"#{spec.key}-status", spec.example_expect],
             timeout=EXAMPLE_TIMEOUT_MS,
         ).json_value()
+        if outcome == "done":
+            media = _wait_for_media(page, spec.key, expected)
     finally:
+        page.locator(f"#{spec.key}-status").scroll_into_view_if_needed()
         _shot(page, f"{spec.key}-after")
     assert outcome == "done", f"{spec.title} example failed: {_visible_errors(page)} / status: {status.inner_text()!r}"
+    images = [m for m in media if m["tag"] == "img"]
+    videos = [m for m in media if m["tag"] == "video"]
+    assert len(videos) >= expected.count("video") and len(images) >= len(expected) - expected.count("video"), (
+        f"{spec.title}: expected pictures for {expected}, the tab shows {media}"
+    )
+    for m in images:
+        assert m["w"] > 1 and m["h"] > 1 and m["colours"] > 1, f"{spec.title}: an output image is blank or empty: {m}"
+    for m in videos:
+        assert m["w"] > 0 and m["h"] > 0 and m["duration"] > 0, f"{spec.title}: the output video has no frames: {m}"
     assert re.search(re.escape(spec.example_expect), status.inner_text())
     assert not _visible_errors(page), _visible_errors(page)
     assert not page.page_errors, page.page_errors
