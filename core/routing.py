@@ -4,7 +4,8 @@ A routed layer lets only some tokens of a sequence run a transformer block; the 
 
 Pieces:
     ``TokenRouter``: linear score per token, ``(B, S, D) -> (B, S)``.
-    ``CapacityPredictor``: per-sample fraction of tokens to keep, in ``[min_capacity, max_capacity]``.
+    ``CapacityPredictor``: per-sample fraction of tokens to keep, in ``[min_capacity, max_capacity]`` (per
+        position, from the running mean of the tokens so far, for prefix top-k).
     ``topk_mask``: exactly ``k_b`` tokens per sample (ranks from a stable sort, so ties never add or drop
         a token: the published code's strict ``score > kth_score`` kept ``k - 1``).
     ``AuxSelectionPredictor``: per-token MLP trained (binary cross-entropy, on detached inputs) to predict the
@@ -13,13 +14,32 @@ Pieces:
     ``RoutedBlock``: wraps a causal block ``f``; selected tokens (kept in time order) run ``f`` and get
         ``x + w * (f(x_sel) - x_sel)`` with ``w = sigmoid(score)``, the others pass through unchanged.
 
-How the capacity predictor gets gradient (the published code cast ``k`` with ``.long()``, which cuts it):
-the forward pass uses the hard top-k mask ``M`` (exactly ``k = round(c * S)`` tokens), and the backward pass
-uses a straight-through soft mask ``m = sigmoid((c * S - rank - 0.5) / T)``: the applied mask is
-``M + m - m.detach()``, equal to ``M`` in value, whose gradient with respect to ``c`` says whether keeping
-more or fewer of the marginal tokens would lower the loss. Tokens that skipped the block contribute no gradient
-(their block output was never computed). A compute cost ``mean(c)`` is also returned; a trainer adds it with a
-weight to trade accuracy for fewer routed tokens.
+Selections (``mode``):
+    ``"topk"``: exactly ``k = round(c * S)`` tokens per sample by score over the whole sequence. Whether token
+        ``i`` is routed then depends on later tokens (in a Decision Mixer, on the action the state token must
+        predict), which no policy can see when acting.
+    ``"prefix"``: causal prefix top-k: token ``i`` is routed when its rank among the scores of tokens ``0..i``
+        (ties to the earlier token) is below ``c_i * n_i - 0.5``, ``n_i`` the valid tokens up to ``i`` and ``c_i``
+        the capacity predicted from them: the top ``c_i`` fraction of every prefix. The decision depends on tokens ``<= i`` only, so training can use the
+        selection that acting can (``RoutingConfig.train_selection = "prefix"``); the count per sample varies.
+    ``"aux"``: the auxiliary predictor's per-token decision (evaluation).
+    ``"auto"``: ``train_selection`` in ``train()``, ``"aux"`` in ``eval()``.
+
+How the capacity predictor gets gradient (the published code cast ``k`` with ``.long()``, which cuts it): the
+forward pass uses the hard mask ``M``, and the backward pass a straight-through soft mask
+``m = sigmoid((c * n - rank - 0.5) / T)`` (``n``, ``rank``: per sample for top-k, per prefix for prefix top-k):
+the applied gate is ``M + m - m.detach()``, equal to ``M`` in value. Its gradient with respect to ``c`` is
+``sum_i dL/dgate_i * dm_i/dc`` with ``dL/dgate_i = <dL/dy_i, w_i (f(x_i) - x_i)>``, which needs the block's
+output at token ``i``. With ``probe_tokens = 0`` only selected tokens have one, so the gradient can say that
+dropping a selected token hurts but never that adding one helps, and capacity drifts down even at zero cost.
+With ``probe_tokens = P > 0`` (the default) the gradient is two-sided: the first ``P`` unselected tokens past the
+cut of each sample (prefix: those within ``P`` ranks of their prefix's cut) also run the block, each seeing
+the selected tokens before it and itself (the output it would get if it alone were added; its effect on later
+tokens is left out), with gate value 0, so the forward output is unchanged and the block, router and later
+layers get no gradient from them; and the soft mask's gradient is kept to the ``P`` ranks on each side of the
+cut, so both sides weigh alike. The probes cost ``P`` extra block tokens per sample in training only (none
+under ``torch.no_grad()`` or in ``"aux"`` mode). A compute cost ``mean(c)`` is also returned; a trainer adds it
+with a weight to trade accuracy for fewer routed tokens.
 """
 
 from __future__ import annotations
@@ -42,10 +62,13 @@ __all__ = [
     "RoutedBlock",
     "topk_mask",
     "token_ranks",
+    "prefix_ranks",
+    "prefix_topk_mask",
     "soft_capacity_mask",
 ]
 
-_MODES = ("auto", "topk", "aux")
+_MODES = ("auto", "topk", "prefix", "aux")
+_TRAIN_SELECTIONS = ("topk", "prefix")
 
 # Packed routing runs the block on the selected tokens of all samples laid end to end, with a block-diagonal
 # causal bias: compute follows the number of selected tokens rather than batch x the largest sample's count.
@@ -67,6 +90,8 @@ class RoutingConfig:
     soft_rank_temperature: float = 2.0  # T of the straight-through soft mask, in ranks (larger: more tokens get gradient)
     aux_hidden: int = 64  # width of the auxiliary selection predictor's hidden layer
     aux_threshold: float = 0.5  # probability above which the auxiliary predictor selects a token at evaluation
+    probe_tokens: int = 4  # unselected tokens past the cut that run the block for the capacity gradient only (0: one-sided, selected tokens only); 4 = 2T covers the soft mask's slope
+    train_selection: str = "topk"  # selection of mode "auto" in train(): "topk" (whole sequence) or "prefix" (causal prefix top-k)
 
     def __post_init__(self) -> None:
         if self.dim <= 0:
@@ -86,6 +111,10 @@ class RoutingConfig:
             raise ValueError(f"hidden widths must be positive, got {self.capacity_hidden}, {self.aux_hidden}")
         if not 0.0 < self.aux_threshold < 1.0:
             raise ValueError(f"aux_threshold must be in (0, 1), got {self.aux_threshold}")
+        if self.probe_tokens < 0:
+            raise ValueError(f"probe_tokens must be >= 0, got {self.probe_tokens}")
+        if self.train_selection not in _TRAIN_SELECTIONS:
+            raise ValueError(f"train_selection must be one of {_TRAIN_SELECTIONS}, got {self.train_selection!r}")
 
 
 @dataclass
@@ -94,11 +123,11 @@ class RoutingInfo:
 
     mask: torch.Tensor  # (B, S) bool: token ran the block
     scores: torch.Tensor  # (B, S) router logits
-    capacity: torch.Tensor  # (B,) fraction used (predicted, or the fixed one); (B,) of kept/S in aux mode
+    capacity: torch.Tensor  # (B,) fraction used (predicted, or the fixed one; prefix: mean over positions); kept/S in aux mode
     aux_logits: torch.Tensor  # (B, S) auxiliary predictor logits
     aux_loss: torch.Tensor  # scalar BCE of the auxiliary predictor against the top-k mask (0 in aux mode)
     capacity_cost: torch.Tensor  # scalar mean predicted capacity (compute cost to penalize)
-    mode: str  # "topk" or "aux"
+    mode: str  # "topk", "prefix" or "aux"
 
 
 class TokenRouter(nn.Module):
@@ -135,6 +164,13 @@ class CapacityPredictor(nn.Module):
             keep_BS1 = (~key_padding_mask).unsqueeze(-1).to(x_BSD.dtype)
             pooled_BD = (x_BSD * keep_BS1).sum(1) / keep_BS1.sum(1).clamp_min(1.0)
         return self.lo + (self.hi - self.lo) * torch.sigmoid(self.net(pooled_BD).squeeze(-1))
+
+    def prefix(self, x_BSD: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal capacity ``(B, S)``: position ``i`` pools the valid tokens ``0..i`` (running mean)."""
+        keep_BS1 = (torch.ones_like(x_BSD[..., :1]) if key_padding_mask is None
+                    else (~key_padding_mask).unsqueeze(-1).to(x_BSD.dtype))
+        pooled_BSD = (x_BSD * keep_BS1).cumsum(1) / keep_BS1.cumsum(1).clamp_min(1.0)
+        return self.lo + (self.hi - self.lo) * torch.sigmoid(self.net(pooled_BSD).squeeze(-1))
 
 
 class AuxSelectionPredictor(nn.Module):
@@ -180,11 +216,40 @@ def topk_mask(scores_BS: torch.Tensor, k_B: torch.Tensor | int,
     return token_ranks(scores_BS, key_padding_mask) < k_B[:, None]
 
 
+def prefix_ranks(scores_BS: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal ranks: ``(rank_BS, n_BS)``, ``rank[b, i]`` = number of valid tokens ``j < i`` with ``score_j >= score_i``
+    (0-based rank of token ``i`` among tokens ``0..i``, ties to the earlier token), ``n[b, i]`` = valid tokens in
+    ``0..i``. Both depend on tokens ``<= i`` only. Padded tokens get rank ``S`` (never selected)."""
+    s = scores_BS.detach()
+    S = s.shape[-1]
+    earlier_SS = torch.ones(S, S, dtype=torch.bool, device=s.device).tril(-1)  # [i, j]: j < i
+    beats_BSS = (s[:, None, :] >= s[:, :, None]) & earlier_SS  # [b, i, j]: earlier token j ranks above i
+    valid_BS = torch.ones_like(s, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask
+    beats_BSS = beats_BSS & valid_BS[:, None, :]
+    rank_BS = beats_BSS.sum(-1)
+    n_BS = valid_BS.long().cumsum(-1)
+    return rank_BS.masked_fill(~valid_BS, S), n_BS
+
+
+def prefix_topk_mask(scores_BS: torch.Tensor, capacity_B: torch.Tensor | float,
+                     key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool ``(B, S)`` causal prefix top-k: token ``i`` is kept when ``prefix rank < c * n_i - 0.5`` (see
+    :func:`prefix_ranks`), i.e. it lies in the top ``c`` fraction of the valid tokens ``0..i``."""
+    rank_BS, n_BS = prefix_ranks(scores_BS, key_padding_mask)
+    c_B = torch.as_tensor(capacity_B, dtype=torch.float32, device=scores_BS.device).detach().expand(scores_BS.shape[0])
+    return rank_BS.float() < c_B[:, None] * n_BS.float() - 0.5
+
+
 def soft_capacity_mask(ranks_BS: torch.Tensor, capacity_B: torch.Tensor, n_B: torch.Tensor | int,
                        temperature: float) -> torch.Tensor:
-    """Differentiable (in ``capacity_B``) relaxation of ``rank < round(capacity * n)``: values in (0, 1)."""
-    k_cont_B = capacity_B * torch.as_tensor(n_B, device=capacity_B.device, dtype=capacity_B.dtype)
-    return torch.sigmoid((k_cont_B[:, None] - ranks_BS.to(capacity_B.dtype) - 0.5) / temperature)
+    """Differentiable (in ``capacity_B``) relaxation of ``rank < capacity * n``: values in (0, 1).
+
+    ``capacity_B`` is ``(B,)`` or, per position, ``(B, S)``; ``n_B`` an int, a ``(B,)`` tensor (top-k: valid
+    tokens per sample) or a ``(B, S)`` tensor (prefix top-k: valid tokens up to each position)."""
+    n = torch.as_tensor(n_B, device=capacity_B.device, dtype=capacity_B.dtype)
+    c = capacity_B[:, None] if capacity_B.ndim == 1 else capacity_B
+    k_cont = c * (n[:, None] if n.ndim == 1 else n)
+    return torch.sigmoid((k_cont - ranks_BS.to(capacity_B.dtype) - 0.5) / temperature)
 
 
 def _gather_selected(x_BSD: torch.Tensor, mask_BS: torch.Tensor, k_B: torch.Tensor,
@@ -200,19 +265,23 @@ def _gather_selected(x_BSD: torch.Tensor, mask_BS: torch.Tensor, k_B: torch.Tens
     return x_sel_BKD, index_BK, valid_BK
 
 
+def _bias_from_keep(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+
+
 class RoutedBlock(nn.Module):
     """Run ``block`` on the routed tokens only; the others skip it.
 
     ``block`` maps ``(B, K, D) -> (B, K, D)`` (a residual transformer block) and must be causal: the selected
     tokens are packed in time order with padding at the end, so a causal block never lets a real token see a
     padded one, and no padding mask is needed. A block with ``accepts_attn_bias = True`` is also called as
-    ``block(x_1TD, attn_bias=bias)`` on the selected tokens of all samples laid end to end, the bias keeping
-    each token to earlier-or-equal tokens of its own sample; that packed call is used when it saves at least
-    a fifth of the tokens (samples keep different numbers of tokens, and padding follows the largest) and
-    the bias stays small. Both calls compute the same function.
+    ``block(x, attn_bias=bias)``: on the selected tokens of all samples laid end to end, the bias keeping
+    each token to earlier-or-equal tokens of its own sample, when that saves at least a fifth of the tokens
+    (samples keep different numbers of tokens, and padding follows the largest) and the bias stays small; and,
+    in training with capacity probes (module docstring), with a bias that lets a probe token see the selected
+    tokens before it and itself, and no token see a probe. Every call computes the same function.
 
-    Modes: ``"topk"`` (exactly ``k`` per sample, used in training), ``"aux"`` (causal per-token decisions of the
-    auxiliary predictor, used at evaluation), ``"auto"`` = topk in ``train()`` and aux in ``eval()``.
+    Modes: ``"topk"``, ``"prefix"``, ``"aux"`` and ``"auto"`` (module docstring).
     """
 
     def __init__(self, block: nn.Module, config: RoutingConfig):
@@ -231,7 +300,7 @@ class RoutedBlock(nn.Module):
                 key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, RoutingInfo]:
         """Args:
             x_BSD: tokens.
-            mode: "auto", "topk" or "aux".
+            mode: "auto", "topk", "prefix" or "aux".
             key_padding_mask: optional bool ``(B, S)``, True = padded (never routed, not counted in ``S``).
         Returns:
             ``(y_BSD, RoutingInfo)``.
@@ -239,50 +308,85 @@ class RoutedBlock(nn.Module):
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if mode == "auto":
-            mode = "topk" if self.training else "aux"
+            mode = self.config.train_selection if self.training else "aux"
         B, S, _ = x_BSD.shape
         cfg = self.config
         scores_BS = self.router(x_BSD)
         aux_logits_BS = self.aux(x_BSD.detach())
         n_B = torch.full((B,), S, device=x_BSD.device) if key_padding_mask is None else (~key_padding_mask).sum(-1)
+        valid_BS = torch.ones(B, S, dtype=torch.bool, device=x_BSD.device) if key_padding_mask is None \
+            else ~key_padding_mask
         zero = x_BSD.new_zeros(())
-        if mode == "topk":
-            if self.capacity_predictor is not None:
-                cap_B = self.capacity_predictor(x_BSD, key_padding_mask)
-            else:
+        probe_BS = torch.zeros_like(valid_BS)
+        if mode in ("topk", "prefix"):
+            if self.capacity_predictor is None:
                 cap_B = torch.full((B,), cfg.capacity, device=x_BSD.device, dtype=x_BSD.dtype)
-            k_B = torch.round(cap_B.detach() * n_B).long().clamp(min=1)
-            k_B = torch.minimum(k_B, n_B)
-            ranks_BS = token_ranks(scores_BS, key_padding_mask)
-            mask_BS = ranks_BS < k_B[:, None]
+                cap_soft = cap_B
+            elif mode == "topk":
+                cap_B = cap_soft = self.capacity_predictor(x_BSD, key_padding_mask)
+            else:  # causal: position i's capacity pools tokens 0..i
+                cap_soft = self.capacity_predictor.prefix(x_BSD, key_padding_mask)  # (B, S)
+                vf_BS = valid_BS.to(x_BSD.dtype)
+                cap_B = (cap_soft * vf_BS).sum(-1) / vf_BS.sum(-1).clamp_min(1.0)
+            if mode == "topk":
+                k_B = torch.round(cap_B.detach() * n_B).long().clamp(min=1)
+                k_B = torch.minimum(k_B, n_B)
+                ranks_BS = token_ranks(scores_BS, key_padding_mask)
+                mask_BS = ranks_BS < k_B[:, None]
+                n_soft = n_B
+                past_cut_BS = ranks_BS - k_B[:, None]  # integer ranks past the cut: < 0 selected
+            else:
+                ranks_BS, n_soft = prefix_ranks(scores_BS, key_padding_mask)
+                c_BS = cap_soft.detach() if cap_soft.ndim == 2 else cap_soft.detach()[:, None]
+                cut_BS = c_BS * n_soft - 0.5
+                mask_BS = (ranks_BS < cut_BS) & valid_BS
+                past_cut_BS = ranks_BS - cut_BS  # ranks past the prefix's cut: < 0 selected
             gate_BS = mask_BS.to(x_BSD.dtype)
-            if self.capacity_predictor is not None:
-                soft_BS = soft_capacity_mask(ranks_BS, cap_B, n_B, cfg.soft_rank_temperature)
-                gate_BS = gate_BS + soft_BS - soft_BS.detach()  # value: hard mask; gradient: soft one
+            if self.capacity_predictor is not None and cap_soft.requires_grad:
+                soft_BS = soft_capacity_mask(ranks_BS, cap_soft, n_soft, cfg.soft_rank_temperature)
+                st_BS = soft_BS - soft_BS.detach()  # value 0; gradient: the soft mask's
+                P = cfg.probe_tokens
+                if P > 0:
+                    probe_BS = (past_cut_BS >= 0) & (past_cut_BS < P) & valid_BS
+                    st_BS = st_BS * ((past_cut_BS >= -P) & (past_cut_BS < P)).to(x_BSD.dtype)
+                gate_BS = gate_BS + st_BS  # value: hard mask; gradient: the soft one
             target_BS = mask_BS.to(x_BSD.dtype)
-            valid_BS = torch.ones_like(target_BS) if key_padding_mask is None else (~key_padding_mask).to(x_BSD.dtype)
-            aux_loss = (F.binary_cross_entropy_with_logits(aux_logits_BS, target_BS, reduction="none") * valid_BS
-                        ).sum() / valid_BS.sum().clamp_min(1.0)
+            vf_BS = valid_BS.to(x_BSD.dtype)
+            aux_loss = (F.binary_cross_entropy_with_logits(aux_logits_BS, target_BS, reduction="none") * vf_BS
+                        ).sum() / vf_BS.sum().clamp_min(1.0)
             cost = cap_B.mean()
         else:
-            mask_BS = torch.sigmoid(aux_logits_BS) > cfg.aux_threshold
-            if key_padding_mask is not None:
-                mask_BS = mask_BS & ~key_padding_mask
+            mask_BS = (torch.sigmoid(aux_logits_BS) > cfg.aux_threshold) & valid_BS
             gate_BS = mask_BS.to(x_BSD.dtype)
             cap_B = mask_BS.sum(-1).to(x_BSD.dtype) / n_B.clamp_min(1).to(x_BSD.dtype)
             aux_loss, cost = zero, cap_B.mean()
 
         weight_BS = torch.sigmoid(scores_BS) * gate_BS
-        k_B = mask_BS.sum(-1)
-        total, kmax = int(k_B.sum()), int(k_B.max()) if B else 0
-        if (getattr(self.block, "accepts_attn_bias", False) and 0 < total <= _PACK_MAX_TOKENS
-                and total <= (1.0 - _PACK_MIN_SAVING) * B * kmax):
-            y_BSD = x_BSD + self._packed_update(x_BSD, mask_BS, weight_BS)
-        else:
-            y_BSD = x_BSD + self._padded_update(x_BSD, mask_BS, weight_BS, k_B, kmax)
+        y_BSD = x_BSD + self._update(x_BSD, mask_BS, probe_BS, weight_BS)
         info = RoutingInfo(mask=mask_BS, scores=scores_BS, capacity=cap_B, aux_logits=aux_logits_BS,
                            aux_loss=aux_loss, capacity_cost=cost, mode=mode)
         return y_BSD, info
+
+    def _update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, probe_BS: torch.Tensor,
+                weight_BS: torch.Tensor) -> torch.Tensor:
+        """``w * (f(x_run) - x_run)`` for the selected and probe tokens, scattered back to ``(B, S, D)``."""
+        B = x_BSD.shape[0]
+        run_BS = mask_BS | probe_BS
+        k_B = run_BS.sum(-1)
+        total, kmax = int(k_B.sum()), (int(k_B.max()) if B else 0)
+        if total == 0:
+            return torch.zeros_like(x_BSD)
+        has_probes = bool(probe_BS.any())
+        if getattr(self.block, "accepts_attn_bias", False):
+            if total <= _PACK_MAX_TOKENS and total <= (1.0 - _PACK_MIN_SAVING) * B * kmax:
+                return self._packed_update(x_BSD, run_BS, mask_BS, weight_BS)
+            if has_probes:
+                return self._padded_bias_update(x_BSD, run_BS, mask_BS, weight_BS, k_B, kmax)
+        if not has_probes:
+            return self._padded_update(x_BSD, mask_BS, weight_BS, k_B, kmax)
+        k_sel_B = mask_BS.sum(-1)
+        update = self._padded_update(x_BSD, mask_BS, weight_BS, k_sel_B, int(k_sel_B.max()))
+        return update + self._probe_prefix_update(x_BSD, mask_BS, probe_BS, weight_BS)
 
     def _padded_update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, weight_BS: torch.Tensor,
                        k_B: torch.Tensor, kmax: int) -> torch.Tensor:
@@ -295,16 +399,52 @@ class RoutedBlock(nn.Module):
         w_BK = torch.gather(weight_BS, 1, index_BK) * valid_BK.to(x_BSD.dtype)
         return torch.zeros_like(x_BSD).scatter_add(1, index_BK[..., None].expand_as(delta_BKD), delta_BKD * w_BK[..., None])
 
-    def _packed_update(self, x_BSD: torch.Tensor, mask_BS: torch.Tensor, weight_BS: torch.Tensor) -> torch.Tensor:
-        """``w * (f(x_sel) - x_sel)`` scattered back to ``(B, S, D)``, with the selected tokens of all samples
-        in one sequence and a block-diagonal causal bias (see the class docstring)."""
+    def _padded_bias_update(self, x_BSD: torch.Tensor, run_BS: torch.Tensor, live_BS: torch.Tensor,
+                            weight_BS: torch.Tensor, k_B: torch.Tensor, kmax: int) -> torch.Tensor:
+        """As :meth:`_padded_update` for the run tokens (selected and probes), with a per-row bias: a token sees
+        the earlier-or-equal selected tokens of its row and itself (so a probe is seen by no other token)."""
+        x_run_BKD, index_BK, valid_BK = _gather_selected(x_BSD, run_BS, k_B, kmax)
+        live_BK = torch.gather(live_BS, 1, index_BK) & valid_BK
+        eye_KK = torch.eye(kmax, dtype=torch.bool, device=x_BSD.device)
+        keep_BKK = eye_KK.tril()[None] | (torch.ones_like(eye_KK).tril()[None] & live_BK[:, None, :])  # [b, q, k]
+        delta_BKD = self.block(x_run_BKD, attn_bias=_bias_from_keep(keep_BKK, x_BSD.dtype)[:, None]) - x_run_BKD
+        w_BK = torch.gather(weight_BS, 1, index_BK) * valid_BK.to(x_BSD.dtype)
+        return torch.zeros_like(x_BSD).scatter_add(1, index_BK[..., None].expand_as(delta_BKD), delta_BKD * w_BK[..., None])
+
+    def _packed_update(self, x_BSD: torch.Tensor, run_BS: torch.Tensor, live_BS: torch.Tensor,
+                       weight_BS: torch.Tensor) -> torch.Tensor:
+        """``w * (f(x_run) - x_run)`` scattered back to ``(B, S, D)``, with the run tokens of all samples in one
+        sequence and a block-diagonal causal bias in which only selected (live) tokens are seen by others."""
         B, S, D = x_BSD.shape
-        flat_T = mask_BS.reshape(-1).nonzero().squeeze(1)  # sample-major, time order within each sample
-        x_sel_1TD = x_BSD.reshape(B * S, D).index_select(0, flat_T)[None]
+        flat_T = run_BS.reshape(-1).nonzero().squeeze(1)  # sample-major, time order within each sample
+        x_run_1TD = x_BSD.reshape(B * S, D).index_select(0, flat_T)[None]
         seg_T, pos_T = flat_T // S, flat_T % S
-        keep_TT = (seg_T[:, None] == seg_T[None, :]) & (pos_T[None, :] <= pos_T[:, None])
-        bias = torch.zeros(keep_TT.shape, dtype=x_BSD.dtype, device=x_BSD.device).masked_fill(~keep_TT, float("-inf"))
-        delta_TD = (self.block(x_sel_1TD, attn_bias=bias[None, None]) - x_sel_1TD)[0]
+        live_T = live_BS.reshape(-1).index_select(0, flat_T)
+        keep_TT = (seg_T[:, None] == seg_T[None, :]) & (pos_T[None, :] <= pos_T[:, None])  # [query, key]
+        keep_TT = keep_TT & (live_T[None, :] | torch.eye(len(flat_T), dtype=torch.bool, device=x_BSD.device))
+        bias = _bias_from_keep(keep_TT, x_BSD.dtype)
+        delta_TD = (self.block(x_run_1TD, attn_bias=bias[None, None]) - x_run_1TD)[0]
         w_T = weight_BS.reshape(-1).index_select(0, flat_T)
         update = torch.zeros(B * S, D, dtype=x_BSD.dtype, device=x_BSD.device).index_add(0, flat_T, delta_TD * w_T[:, None])
         return update.view(B, S, D)
+
+    def _probe_prefix_update(self, x_BSD: torch.Tensor, live_BS: torch.Tensor, probe_BS: torch.Tensor,
+                             weight_BS: torch.Tensor) -> torch.Tensor:
+        """Probe updates for a block without an attention bias: one row per probe token, holding the selected
+        tokens before it then the probe itself; the causal block's output at the probe is read (what follows it
+        in the row does not reach it)."""
+        B, S, D = x_BSD.shape
+        b_P, pos_P = probe_BS.nonzero(as_tuple=True)
+        k_sel_B = live_BS.sum(-1)
+        kmax = int(k_sel_B.max())
+        x_live_BKD, _, _ = _gather_selected(x_BSD, live_BS, k_sel_B, kmax)
+        before_BS = live_BS.long().cumsum(-1) - live_BS.long()  # selected tokens strictly before each position
+        m_P = before_BS[b_P, pos_P]
+        rows_PLD = torch.cat([x_live_BKD[b_P], x_BSD.new_zeros(len(b_P), 1, D)], dim=1)  # (P, kmax + 1, D)
+        ar_P = torch.arange(len(b_P), device=x_BSD.device)
+        x_probe_PD = x_BSD[b_P, pos_P]
+        rows_PLD = rows_PLD.index_put((ar_P, m_P), x_probe_PD)
+        delta_PD = self.block(rows_PLD)[ar_P, m_P] - x_probe_PD
+        update = torch.zeros(B * S, D, dtype=x_BSD.dtype, device=x_BSD.device)
+        flat_P = b_P * S + pos_P
+        return update.index_add(0, flat_P, delta_PD * weight_BS[b_P, pos_P][:, None]).view(B, S, D)

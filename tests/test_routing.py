@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from core.attention import attention
-from core.routing import RoutedBlock, RoutingConfig, soft_capacity_mask, token_ranks, topk_mask
+from core.routing import (RoutedBlock, RoutingConfig, prefix_topk_mask, soft_capacity_mask, token_ranks,
+                          topk_mask)
 
 
 class _CausalBlock(nn.Module):
@@ -230,3 +231,185 @@ def test_packed_call_equals_padded_call_in_values_and_gradients(mode):
         else:
             # fp32 sums in another order (packed rows): differences ~1e-6 of the gradient's scale (up to 209 here)
             torch.testing.assert_close(g1, g0, atol=1e-5 + 2e-6 * float(g0.abs().max()), rtol=1e-4)
+
+
+# ---- two-sided capacity gradient (probe tokens) and causal prefix top-k -------------------------------------
+
+
+class _PushBlock(nn.Module):
+    """Adds ``3 u`` (``u`` a fixed unit vector) to every token it sees; optionally takes an attention bias."""
+
+    def __init__(self, dim: int, accepts_bias: bool):
+        super().__init__()
+        u = torch.randn(dim)
+        self.register_buffer("u", u / u.norm())
+        self.accepts_attn_bias = accepts_bias
+
+    def forward(self, x, attn_bias=None):
+        return x + 3.0 * self.u
+
+
+def _capacity_after_training(m, x, loss_fn, steps=10, lr=0.5):
+    opt = torch.optim.SGD(m.capacity_predictor.parameters(), lr=lr)
+    with torch.no_grad():
+        start = m.capacity_predictor(x).mean().item()
+    for _ in range(steps):
+        y, info = m(x)
+        loss = loss_fn(y - x)  # zero compute cost: only the task loss moves the capacity
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        end = m.capacity_predictor(x).mean().item()
+    return start, end
+
+
+@pytest.mark.parametrize("accepts_bias", [False, True])
+@pytest.mark.parametrize("selection", ["topk", "prefix"])
+def test_capacity_rises_when_adding_tokens_would_lower_the_loss(accepts_bias, selection):
+    """Each token's loss is relu(1 - <update, u>): the selected tokens' updates (3 w u, w ~ 0.95) already reach it,
+    so only tokens not yet processed can lower the loss. The two-sided estimator raises capacity; the one-sided one
+    (probe_tokens=0) sees no gradient at all: it cannot learn that adding a token helps."""
+    dim = 8
+    x = torch.randn(4, 30, dim)
+
+    def loss_fn(upd):
+        return torch.relu(1.0 - upd @ block.u).sum() / upd.shape[0]
+
+    results = {}
+    for probes in (4, 0):
+        torch.manual_seed(1)
+        block = _PushBlock(dim, accepts_bias)
+        cfg = RoutingConfig(dim=dim, capacity=0.3, min_capacity=0.05, probe_tokens=probes, train_selection=selection)
+        m = RoutedBlock(block, cfg).train()
+        with torch.no_grad():
+            m.router.proj.bias.fill_(3.0)  # router weights w = sigmoid(score) ~ 0.95
+        results[probes] = _capacity_after_training(m, x, loss_fn)
+    start, end = results[4]
+    assert end > start + 0.1, results
+    start0, end0 = results[0]
+    assert abs(end0 - start0) < 1e-6, results
+
+
+@pytest.mark.parametrize("probes", [4, 0])
+@pytest.mark.parametrize("selection", ["topk", "prefix"])
+def test_capacity_falls_when_processed_tokens_raise_the_loss(probes, selection):
+    dim = 8
+    torch.manual_seed(2)
+    block = _PushBlock(dim, accepts_bias=True)
+    m = RoutedBlock(block, RoutingConfig(dim=dim, capacity=0.6, min_capacity=0.05, probe_tokens=probes,
+                                         train_selection=selection)).train()
+    start, end = _capacity_after_training(m, torch.randn(4, 30, dim), lambda upd: (upd @ block.u).sum() / upd.shape[0])
+    assert end < start - 0.1
+
+
+def test_probes_change_only_the_capacity_gradient():
+    """Probe tokens run the block with gate value 0: outputs, and gradients of the input, block, router and
+    auxiliary predictor are those of the one-sided estimator; the capacity predictor's gradient differs."""
+    torch.manual_seed(4)
+    dim, B, S = 16, 3, 21
+    models = []
+    for probes in (0, 4):
+        torch.manual_seed(5)
+        models.append(RoutedBlock(_BiasBlock(dim), RoutingConfig(dim=dim, capacity=0.4, probe_tokens=probes)).train())
+    x = torch.randn(B, S, dim)
+    target = torch.randn(B, S, dim)
+    outs = []
+    for m in models:
+        xi = x.clone().requires_grad_(True)
+        y, info = m(xi)
+        ((y - target).square().sum() + info.aux_loss).backward()
+        outs.append((y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+        assert torch.equal(y[~info.mask], x[~info.mask])  # probes included: unselected tokens pass unchanged
+    # the same function; with probes the block runs under a bias (another summation order)
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
+    for n, g0 in outs[0][2].items():
+        g1 = outs[1][2][n]
+        if n.startswith("capacity_predictor"):
+            continue
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6, msg=n)
+    w0, w1 = outs[0][2]["capacity_predictor.net.2.bias"], outs[1][2]["capacity_predictor.net.2.bias"]
+    assert not torch.allclose(w0, w1)
+
+
+@pytest.mark.parametrize("selection", ["topk", "prefix"])
+def test_probe_paths_agree_padded_bias_packed_and_prefix_rows(selection, monkeypatch):
+    """The three ways to run probes (per-row bias, packed bias, one prefix row per probe for a block without a bias)
+    give the same outputs and gradients."""
+    import core.routing as routing
+
+    torch.manual_seed(6)
+    dim, B, S = 16, 4, 18
+    cfg = dict(dim=dim, capacity=0.5, min_capacity=0.05, probe_tokens=3, train_selection=selection)
+    plain = RoutedBlock(_CausalBlock(dim), RoutingConfig(**cfg)).train()
+    biased = RoutedBlock(_BiasBlock(dim), RoutingConfig(**cfg)).train()
+    biased.load_state_dict(plain.state_dict())
+    x = torch.randn(B, S, dim)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[2, 14:] = True
+    results = []
+    # prefix rows (no bias); per-row bias (packing off); packed (packing forced)
+    for m, pack_limit, saving in ((plain, 2048, 0.2), (biased, 0, 0.2), (biased, 10_000, -1.0)):
+        monkeypatch.setattr(routing, "_PACK_MAX_TOKENS", pack_limit)
+        monkeypatch.setattr(routing, "_PACK_MIN_SAVING", saving)
+        m.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y, info = m(xi, key_padding_mask=pad)
+        (y.square().sum() + info.capacity_cost + info.aux_loss).backward()
+        results.append((y.detach(), info.mask, xi.grad, [p.grad.clone() for p in m.parameters()]))
+    assert results[0][1].any() and not results[0][1].all()
+    for y, mask, gx, gp in results[1:]:
+        assert torch.equal(mask, results[0][1])
+        torch.testing.assert_close(y, results[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gx, results[0][2], rtol=1e-4, atol=1e-5)
+        for g, g0 in zip(gp, results[0][3]):
+            torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-5 + 1e-5 * float(g0.abs().max()))
+
+
+def test_prefix_topk_mask_matches_brute_force():
+    B, S = 5, 17
+    scores = torch.randint(0, 4, (B, S)).float() + 0.1 * torch.randn(B, S).round()  # ties
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, 12:] = True
+    cap = torch.rand(B) * 0.8 + 0.1
+    mask = prefix_topk_mask(scores, cap, pad)
+    for b in range(B):
+        for i in range(S):
+            if pad[b, i]:
+                assert not mask[b, i]
+                continue
+            rank = sum(1 for j in range(i) if not pad[b, j] and scores[b, j] >= scores[b, i])
+            n = sum(1 for j in range(i + 1) if not pad[b, j])
+            assert bool(mask[b, i]) == (rank < cap[b].item() * n - 0.5), (b, i)
+
+
+def test_prefix_selection_is_causal_in_training_and_topk_is_not():
+    torch.manual_seed(7)
+    dim, S = 16, 24
+    m = _routed(dim=dim, capacity=0.4, train_selection="prefix").train()
+    with torch.no_grad():
+        m.capacity_predictor.net[2].weight.normal_(0, 1.0)  # capacity depends on the tokens seen so far
+    x = torch.randn(3, S, dim)
+    y, info = m(x)
+    assert info.mode == "prefix"
+    frac = info.mask.float().mean().item()
+    assert 0.1 < frac < 0.9
+    topk_changed = False
+    for j in (3, 11, 19):
+        x2 = x.clone()
+        x2[:, j + 1:] = torch.randn_like(x2[:, j + 1:]) * 3
+        y2, info2 = m(x2)
+        assert torch.equal(info.mask[:, : j + 1], info2.mask[:, : j + 1])
+        torch.testing.assert_close(y[:, : j + 1], y2[:, : j + 1], rtol=1e-5, atol=1e-5)
+        _, t1 = m(x, mode="topk")
+        _, t2 = m(x2, mode="topk")
+        topk_changed |= not torch.equal(t1.mask[:, : j + 1], t2.mask[:, : j + 1])
+    assert topk_changed, "top-k over the whole sequence should depend on later tokens"
+
+
+def test_new_config_fields_are_validated():
+    with pytest.raises(ValueError, match="probe_tokens"):
+        RoutingConfig(dim=8, probe_tokens=-1)
+    with pytest.raises(ValueError, match="train_selection.*'causal'"):
+        RoutingConfig(dim=8, train_selection="causal")
