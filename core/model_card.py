@@ -1,0 +1,659 @@
+"""Model cards for the shipped weights, generated from their JSON provenance.
+
+Every shipped weights file ``<package>/weights/<name>.safetensors`` (also ``apps/<app>/weights/``) has its provenance
+in ``<name>.json`` beside it, written by the script that trained it. This module turns that JSON into a model card
+``<name>.md`` in the Hugging Face convention: a YAML header (licence, library, tags, datasets, metrics) and sections
+for the model, intended use, out-of-scope use, training data, training procedure, evaluation and limitations. The
+card is a rendering of the JSON and of the weights file itself (size, tensor and parameter counts from its
+header, SHA-256), so the two cannot disagree: every field of the JSON appears in the card, a field the card
+needs and the JSON lacks reads "not recorded", and no number is added.
+
+    python -m core.model_card            # (re)write every card
+    python -m core.model_card --check    # exit 1 when a card is missing or differs from its JSON
+
+Weights are found by globbing (``*/weights/*.safetensors`` and ``*/*/weights/*.safetensors`` inside Python
+packages), so new shipped files need no registration here. Package-level text (intended use, out-of-scope use,
+tags) comes from ``PACKAGE_TEXT``; a package missing there gets "not recorded" for the intended use, unless its
+JSON carries a ``model_card`` object with ``intended_use``, ``out_of_scope``, ``tags``, ``datasets`` or
+``pipeline_tag``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "NOT_RECORDED",
+    "PACKAGE_TEXT",
+    "CardText",
+    "discover_weights",
+    "weights_summary",
+    "render_card",
+    "write_cards",
+    "build_parser",
+    "main",
+]
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_RECORDED = "not recorded"
+LICENSE = "mit"  # the project's licence (pyproject.toml), which covers the weights it trains
+GENERATOR = "python -m core.model_card"
+
+
+@dataclass(kw_only=True)
+class CardText:
+    """What a card says about a family of weights that the JSON does not: use, misuse, tags."""
+
+    intended_use: str = NOT_RECORDED  # who should load these weights, for what
+    out_of_scope: str = NOT_RECORDED  # uses the weights were not made or checked for
+    tags: list[str] = field(default_factory=list)  # Hugging Face tags beside "longctx" and the package name
+    pipeline_tag: str | None = None  # Hugging Face task id, when one fits
+    datasets: list[str] = field(default_factory=list)  # data names for the YAML header (the body has the details)
+    limitations: list[str] = field(default_factory=list)  # general limits of the family, before the JSON's notes
+
+
+_SYNTHETIC_SLIDES = "synthetic slides (pathology.synthetic)"
+
+# Keyed by "<package>" or "<package>/<stem prefix>" (the longest matching key wins).
+PACKAGE_TEXT: dict[str, CardText] = {
+    "tabular": CardText(
+        intended_use=(
+            "Default checkpoint of `tabular.TabICLClassifier` (`TabICLClassifier(checkpoint=PATH)` for another file): "
+            "in-context classification of tables with numeric, categorical and missing values, on CPU or GPU, "
+            "without training on the table (optionally fine-tuned on it with `finetune_steps`). Also used by "
+            "`python -m tabular.compare`, the hub's TabICL tab and `benchmarks.tabular_*`."
+        ),
+        out_of_scope=(
+            "Regression targets (refused by the estimator). Decisions about people without a validation on the "
+            "population concerned. Tables much wider than the pretraining tables (`pretrained_max_features`) "
+            "without feature reduction. Accuracy claims on tables unlike the benchmarked ones."
+        ),
+        tags=["tabular-classification", "in-context-learning", "tabicl"],
+        pipeline_tag="tabular-classification",
+        datasets=["synthetic tables (tabular.prior.TablePrior)"],
+        limitations=[
+            "Pretrained on synthetic tables only; no real table was used in training or checkpoint selection.",
+        ],
+    ),
+    "pathology": CardText(
+        intended_use=(
+            "Stand-in weights so the whole-slide pipeline (`pathology`) and the hub's Querent tab run out of the box "
+            "on this project's synthetic slides, in tests, demos and benchmarks."
+        ),
+        out_of_scope=(
+            "Any real histology slide, any diagnostic, clinical or research claim: the weights know only the "
+            "project's synthetic slides. For real work pass a trusted encoder and train a slide model on real data."
+        ),
+        tags=["pathology", "whole-slide-images", "synthetic-data"],
+        datasets=[_SYNTHETIC_SLIDES],
+        limitations=["Trained and evaluated on synthetic slides only; the numbers above say nothing about real tissue."],
+    ),
+    "pathology/patch_encoder": CardText(
+        tags=["pathology", "image-feature-extraction", "synthetic-data"],
+        pipeline_tag="image-feature-extraction",
+    ),
+    "pathology/querent": CardText(
+        tags=["pathology", "multiple-instance-learning", "querent", "synthetic-data"],
+        pipeline_tag="image-classification",
+    ),
+    "video": CardText(
+        intended_use=(
+            "Default model of `video` (∞-Video): answers the closed set of questions about this project's synthetic "
+            "videos in the batch CLI, the benchmarks and the hub's ∞-Video tab, over any video length with the "
+            "continuous long-term memory."
+        ),
+        out_of_scope=(
+            "Real videos and open-ended questions: the model was trained on small synthetic clips with a fixed set "
+            "of answers."
+        ),
+        tags=["video-question-answering", "q-former", "continuous-memory", "synthetic-data"],
+        datasets=["synthetic clips (video.synthetic)"],
+        limitations=["Trained and validated on synthetic clips only."],
+    ),
+    "rl": CardText(
+        intended_use="Offline-RL experiments of `rl` (Decision Mixer) on the named MuJoCo environment.",
+        out_of_scope=(
+            "Control of real robots, and environments other than the one named. Scores come from this project's own "
+            "datasets and policies: they are not D4RL results."
+        ),
+        tags=["reinforcement-learning", "mujoco", "offline-rl"],
+        pipeline_tag="reinforcement-learning",
+        limitations=["Evaluated in simulation (gymnasium MuJoCo v5) only."],
+    ),
+    "rl/behaviour": CardText(
+        intended_use=(
+            "Behaviour policies: the actor snapshots that `python -m rl.generate` runs to write this project's offline "
+            "datasets (medium, expert and medium-replay qualities, chosen by the quality rule below), and the "
+            "expert reference returns of `rl.references`."
+        ),
+        tags=["reinforcement-learning", "mujoco", "sac", "behaviour-policy"],
+    ),
+    "rl/dm": CardText(
+        intended_use=(
+            "Default Decision Mixer of the hub's Decision Mixer tab: acts in the named environment from a target "
+            "return, showing the router's token selection."
+        ),
+        tags=["reinforcement-learning", "mujoco", "offline-rl", "decision-transformer", "decision-mixer"],
+    ),
+}
+
+# JSON fields rendered in the sections below, in order of preference; whatever is left goes to "Other fields".
+_DESCRIPTION = ("what_it_is", "description")
+_NAME = ("name", "model")
+_ARCH = ("config", "model_config")
+_DATA = ("data", "dataset", "validation_set")
+_COMMAND = ("command",)
+_TRAIN = (
+    "commands", "algorithm", "env", "algo", "train_config", "train", "steps", "step", "trained_steps", "batch",
+    "batch_size", "tables_seen", "pretrained_max_features", "processes", "threads", "hardware", "wall_time_s",
+    "train_seconds", "train_wall_s", "finished", "status", "input", "output_dim", "class_names", "patch_mpp",
+    "patch_size", "min_tissue", "encoder",
+)
+_EVAL = (
+    "metrics", "held_out_metrics", "held_out_slides", "validation", "validation_on_held_out_prior", "benchmark",
+    "finetuned_benchmark", "scaling", "eval_targets", "snapshots", "qualities", "quality_rule",
+)
+_NOTES = ("notes", "note")
+_METRIC_WORDS = (  # leaf-key fragments -> metric ids for the YAML header
+    ("balanced_accuracy", "balanced_accuracy"),
+    ("auc", "roc_auc"),
+    ("log_loss", "log_loss"),
+    ("recall", "recall"),
+    ("acc", "accuracy"),
+    ("loss", "loss"),
+    ("mean_return", "mean_return"),
+    ("score", "normalized_score"),
+    ("peak_rss", "peak_rss_mb"),
+    ("cpu_s", "cpu_seconds"),
+)
+
+
+# --------------------------------------------------------------------------------------------- discovery
+
+
+def discover_weights(root: Path = REPO) -> list[Path]:
+    """Every shipped ``*.safetensors`` under a ``weights/`` folder of a Python package of ``root``, sorted.
+
+    Looks one and two levels down (``tabular/weights/``, ``apps/ncal/weights/``); a folder counts as a package
+    when it holds ``__init__.py``. Hidden folders (``.venv``) are skipped.
+    """
+    root = Path(root)
+    found = []
+    for pattern in ("*/weights/*.safetensors", "*/*/weights/*.safetensors"):
+        for path in root.glob(pattern):
+            rel = path.relative_to(root)
+            if any(part.startswith(".") for part in rel.parts):
+                continue
+            if (path.parent.parent / "__init__.py").is_file():
+                found.append(path)
+    return sorted(found)
+
+
+def weights_summary(path: Path) -> dict[str, Any]:
+    """Size, SHA-256, tensor and parameter counts of a safetensors file (read from its header, no torch)."""
+    path = Path(path)
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ValueError(f"{path} is not a safetensors file: {len(data)} bytes")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise ValueError(f"{path} is not a safetensors file: header length {n} exceeds the file ({len(data)} bytes)")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:
+        raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({e})") from e
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    params = 0
+    dtypes = set()
+    for name, t in tensors.items():
+        count = 1
+        for d in t["shape"]:
+            count *= int(d)
+        params += count
+        dtypes.add(t["dtype"])
+    return {
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "tensors": len(tensors),
+        "elements": params,
+        "dtypes": sorted(dtypes),
+    }
+
+
+# --------------------------------------------------------------------------------------------- rendering helpers
+
+
+def _num(v: float | int) -> str:
+    """A number as the JSON has it (floats shortened to 4 decimals, which never adds digits)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return str(v)
+    r = round(v, 4)
+    return repr(r) if r != 0 or v == 0 else f"{v:.3g}"
+
+
+def _scalar(v: Any) -> str:
+    if v is None:
+        return f"{NOT_RECORDED} (null)"
+    if isinstance(v, (int, float)):
+        return _num(v)
+    return str(v)
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+def _cell(v: Any) -> str:
+    return " ".join(_scalar(v).replace("|", "\\|").split())
+
+
+def _render(value: Any, indent: int = 0) -> list[str]:
+    """Markdown lines for any JSON value: a scalar inline, lists and objects as nested bullet lists.
+
+    A list of scalars stays on one line; an object whose values are all scalars and that has at least four of
+    them becomes a two-column table at the top level.
+    """
+    pad = "  " * indent
+    if _is_scalar(value):
+        return [pad + _scalar(value)]
+    if isinstance(value, list):
+        if all(_is_scalar(v) for v in value):
+            return [pad + (", ".join(_scalar(v) for v in value) if value else "(empty)")]
+        out = []
+        for v in value:
+            if isinstance(v, dict) and all(_is_scalar(x) or isinstance(x, list) and all(map(_is_scalar, x)) for x in v.values()):
+                out.append(pad + "- " + "; ".join(f"{k}: {_render(x)[0].strip()}" for k, x in v.items()))
+                continue
+            sub = _render(v, indent + 1)
+            out.append(pad + "- " + sub[0].strip())
+            out.extend(sub[1:])
+        return out
+    if isinstance(value, dict):
+        if indent == 0 and len(value) >= 4 and all(_is_scalar(v) for v in value.values()):
+            return ["| field | value |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in value.items()]
+        out = []
+        for k, v in value.items():
+            if _is_scalar(v) or (isinstance(v, list) and all(_is_scalar(x) for x in v)):
+                out.append(f"{pad}- {k}: {_render(v)[0].strip()}")
+            else:
+                out.append(f"{pad}- {k}:")
+                out.extend(_render(v, indent + 1))
+        return out
+    return [pad + str(value)]
+
+
+def _field_lines(label: str, value: Any) -> list[str]:
+    """``- **label**: value`` for a scalar or a list of scalars, a nested list below the label otherwise."""
+    if _is_scalar(value) or (isinstance(value, list) and all(_is_scalar(v) for v in value)):
+        return [f"- **{label}**: {_render(value)[0]}"]
+    if isinstance(value, dict) and len(value) >= 4 and all(_is_scalar(v) for v in value.values()):
+        return [f"- **{label}**:", ""] + ["  " + line for line in _render(value)] + [""]
+    return [f"- **{label}**:"] + _render(value, 1)
+
+
+def _yaml_scalar(v: Any) -> str:
+    """A YAML scalar: numbers as they are, strings double-quoted (JSON string syntax is valid YAML)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v), ensure_ascii=False)
+
+
+def _yaml(header: dict[str, Any]) -> list[str]:
+    lines = []
+    for k, v in header.items():
+        if isinstance(v, list):
+            if not v:
+                lines.append(f"{k}: []")
+            else:
+                lines.append(f"{k}:")
+                lines.extend(f"- {_yaml_scalar(x)}" for x in v)
+        else:
+            lines.append(f"{k}: {_yaml_scalar(v)}")
+    return lines
+
+
+def _leaf_keys(value: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, (dict, list)):
+                out.extend(_leaf_keys(v, str(k)))
+            else:
+                out.append(str(k))
+                if isinstance(v, (int, float)) and prefix:
+                    out.append(prefix)
+    elif isinstance(value, list):
+        for v in value:
+            out.extend(_leaf_keys(v, prefix))
+    return out
+
+
+def _metric_ids(evaluation: dict[str, Any]) -> list[str]:
+    """Metric ids for the YAML header, from the key names of the recorded evaluation (no values)."""
+    ids = set()
+    keys = [k.lower() for k in _leaf_keys(evaluation)] + [k.lower() for k in evaluation]
+    for key in keys:
+        for word, mid in _METRIC_WORDS:
+            if word in key:
+                ids.add(mid)
+                break
+    return sorted(ids)
+
+
+def _card_text(package: str, stem: str, record: dict[str, Any]) -> CardText:
+    """Package text, refined by the longest ``package/stem-prefix`` key, then by the JSON's ``model_card`` object."""
+    base = PACKAGE_TEXT.get(package, CardText())
+    text = CardText(
+        intended_use=base.intended_use,
+        out_of_scope=base.out_of_scope,
+        tags=list(base.tags),
+        pipeline_tag=base.pipeline_tag,
+        datasets=list(base.datasets),
+        limitations=list(base.limitations),
+    )
+    prefixes = sorted((k for k in PACKAGE_TEXT if k.startswith(package + "/") and stem.startswith(k.split("/", 1)[1])), key=len)
+    for key in prefixes:
+        extra = PACKAGE_TEXT[key]
+        if extra.intended_use != NOT_RECORDED:
+            text.intended_use = extra.intended_use
+        if extra.out_of_scope != NOT_RECORDED:
+            text.out_of_scope = extra.out_of_scope
+        if extra.tags:
+            text.tags = list(extra.tags)
+        if extra.pipeline_tag:
+            text.pipeline_tag = extra.pipeline_tag
+        if extra.datasets:
+            text.datasets = list(extra.datasets)
+        text.limitations += extra.limitations
+    own = record.get("model_card")
+    if isinstance(own, dict):
+        for name in ("intended_use", "out_of_scope", "pipeline_tag"):
+            if own.get(name):
+                setattr(text, name, str(own[name]))
+        for name in ("tags", "datasets", "limitations"):
+            if own.get(name):
+                setattr(text, name, [str(x) for x in own[name]])
+    return text
+
+
+def _datasets(record: dict[str, Any], text: CardText) -> list[str]:
+    names = list(text.datasets)
+    ds = record.get("dataset")
+    if isinstance(ds, dict) and ds.get("path"):
+        names.append(f"{Path(str(ds['path'])).stem} (rl.generate)" if "metadata" in ds else Path(str(ds["path"])).stem)
+    if not names and record.get("env"):
+        names.append(f"{record['env']} (interaction)")
+    return names or [NOT_RECORDED]
+
+
+# --------------------------------------------------------------------------------------------- the card
+
+
+def _not_met(value: Any, where: str = "") -> list[tuple[str, str]]:
+    """Every recorded string that says a target was not met, with where it sits in the JSON."""
+    if isinstance(value, str):
+        return [(where, value)] if "not met" in value.lower() else []
+    if isinstance(value, dict):
+        return [hit for k, v in value.items() for hit in _not_met(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [hit for i, v in enumerate(value) for hit in _not_met(v, f"{where}[{i}]")]
+    return []
+
+
+def _pick(record: dict[str, Any], keys: Sequence[str], used: set[str]) -> list[tuple[str, Any]]:
+    out = []
+    for k in keys:
+        if k in record and k not in used:
+            used.add(k)
+            out.append((k, record[k]))
+    return out
+
+
+def render_card(weights: Path, *, root: Path = REPO) -> str:
+    """The model card (Markdown with a YAML header) of ``weights``, from ``<stem>.json`` beside it.
+
+    Raises ``FileNotFoundError`` when the JSON is missing and ``ValueError`` when it is not a JSON object.
+    """
+    weights = Path(weights)
+    prov = weights.with_suffix(".json")
+    if not prov.is_file():
+        raise FileNotFoundError(f"{weights} has no provenance file {prov.name} beside it; every shipped weights file needs one")
+    try:
+        record = json.loads(prov.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{prov} is not valid JSON: {e}") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{prov} must hold a JSON object, got {type(record).__name__}")
+    try:
+        rel = weights.resolve().relative_to(Path(root).resolve())
+    except ValueError:
+        rel = Path(weights.name)
+    package = rel.parts[0] if len(rel.parts) > 2 else "unknown"
+    if package == "apps" and len(rel.parts) > 3:
+        package = f"apps/{rel.parts[1]}"
+    stem = weights.stem
+    text = _card_text(package, stem, record)
+    info = weights_summary(weights)
+    # dm_hopper-style records keep their card fields one level down; lift them (names stay visible in the card).
+    nested = record.get("card") if isinstance(record.get("card"), dict) else {}
+    used: set[str] = set()
+
+    evaluation = {k: v for k, v in record.items() if k in _EVAL}
+    for k in ("evaluate_result", "evaluations", "last_train_metrics"):
+        if k in nested:
+            evaluation[f"card.{k}"] = nested[k]
+    header = {
+        "license": LICENSE,
+        "library_name": "pytorch",
+        "tags": ["longctx", package.split("/")[-1], *[t for t in text.tags if t != package], "safetensors"],
+        "datasets": _datasets(record, text),
+        "metrics": _metric_ids(evaluation) or [NOT_RECORDED],
+    }
+    if text.pipeline_tag:
+        header["pipeline_tag"] = text.pipeline_tag
+    # drop repeated tags, keep order
+    seen: set[str] = set()
+    header["tags"] = [t for t in header["tags"] if not (t in seen or seen.add(t))]
+
+    lines = ["---", *_yaml(header), "---", "", f"# {stem}", ""]
+    desc = _pick(record, _DESCRIPTION, used)
+    name = _pick(record, _NAME, used)
+    if desc:
+        lines += [_scalar(desc[0][1]), ""]
+    elif isinstance(nested.get("note"), str):
+        lines += [nested["note"], ""]
+        used.add("card.note")
+    elif name and isinstance(name[0][1], str):
+        lines += [f"{name[0][1]}.", ""]
+    elif isinstance(record.get("algorithm"), str) and record.get("env"):
+        lines += [f"{record['algorithm']}, trained on {record['env']}.", ""]
+    lines += [
+        f"Weights `{rel.as_posix()}`; provenance [`{prov.name}`]({prov.name}). This card is generated from that JSON "
+        f"and the weights file by `{GENERATOR}`; edit the JSON (or the generator), never this file.",
+        "",
+        "## Model details",
+        "",
+    ]
+    if name:
+        n = name[0][1]
+        lines += _field_lines("model", n) if not isinstance(n, str) else [f"- **model**: {n}"]
+    elif isinstance(record.get("algorithm"), str):
+        used.add("algorithm")
+        lines.append(f"- **algorithm**: {record['algorithm']}")
+    else:
+        lines.append(f"- **model**: {NOT_RECORDED}")
+    for k, v in _pick(record, _ARCH, used):
+        lines += _field_lines(k, v)
+    if "parameters" in record:
+        used.add("parameters")
+        lines.append(f"- **parameters**: {_scalar(record['parameters'])} (as recorded)")
+    lines += [
+        f"- **file**: {info['bytes']} bytes, {info['tensors']} tensors, {info['elements']} elements "
+        f"({', '.join(info['dtypes'])}), SHA-256 `{info['sha256']}`",
+        f"- **licence**: MIT (the project's licence); **library**: PyTorch, weights in safetensors",
+        "- **how to use**: see [the package README](../README.md)" if (Path(root) / package / "README.md").is_file() else
+        f"- **how to use**: {NOT_RECORDED}",
+        "",
+        "## Intended use",
+        "",
+        text.intended_use,
+        "",
+        "## Out-of-scope use",
+        "",
+        text.out_of_scope,
+        "",
+        "## Training data",
+        "",
+    ]
+    data = _pick(record, _DATA, used)
+    if data:
+        for k, v in data:
+            lines += _field_lines(k, v)
+    elif record.get("env"):
+        lines.append(f"- No dataset: the algorithm collects its own data by interacting with `{record['env']}` (see the command).")
+    else:
+        lines.append(f"- {NOT_RECORDED}")
+    lines += ["", "## Training procedure", ""]
+    command = record.get("command", nested.get("command"))
+    used.add("command")
+    if "command" in nested and "command" not in record:
+        used.add("card.command")
+    if command:
+        lines += ["Command:", "", "```bash", str(command), "```", ""]
+    else:
+        lines += [f"Command: {NOT_RECORDED}", ""]
+    train = _pick(record, _TRAIN, used)
+    for k in ("steps", "train_wall_s_estimate"):
+        if k in nested:
+            train.append((f"card.{k}", nested[k]))
+            used.add(f"card.{k}")
+    if not any(k in ("steps", "step", "trained_steps", "card.steps") for k, _ in train):
+        lines.append(f"- **steps**: {NOT_RECORDED}")
+    if not any(k in ("wall_time_s", "train_seconds", "train_wall_s", "card.train_wall_s_estimate") for k, _ in train):
+        lines.append(f"- **wall time**: {NOT_RECORDED}")
+    for k, v in train:
+        lines += _field_lines(k, v)
+    lines += ["", "## Evaluation", ""]
+    eval_cmd = None
+    for k in ("benchmark", "finetuned_benchmark", "scaling"):
+        b = record.get(k)
+        if isinstance(b, dict) and (b.get("command") or b.get("commands")):
+            eval_cmd = eval_cmd or b.get("command") or b.get("commands")
+    if eval_cmd is None and isinstance(nested.get("evaluate_result"), dict):
+        eval_cmd = nested.get("command")
+    if eval_cmd is None:
+        lines.append(
+            f"Command: {NOT_RECORDED} as a separate evaluation; the training run recorded the metrics below "
+            "(each named with the set it was measured on, where the JSON names one)."
+            if evaluation
+            else f"Command: {NOT_RECORDED}."
+        )
+    elif eval_cmd == command:
+        lines.append("Command: the training command above, which also evaluated the model.")
+    else:
+        cmds = eval_cmd if isinstance(eval_cmd, list) else [eval_cmd]
+        lines += ["Command (the first recorded; each block below names its own):", "", "```bash", *map(str, cmds), "```"]
+    lines.append("")
+    if not evaluation:
+        lines.append(f"- {NOT_RECORDED}")
+    for k, v in _pick(record, _EVAL, used):
+        lines += _field_lines(k, v)
+    for k in ("evaluate_result", "evaluations", "last_train_metrics"):
+        if k in nested:
+            used.add(f"card.{k}")
+            lines += _field_lines(f"card.{k}", nested[k])
+    lines += ["", "## Limitations", ""]
+    lims = [f"- {x}" for x in text.limitations]
+    lims += [f"- Target not met (`{where}`): {line}" for where, line in _not_met(record)]
+    for k, v in _pick(record, _NOTES, used):
+        lims += _field_lines(k, v)
+    if isinstance(nested.get("note"), str) and "card.note" not in used:
+        used.add("card.note")
+        lims += _field_lines("card.note", nested["note"])
+    lines += lims or [f"- {NOT_RECORDED}"]
+    rest = {k: v for k, v in record.items() if k not in used and k != "card" and k != "model_card"}
+    rest_nested = {f"card.{k}": v for k, v in nested.items() if f"card.{k}" not in used}
+    rest.update(rest_nested)
+    if "model_card" in record:
+        rest["model_card"] = record["model_card"]
+    if rest:
+        lines += ["", "## Other recorded fields", ""]
+        for k, v in rest.items():
+            lines += _field_lines(k, v)
+    return "\n".join(line.rstrip() for line in lines).rstrip() + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_cards(root: Path = REPO, *, check: bool = False) -> dict[Path, str]:
+    """Render every shipped file's card; write the ones that differ unless ``check``.
+
+    Returns ``{card path: "ok" | "written" | "missing" | "differs"}`` ("missing"/"differs" only with ``check``).
+    """
+    status: dict[Path, str] = {}
+    for weights in discover_weights(root):
+        card = weights.with_suffix(".md")
+        text = render_card(weights, root=root)
+        old = card.read_text(encoding="utf-8") if card.is_file() else None
+        if old == text:
+            status[card] = "ok"
+        elif check:
+            status[card] = "missing" if old is None else "differs"
+        else:
+            _write_atomic(card, text)
+            status[card] = "written"
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=GENERATOR,
+        description="Write the model card <name>.md of every shipped weights file from its <name>.json provenance.",
+    )
+    p.add_argument("--root", type=Path, default=REPO, help="repository root to search (default: this checkout)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a card is missing or stale")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    status = write_cards(args.root, check=args.check)
+    if not status:
+        logger.warning("no shipped weights found under %s", args.root)
+    for card, s in status.items():
+        logger.info("%s: %s", card.relative_to(args.root) if card.is_relative_to(args.root) else card, s)
+    bad = [c for c, s in status.items() if s in ("missing", "differs")]
+    if bad:
+        logger.error("%d card(s) missing or stale: run `%s`", len(bad), GENERATOR)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
