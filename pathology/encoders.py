@@ -4,33 +4,85 @@ Names:
 - ``default`` (alias ``longctx-small``): a small CNN this project trains on synthetic tiles
   (``pathology/weights/patch_encoder_small.safetensors``). It is a stand-in so the pipeline runs out of
   the box, not a histology foundation model.
+- presets of pathology foundation models (timm architectures with their published constructor
+  arguments; weights are the model's own file, downloaded by the user from its model card):
+  ``uni`` (UNI, ViT-L/16), ``uni2-h`` (UNI2-h, ViT-H/14 with 8 register tokens), ``virchow2``
+  (Virchow2, ViT-H/14 with 4 register tokens, class token + mean patch token), ``gigapath``
+  (Prov-GigaPath tile encoder, ViT-g). CONCH is not a preset: it needs the CONCH fork of open_clip.
 - ``timm:<model_name>``: any timm model, weights from a local file (``weights=PATH``; safetensors or
-  a torch state dict). Needs ``pip install timm``.
+  a torch state dict).
 - ``open_clip:<model_name>``: the image tower of an open_clip model, weights from a local file.
-  Needs ``pip install open_clip_torch``.
 
-Nothing is downloaded: the timm/open_clip paths refuse to run without a local weights file.
+Loading goes through :mod:`core.backbones`: keys must match exactly (``strict=False``, the CLI's
+``--allow-partial-weights``, relaxes that) and ``encoder_kwargs`` reach the model's constructor
+(``--encoder-kwargs '{"img_size": 448}'``), overriding a preset's. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from core.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["PatchEncoder", "SmallPatchCNN", "build_encoder", "load_state_dict_file", "ENCODER_NAMES",
-           "DEFAULT_WEIGHTS"]
+__all__ = ["PatchEncoder", "SmallPatchCNN", "EncoderPreset", "PRESETS", "build_encoder", "encoder_settings",
+           "load_state_dict_file", "ENCODER_NAMES", "DEFAULT_WEIGHTS"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DEFAULT_WEIGHTS = os.path.join(os.path.dirname(__file__), "weights", "patch_encoder_small.safetensors")
-ENCODER_NAMES = ("default", "longctx-small", "timm:<name>", "open_clip:<name>")
+
+@dataclass(frozen=True)
+class EncoderPreset:
+    """A named foundation model: the timm architecture, its constructor arguments and preprocessing."""
+
+    timm_name: str  # timm architecture the weights belong to
+    kwargs: dict  # constructor arguments (layer classes by timm.layers name, so the preset stays JSON)
+    input_size: int  # side the patches are resized to
+    pool: str = "model"  # "model": the model's own output; "cls+mean": class token ⊕ mean of the patch tokens
+    card: str = ""  # model card the arguments come from
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+
+# Arguments as published on each model card (``timm.create_model(..., **timm_kwargs)``) and in
+# TRIDENT's encoder registry (mahmoodlab/TRIDENT, trident/patch_encoder_models/load.py).
+PRESETS: dict[str, EncoderPreset] = {
+    # UNI: ViT-L/16, LayerScale 1e-5, 1024-d class token. https://huggingface.co/MahmoodLab/UNI
+    "uni": EncoderPreset("vit_large_patch16_224", {
+        "img_size": 224, "patch_size": 16, "init_values": 1e-5, "num_classes": 0, "dynamic_img_size": True},
+        224, card="https://huggingface.co/MahmoodLab/UNI"),
+    # UNI2-h: ViT-H/14 (24 blocks, width 1536), SwiGLU MLP, 8 register tokens, 1536-d class token.
+    # https://huggingface.co/MahmoodLab/UNI2-h
+    "uni2-h": EncoderPreset("vit_giant_patch14_224", {
+        "img_size": 224, "patch_size": 14, "depth": 24, "num_heads": 24, "init_values": 1e-5, "embed_dim": 1536,
+        "mlp_ratio": 2.66667 * 2, "num_classes": 0, "no_embed_class": True, "mlp_layer": "SwiGLUPacked",
+        "act_layer": "silu", "reg_tokens": 8, "dynamic_img_size": True},
+        224, card="https://huggingface.co/MahmoodLab/UNI2-h"),
+    # Virchow2: ViT-H/14, SwiGLU MLP, 4 register tokens; embedding = class token ⊕ mean of the patch
+    # tokens (registers excluded), 2560-d. https://huggingface.co/paige-ai/Virchow2
+    "virchow2": EncoderPreset("vit_huge_patch14_224", {
+        "img_size": 224, "init_values": 1e-5, "num_classes": 0, "reg_tokens": 4, "mlp_ratio": 5.3375,
+        "global_pool": "", "dynamic_img_size": True, "mlp_layer": "SwiGLUPacked", "act_layer": "silu"},
+        224, pool="cls+mean", card="https://huggingface.co/paige-ai/Virchow2"),
+    # Prov-GigaPath tile encoder: ViT-g layout with 16-px patches (40 blocks, width 1536), 1536-d.
+    # https://huggingface.co/prov-gigapath/prov-gigapath
+    "gigapath": EncoderPreset("vit_giant_patch14_dinov2", {
+        "img_size": 224, "in_chans": 3, "patch_size": 16, "embed_dim": 1536, "depth": 40, "num_heads": 24,
+        "init_values": 1e-5, "mlp_ratio": 5.33334, "num_classes": 0, "dynamic_img_size": True},
+        224, card="https://huggingface.co/prov-gigapath/prov-gigapath"),
+}
+ENCODER_NAMES = ("default", "longctx-small", *PRESETS, "timm:<name>", "open_clip:<name>")
 
 
 class SmallPatchCNN(nn.Module):
@@ -93,25 +145,21 @@ class PatchEncoder:
         return out.float().cpu()
 
 
-def load_state_dict_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A state dict from ``.safetensors`` or a torch file (``.pt``/``.pth``/``.bin``; tensors only)."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"weights file not found: {path!r}")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
 
-        return load_file(path)
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{path!r} is neither safetensors nor a torch state dict: {e}") from e
-    for key in ("state_dict", "model", "module"):
-        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
-            sd = sd[key]
-    if not isinstance(sd, dict):
-        raise ValueError(f"{path!r} holds a {type(sd).__name__}, expected a dict of tensors")
-    return {k.removeprefix("module."): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+class ClsMeanPool(nn.Module):
+    """``model.forward_features`` tokens -> class token ⊕ mean of the patch tokens (prefix tokens skipped).
+
+    Output (B, 2·D). Used by Virchow2, whose embedding is this concatenation.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.num_prefix_tokens = int(getattr(model, "num_prefix_tokens", 1))
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        tok_BTD = self.model.forward_features(x_BCHW)
+        return torch.cat([tok_BTD[:, 0], tok_BTD[:, self.num_prefix_tokens:].mean(1)], dim=-1)
 
 
 def _resolve_device(device) -> torch.device:
@@ -120,9 +168,8 @@ def _resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-def _default(weights: str | None, device: torch.device) -> PatchEncoder:
+def _default(weights: str | None, device: torch.device, strict: bool) -> PatchEncoder:
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     path = weights or DEFAULT_WEIGHTS
     if not os.path.isfile(path):
@@ -136,65 +183,113 @@ def _default(weights: str | None, device: torch.device) -> PatchEncoder:
     input_size = int(meta.get("input_size", 128))
     widths = tuple(int(w) for w in meta.get("widths", "32,64,128,192,256").split(","))
     model = SmallPatchCNN(dim=dim, widths=widths)
-    sd = {k: v for k, v in load_file(path).items() if not k.startswith("head.")}
-    model.load_state_dict(sd)
+    load_weights(model, load_state_dict_file(path), strict=strict, source=f"weights {path!r}",
+                 ignore_unexpected=("head.",))  # the training-time classifier is not part of the encoder
     return PatchEncoder("default", model.to(device).eval(), dim, input_size, device=device)
 
 
-def _timm(name: str, weights: str | None, device: torch.device) -> PatchEncoder:
-    try:
-        import timm
-    except ImportError as e:
-        raise ImportError(f"encoder 'timm:{name}' needs timm: pip install timm") from e
-    if not weights:
-        raise ValueError(f"encoder 'timm:{name}' needs --weights PATH (a local file); nothing is downloaded")
-    model = timm.create_model(name, pretrained=False, num_classes=0)
-    sd = load_state_dict_file(weights)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.startswith(("head", "fc."))]
-    if missing:
-        raise ValueError(f"weights {weights!r} do not fit timm model {name!r}: missing {missing[:5]}...")
-    if unexpected:
-        logger.warning("ignoring %d unexpected keys in %s (e.g. %s)", len(unexpected), weights, unexpected[:3])
-    cfg = getattr(model, "pretrained_cfg", {}) or {}
-    size = int((cfg.get("input_size") or (3, 224, 224))[-1])
-    mean = tuple(cfg.get("mean", IMAGENET_MEAN))
-    std = tuple(cfg.get("std", IMAGENET_STD))
-    return PatchEncoder(f"timm:{name}", model.to(device).eval(), int(model.num_features), size, mean, std, device)
+def _split(name: str) -> tuple[str, str]:
+    """``(kind, arch)``: kind is 'default', 'preset', 'timm' or 'open_clip'."""
+    if name in ("default", "longctx-small"):
+        return "default", name
+    if name in PRESETS:
+        return "preset", name
+    if name.startswith("timm:") and len(name) > 5:
+        return "timm", name[5:]
+    if name.startswith("open_clip:") and len(name) > 10:
+        return "open_clip", name[10:]
+    raise ValueError(f"unknown encoder {name!r}; accepted: {', '.join(ENCODER_NAMES)}")
 
 
-def _open_clip(name: str, weights: str | None, device: torch.device) -> PatchEncoder:
-    try:
-        import open_clip
-    except ImportError as e:
-        raise ImportError(f"encoder 'open_clip:{name}' needs open_clip: pip install open_clip_torch") from e
-    if not weights:
-        raise ValueError(f"encoder 'open_clip:{name}' needs --weights PATH (a local file); nothing is downloaded")
-    model = open_clip.create_model(name, pretrained=None)
-    sd = load_state_dict_file(weights)
-    if any(k.startswith("visual.") for k in sd):
-        sd = {k.removeprefix("visual."): v for k, v in sd.items() if k.startswith("visual.")}
-    visual = model.visual
-    missing, _ = visual.load_state_dict(sd, strict=False)
-    if missing:
-        raise ValueError(f"weights {weights!r} do not fit open_clip model {name!r}: missing {missing[:5]}...")
-    size = visual.image_size[0] if isinstance(getattr(visual, "image_size", 224), (tuple, list)) else int(getattr(visual, "image_size", 224))
-    mean = tuple(getattr(visual, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073))
-    std = tuple(getattr(visual, "image_std", None) or (0.26862954, 0.26130258, 0.27577711))
-    dim = int(getattr(visual, "output_dim", 0) or model.text_projection.shape[-1])
-    return PatchEncoder(f"open_clip:{name}", visual.to(device).eval(), dim, int(size), mean, std, device)
+def _check_kwargs(encoder_kwargs) -> dict[str, Any]:
+    if encoder_kwargs is None:
+        return {}
+    if not isinstance(encoder_kwargs, Mapping):
+        raise ValueError(f"encoder_kwargs must be a dict (JSON object), got {type(encoder_kwargs).__name__}")
+    return dict(encoder_kwargs)
 
 
-def build_encoder(name: str = "default", *, weights: str | os.PathLike | None = None, device=None) -> PatchEncoder:
-    """Build a patch encoder by registry name (see module docstring)."""
+def build_encoder(name: str = "default", *, weights: str | os.PathLike | None = None, device=None,
+                  encoder_kwargs: Mapping[str, Any] | None = None, strict: bool = True) -> PatchEncoder:
+    """Build a patch encoder by registry name (see the module docstring).
+
+    Args:
+        name: ``default``, a preset name (``uni``, ``uni2-h``, ``virchow2``, ``gigapath``),
+            ``timm:<model>`` or ``open_clip:<model>``.
+        weights: local weights file (required for everything but ``default``; nothing is downloaded).
+        device: torch device; ``None`` picks CUDA when present, else CPU.
+        encoder_kwargs: constructor arguments of the model (timm / open_clip), overriding a preset's
+            (``{"img_size": 448}``, ``{"depth": 2}``); layer classes by name (``"SwiGLUPacked"``).
+        strict: weights must match the model key for key and shape for shape (``False``: load what
+            fits and warn — the CLI's ``--allow-partial-weights``).
+    """
+    kind, arch = _split(name)
+    kw = _check_kwargs(encoder_kwargs)
     dev = _resolve_device(device)
     w = os.fspath(weights) if weights is not None else None
     if w is not None and not os.path.isfile(w):
         raise FileNotFoundError(f"weights file not found: {w!r}")
-    if name in ("default", "longctx-small"):
-        return _default(w, dev)
-    if name.startswith("timm:") and len(name) > 5:
-        return _timm(name[5:], w, dev)
-    if name.startswith("open_clip:") and len(name) > 10:
-        return _open_clip(name[10:], w, dev)
-    raise ValueError(f"unknown encoder {name!r}; accepted: {', '.join(ENCODER_NAMES)}")
+    if kind == "default":
+        if kw:
+            raise ValueError(f"the default encoder takes no encoder_kwargs (its size is stored in its weights); got {kw}")
+        return _default(w, dev, strict)
+    if w is None:
+        raise ValueError(f"encoder {name!r} needs --weights PATH (a local file); nothing is downloaded")
+    if kind == "open_clip":
+        bb = load_open_clip(arch, w, model_kwargs=kw, strict=strict)
+        return PatchEncoder(name, bb.model.to(dev).eval(), bb.num_features, bb.input_size, bb.mean, bb.std, dev)
+    if kind == "timm":
+        bb = load_timm(arch, w, model_kwargs=kw, strict=strict)
+        return PatchEncoder(name, bb.model.to(dev).eval(), bb.num_features, bb.input_size, bb.mean, bb.std, dev)
+    preset = PRESETS[arch]
+    bb = load_timm(preset.timm_name, w, model_kwargs={**preset.kwargs, **kw}, strict=strict)
+    model, dim = bb.model, bb.num_features
+    if preset.pool == "cls+mean":
+        model, dim = ClsMeanPool(model), 2 * dim
+    size = int(kw.get("img_size", preset.input_size))
+    return PatchEncoder(name, model.to(dev).eval(), dim, size, preset.mean, preset.std, dev)
+
+
+def _file_identity(path: str) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns),
+            "sha256_first_mb": h.hexdigest()}
+
+
+def encoder_settings(name: str, weights: str | os.PathLike | None = None,
+                     encoder_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """JSON-serialisable settings that identify an encoder (for a batch run's settings fingerprint).
+
+    Returns:
+        ``{"name", "kind", "preset", "encoder_kwargs", "weights"}``: ``preset`` is the resolved preset
+        (timm architecture, its constructor arguments with ``encoder_kwargs`` applied, input size,
+        pooling) or ``None``; ``weights`` is ``{"path", "size", "mtime_ns", "sha256_first_mb"}`` of the
+        file (the shipped file for ``default`` without ``weights``), or ``None`` when no file is given.
+        Compare ``size`` + ``sha256_first_mb`` to tell whether the weights changed (a copied file keeps
+        them but gets a new ``mtime_ns``).
+
+    Raises:
+        ValueError: unknown ``name`` or ``encoder_kwargs`` that is not a dict.
+        FileNotFoundError: ``weights`` given but not a file.
+    """
+    import json
+
+    kind, arch = _split(name)
+    kw = _check_kwargs(encoder_kwargs)
+    try:
+        json.dumps(kw)
+    except TypeError as e:
+        raise ValueError(f"encoder_kwargs must be JSON values (layer classes by name), got {kw}: {e}") from e
+    w = os.fspath(weights) if weights is not None else (DEFAULT_WEIGHTS if kind == "default" else None)
+    if w is not None and not os.path.isfile(w):
+        raise FileNotFoundError(f"weights file not found: {w!r}")
+    preset = None
+    if kind == "preset":
+        p = PRESETS[arch]
+        preset = {"timm_name": p.timm_name, "kwargs": {**p.kwargs, **kw}, "input_size": int(kw.get("img_size", p.input_size)),
+                  "pool": p.pool, "mean": list(p.mean), "std": list(p.std)}
+    return {"name": name, "kind": kind, "preset": preset, "encoder_kwargs": dict(sorted(kw.items())),
+            "weights": _file_identity(w) if w is not None else None}

@@ -6,7 +6,9 @@ Names:
     ``timm:<model>``: a timm backbone's final feature map as tokens; ``weights`` is a local file.
 
 Nothing is downloaded: the open_clip and timm paths need ``weights`` (a local file) and their package
-installed (``pip install open_clip_torch`` / ``pip install timm``); both are imported only when asked for.
+(``pip install 'longctx-suite[backbones]'``); both are imported only when asked for. They load through
+:mod:`core.backbones`: keys must match exactly unless ``strict=False``, and ``encoder_kwargs`` reach the
+model's constructor (``{"img_size": 64}`` for timm, ``{"vision_cfg": {"image_size": 64}}`` for open_clip).
 
 Every encoder takes ``(N, 3, H, W)`` uint8 or float in ``[0, 255]`` and returns ``(N, T, dim)``.
 """
@@ -14,11 +16,14 @@ Every encoder takes ``(N, 3, H, W)`` uint8 or float in ``[0, 255]`` and returns 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from core.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -68,21 +73,8 @@ class TinyFrameEncoder(nn.Module):
 
 
 def load_state_file(path) -> dict[str, torch.Tensor]:
-    """Tensors from a local ``.safetensors`` or PyTorch checkpoint file (``state_dict``/``model`` keys unwrapped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file not found: {str(path)!r}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
-    for key in ("state_dict", "model"):
-        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-            state = state[key]
-    if not isinstance(state, dict):
-        raise ValueError(f"{str(path)!r} holds a {type(state).__name__}, expected a dict of tensors")
-    return state
+    """Tensors from a local ``.safetensors`` or PyTorch checkpoint file (see :func:`core.backbones.load_state_dict_file`)."""
+    return load_state_dict_file(path)
 
 
 class _TimmEncoder(nn.Module):
@@ -99,56 +91,50 @@ class _TimmEncoder(nn.Module):
 
 
 class _OpenClipEncoder(nn.Module):
-    def __init__(self, model: nn.Module, input_size: int) -> None:
+    def __init__(self, visual: nn.Module, input_size: int, dim: int, mean, std) -> None:
         super().__init__()
-        self.visual, self.input_size = model.visual, input_size
-        self.dim = int(getattr(self.visual, "output_dim"))
+        self.visual, self.input_size, self.dim = visual, input_size, dim
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1) * 255, persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1) * 255, persistent=False)
 
     def forward(self, frames_N3HW: torch.Tensor) -> torch.Tensor:
-        mean = torch.tensor([0.4815, 0.4578, 0.4082], device=frames_N3HW.device).view(1, 3, 1, 1) * 255
-        std = torch.tensor([0.2686, 0.2613, 0.2758], device=frames_N3HW.device).view(1, 3, 1, 1) * 255
         x = F.interpolate(frames_N3HW.float(), size=(self.input_size,) * 2, mode="bilinear", antialias=True)
-        return self.visual((x - mean) / std)[:, None, :]  # one token per frame (the pooled embedding)
+        return self.visual((x - self.mean) / self.std)[:, None, :]  # one token per frame (the pooled embedding)
 
 
-def build_frame_encoder(name: str = "tiny", *, weights=None, **kwargs) -> nn.Module:
+def build_frame_encoder(name: str = "tiny", *, weights=None, encoder_kwargs: Mapping | None = None,
+                        strict: bool = True, **kwargs) -> nn.Module:
     """Build a frame encoder by registry name (see the module docstring).
 
     Args:
         name: ``"tiny"``, ``"open_clip:<model>"`` or ``"timm:<model>"``.
         weights: local weights file; required for open_clip and timm (nothing is downloaded).
+        encoder_kwargs: constructor arguments of the model: ``TinyFrameEncoder`` options for ``tiny``,
+            ``timm.create_model`` / ``open_clip.create_model`` arguments for the others.
+        strict: weights must match the model key for key and shape for shape (``False``: load what
+            fits and warn).
         kwargs: ``TinyFrameEncoder`` options (``dim``, ``input_size``, ``width``), or ``input_size`` for others.
 
     Returns:
         A module with attributes ``dim`` (token features) mapping ``(N, 3, H, W)`` to ``(N, T, dim)``.
     """
+    if encoder_kwargs is not None and not isinstance(encoder_kwargs, Mapping):
+        raise ValueError(f"encoder_kwargs must be a dict (JSON object), got {type(encoder_kwargs).__name__}")
+    ekw = dict(encoder_kwargs or {})
     if name == "tiny":
-        enc = TinyFrameEncoder(**kwargs)
+        enc = TinyFrameEncoder(**{**kwargs, **ekw})
         if weights is not None:
-            enc.load_state_dict(load_state_file(weights))
+            load_weights(enc, load_state_dict_file(weights), strict=strict, source=f"weights {str(weights)!r}")
         return enc
-    if name.startswith("timm:"):
+    if name.startswith(("timm:", "open_clip:")):
+        unknown = sorted(set(kwargs) - {"input_size"})
+        if unknown:
+            raise ValueError(f"{name!r} takes input_size and encoder_kwargs, not {unknown}")
         if weights is None:
             raise ValueError(f"{name!r} needs weights=PATH (a local file); nothing is downloaded")
-        state = load_state_file(weights)
-        try:
-            import timm
-        except ImportError as e:
-            raise ImportError("timm encoders need timm: pip install timm") from e
-        model = timm.create_model(name[len("timm:"):], pretrained=False, num_classes=0)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing:
-            raise ValueError(f"weights {str(weights)!r} do not fit {name!r}: missing {missing[:5]}")
-        return _TimmEncoder(model.eval(), kwargs.get("input_size", 224))
-    if name.startswith("open_clip:"):
-        if weights is None:
-            raise ValueError(f"{name!r} needs weights=PATH (a local file); nothing is downloaded")
-        if not Path(weights).is_file():
-            raise FileNotFoundError(f"weights file not found: {str(weights)!r}")
-        try:
-            import open_clip
-        except ImportError as e:
-            raise ImportError("open_clip encoders need open_clip: pip install open_clip_torch") from e
-        model = open_clip.create_model(name[len("open_clip:"):], pretrained=str(weights))
-        return _OpenClipEncoder(model.eval(), kwargs.get("input_size", 224))
+        if name.startswith("timm:"):
+            bb = load_timm(name[len("timm:"):], weights, model_kwargs=ekw, strict=strict)
+            return _TimmEncoder(bb.model, kwargs.get("input_size", bb.input_size))
+        bb = load_open_clip(name[len("open_clip:"):], weights, model_kwargs=ekw, strict=strict)
+        return _OpenClipEncoder(bb.model, kwargs.get("input_size", bb.input_size), bb.num_features, bb.mean, bb.std)
     raise ValueError(f"unknown frame encoder {name!r}; use 'tiny', 'open_clip:<model>' or 'timm:<model>'")
