@@ -7,7 +7,9 @@ output at ``s_t``, which (causal attention) sees ``R_<=t, s_<=t, a_<t`` only.
 ``DecisionMixer`` replaces some blocks (by default layers 1, 3, 5 of 6, zero-based) with
 ``core.routing.RoutedBlock``: a router scores the tokens, a capacity predictor chooses how many run the block
 (exactly ``k``), the others skip it; an auxiliary predictor learns the selection and makes the decision at
-evaluation time, token by token, so the policy stays causal. Nothing is hard-wired: context length, widths and
+evaluation time, token by token, so the policy stays causal. Top-k over the whole segment lets later tokens
+(including the action a state token must predict) decide whether that state token is routed;
+``train_selection="prefix"`` trains with a causal prefix top-k instead. Nothing is hard-wired: context length, widths and
 the routed layers come from the config.
 
 Inputs are normalized inside the model (state mean/std, return scale are buffers/config saved with it), so a
@@ -70,6 +72,8 @@ class DMConfig(DTConfig):
     min_capacity: float = 0.1  # bounds of the predicted capacity
     max_capacity: float = 1.0
     soft_rank_temperature: float = 2.0  # straight-through soft-mask temperature, in ranks
+    probe_tokens: int = 4  # unselected tokens past the cut that run a routed block for the capacity gradient only (0: gradient through selected tokens only, which cannot learn that adding a token helps)
+    train_selection: str = "topk"  # training selection: "topk" over the whole segment (sees later tokens) or "prefix" (causal prefix top-k, what acting can see)
     router_hidden: int = 64  # width of the capacity and auxiliary predictors
     aux_loss_weight: float = 0.1  # weight of the auxiliary predictor's BCE in the training loss
     capacity_cost_weight: float = 0.0  # weight of the mean predicted capacity (compute cost) in the loss; 0 chosen by `python -m rl.tune` on hopper-medium (rl/README.md)
@@ -91,7 +95,8 @@ class DMConfig(DTConfig):
         return RoutingConfig(dim=self.embed_dim, capacity=self.capacity, learn_capacity=self.learn_capacity,
                              min_capacity=self.min_capacity, max_capacity=self.max_capacity,
                              capacity_hidden=self.router_hidden, aux_hidden=self.router_hidden,
-                             soft_rank_temperature=self.soft_rank_temperature)
+                             soft_rank_temperature=self.soft_rank_temperature, probe_tokens=self.probe_tokens,
+                             train_selection=self.train_selection)
 
 
 class _CausalBlock(nn.Module):
@@ -166,7 +171,8 @@ class DecisionTransformer(nn.Module):
             states_BTS, actions_BTA, returns_BT1 (returns-to-go), timesteps_BT (int episode steps).
             valid_BT: optional bool, False marks right-padding (never attended by real tokens because of
                 causality; never routed).
-            mode: routing mode for routed layers ("auto", "topk", "aux"); ignored by plain layers.
+            mode: routing mode for routed layers ("auto", "topk", "prefix", "aux"); "auto" is the config's
+                ``train_selection`` in ``train()`` and "aux" in ``eval()``; ignored by plain layers.
         Returns:
             actions ``(B, T, act_dim)`` predicted at the state tokens, and one ``RoutingInfo`` per routed layer.
         """
@@ -226,6 +232,8 @@ def config_from_dict(algo: str, d: dict) -> DTConfig:
     d = dict(d)
     if "routed_layers" in d:
         d["routed_layers"] = tuple(d["routed_layers"])
+    if cls is DMConfig:
+        d.setdefault("probe_tokens", 0)  # saved before the option: trained with the one-sided capacity gradient
     return cls(**d)
 
 

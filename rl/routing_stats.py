@@ -3,8 +3,9 @@ that run the block, on random training segments of a dataset.
 
     python -m rl.routing_stats --checkpoint runs/dm-hopper --dataset data/rl/hopper-medium-200000-s0.npz
 
-Both selections are reported: top-k (what training uses) and the auxiliary predictor's causal decision (what
-evaluation uses). Right-padded positions are left out of every fraction.
+Three selections are reported: top-k over the segment (what training uses by default), causal prefix top-k
+(what ``--train-selection prefix`` trains with) and the auxiliary predictor's causal decision (what evaluation
+uses). Right-padded positions are left out of every fraction.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ TOKEN_TYPES = ("return", "state", "action")  # the order of the interleaved toke
 
 
 @torch.no_grad()
-def routing_fractions(model, batch: dict[str, torch.Tensor], modes=("topk", "aux")) -> dict[str, list[dict[str, float]]]:
+def routing_fractions(model, batch: dict[str, torch.Tensor],
+                      modes=("topk", "prefix", "aux")) -> dict[str, list[dict[str, float]]]:
     """``{mode: [per routed layer: {token type: fraction routed}]}`` for one batch from ``SegmentSampler``."""
     if not hasattr(model.config, "routed_layers"):
         raise ValueError(f"{type(model).__name__} has no routed layers; routing statistics need a Decision Mixer")
-    bad = [m for m in modes if m not in ("topk", "aux")]
+    bad = [m for m in modes if m not in ("topk", "prefix", "aux")]
     if bad:
-        raise ValueError(f"unknown routing modes {bad}; accepted: 'topk', 'aux'")
+        raise ValueError(f"unknown routing modes {bad}; accepted: 'topk', 'prefix', 'aux'")
     model.eval()
     valid_BS = batch["valid"].bool().repeat_interleave(3, dim=1)
     out: dict[str, list[dict[str, float]]] = {}
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
         raise SystemExit(str(e)) from None
     for mode, layers in fr.items():
         for i, d in zip(model.config.routed_layers, layers):
-            print(f"{mode:4s} layer {i}: " + "  ".join(f"{k} {v:.2f}" for k, v in d.items()))
+            print(f"{mode:6s} layer {i}: " + "  ".join(f"{k} {v:.2f}" for k, v in d.items()))
     if args.json:
         write_json_atomic(args.json, {"checkpoint": str(args.checkpoint), "dataset": str(args.dataset),
                                       "segments": args.segments, "seed": args.seed,

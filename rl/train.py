@@ -143,8 +143,9 @@ class Trainer:
         self.step = 0
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        routed = getattr(self.model.config, "train_selection", "topk")  # "topk" or causal "prefix"
         pred, infos = self.model(batch["states"], batch["actions"], batch["returns"], batch["timesteps"],
-                                 valid_BT=batch["valid"], mode="topk")
+                                 valid_BT=batch["valid"], mode=routed)
         valid = batch["valid"].unsqueeze(-1).float()
         mse = (F.mse_loss(pred, batch["actions"], reduction="none") * valid).sum() / (valid.sum() * pred.shape[-1])
         extra = self.model.routing_losses(infos)
@@ -243,7 +244,11 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
     if resume and ckpt_path.exists():
         st = torch.load(ckpt_path, weights_only=False)
         if st["train_config"]["algo"] != cfg.algo or st["model_config"] != config_to_dict(mcfg):
-            raise ValueError(f"--resume: {str(out)!r} was trained with a different algo or model config")
+            now = config_to_dict(mcfg)
+            diff = {k: (st["model_config"].get(k), now.get(k)) for k in sorted(set(now) | set(st["model_config"]))
+                    if st["model_config"].get(k) != now.get(k)}
+            raise ValueError(f"--resume: {str(out)!r} was trained with a different algo or model config "
+                             f"(saved, now): {diff}")
         saved_anchor = st["train_config"].get("segment_anchor", "start")  # checkpoints from before the option
         if saved_anchor != cfg.segment_anchor:
             raise ValueError(f"--resume: {str(out)!r} was trained with segment_anchor={saved_anchor!r}, "
@@ -340,6 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capacity", type=float, default=None, help="dm: initial routed fraction (default 0.5)")
     g.add_argument("--capacity-cost", type=float, default=None, help="dm: weight of the mean routed fraction in the loss")
     g.add_argument("--aux-weight", type=float, default=None, help="dm: weight of the auxiliary predictor's BCE")
+    g.add_argument("--probe-tokens", type=int, default=None,
+                   help="dm: unselected tokens past the cut that run a routed block for the capacity gradient "
+                        "(default 4; 0: gradient through selected tokens only)")
+    g.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
+                   help="dm: routing in training: top-k over the whole segment (default) or causal prefix top-k")
     g.add_argument("--threads", type=int, default=1, help="torch threads")
     return p
 
@@ -355,14 +365,16 @@ def main(argv=None) -> None:
                       segment_anchor=args.segment_anchor)
     overrides = {"context": args.context, "embed_dim": args.embed_dim, "num_layers": args.layers,
                  "num_heads": args.heads, "dropout": args.dropout, "capacity": args.capacity,
-                 "capacity_cost_weight": args.capacity_cost, "aux_loss_weight": args.aux_weight}
+                 "capacity_cost_weight": args.capacity_cost, "aux_loss_weight": args.aux_weight,
+                 "probe_tokens": args.probe_tokens, "train_selection": args.train_selection}
     if args.routed_layers is not None:
         if args.algo != "dm":
             raise SystemExit("--routed-layers applies to --algo dm only")
         overrides["routed_layers"] = tuple(int(x) for x in args.routed_layers.split(",") if x.strip())
     if args.algo == "dt":
-        for k in ("capacity", "capacity_cost_weight", "aux_loss_weight"):
-            overrides.pop(k)
+        for k in ("capacity", "capacity_cost_weight", "aux_loss_weight", "probe_tokens", "train_selection"):
+            if overrides.pop(k) is not None and k in ("probe_tokens", "train_selection"):
+                raise SystemExit(f"--{k.replace('_', '-')} applies to --algo dm only")
     try:
         train(cfg, args.dataset, args.out, model_overrides=overrides, resume=args.resume)
     except (ValueError, FileNotFoundError) as e:

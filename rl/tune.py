@@ -98,6 +98,8 @@ def run_weight(weight: float, train_ds: OfflineDataset, val_ds: OfflineDataset, 
     tail = max(1, cfg.steps // 4)
     val_mse_aux, routed_aux = _validate(model, batches, "aux")
     val_mse_topk, routed_topk = _validate(model, batches, "topk")
+    val_mse_prefix, routed_prefix = _validate(model, batches, "prefix")
+    train_mode = {"topk": (val_mse_topk, routed_topk), "prefix": (val_mse_prefix, routed_prefix)}[mcfg.train_selection]
     return {
         "capacity_cost_weight": weight, "steps": cfg.steps, "train_wall_s": wall,
         "train_action_mse_last_quarter": float(np.mean(hist["action_mse"][-tail:])),
@@ -106,6 +108,9 @@ def run_weight(weight: float, train_ds: OfflineDataset, val_ds: OfflineDataset, 
                                         for i in range(0, cfg.steps, tail)],
         "val_action_mse": val_mse_aux, "val_routed_fraction": routed_aux,
         "val_action_mse_topk": val_mse_topk, "val_routed_fraction_topk": routed_topk,
+        "val_action_mse_prefix": val_mse_prefix, "val_routed_fraction_prefix": routed_prefix,
+        # train/eval gap: evaluation (auxiliary selection) minus the training selection, same model and segments
+        "gap_action_mse": val_mse_aux - train_mode[0], "gap_routed_fraction": routed_aux - train_mode[1],
         "model": config_to_dict(mcfg),
     }
 
@@ -148,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--routed-layers", default="1,3")
+    p.add_argument("--probe-tokens", type=int, default=None, help="DM probe_tokens (default: DMConfig's)")
+    p.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
+                   help="routing in training (default: DMConfig's, top-k)")
     p.add_argument("--threads", type=int, default=1)
     return p
 
@@ -172,7 +180,8 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from e
     overrides = {"context": args.context, "embed_dim": args.embed_dim, "num_layers": args.layers,
-                 "num_heads": args.heads, "routed_layers": tuple(int(x) for x in args.routed_layers.split(","))}
+                 "num_heads": args.heads, "routed_layers": tuple(int(x) for x in args.routed_layers.split(",")),
+                 "probe_tokens": args.probe_tokens, "train_selection": args.train_selection}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for w in tqdm(weights, desc="capacity_cost_weight"):
@@ -183,8 +192,9 @@ def main(argv=None) -> None:
         res.update({"dataset": Path(args.dataset).name, "train_trajectories": len(train_ds.trajectories()),
                     "val_trajectories": len(val_ds.trajectories()), "val_fraction": args.val_fraction})
         _write_json(path, res)
-        logger.info("weight %g: val mse %.4f, routed %.3f (train %.3f)", w, res["val_action_mse"],
-                    res["val_routed_fraction"], res["train_routed_fraction_last_quarter"])
+        logger.info("weight %g: val mse %.4f, routed %.3f (train %.3f); train/eval gap: mse %+.4f, routed %+.3f",
+                    w, res["val_action_mse"], res["val_routed_fraction"], res["train_routed_fraction_last_quarter"],
+                    res["gap_action_mse"], res["gap_routed_fraction"])
     results = [json.loads(p.read_text()) for p in sorted(out.glob("w*.json"))]
     min_cap = results[0]["model"]["min_capacity"]
     summary = summarize(results, min_cap, args.floor_margin)

@@ -94,3 +94,54 @@ def test_config_validation():
         DTConfig(state_dim=3, act_dim=1, embed_dim=32, num_heads=3)
     with pytest.raises(ValueError, match="capacity"):
         DMConfig(state_dim=3, act_dim=1, capacity=0.05, min_capacity=0.1)
+
+
+def test_prefix_training_selection_is_causal_and_topk_is_not():
+    """In training, top-k over the whole segment lets later tokens (the action a state must predict among them)
+    decide whether a state token is routed; ``train_selection="prefix"`` keeps every decision and prediction
+    causal, and the trainer uses it."""
+    from rl.train import Trainer, TrainConfig
+
+    torch.manual_seed(11)
+    s, a, r, t = _inputs(4, 8)
+    j = 3
+    s2, a2, r2 = s.clone(), a.clone(), r.clone()
+    s2[:, j + 1:] += 3 * torch.randn_like(s2[:, j + 1:])
+    a2[:, j:] = torch.rand_like(a2[:, j:]) * 2 - 1
+    r2[:, j + 1:] *= -1
+    leaked = False
+    for selection in ("prefix", "topk"):
+        torch.manual_seed(12)
+        m = _dm(train_selection=selection).train()
+        with torch.no_grad():
+            for blk in (m.blocks[1], m.blocks[3]):  # capacity depends on the tokens seen
+                torch.nn.init.normal_(blk.capacity_predictor.net[2].weight, std=1.0)
+        p1, i1 = m(s, a, r, t)
+        p2, i2 = m(s2, a2, r2, t)
+        same = all(torch.equal(x.mask[:, : 3 * j + 2], y.mask[:, : 3 * j + 2]) for x, y in zip(i1, i2))
+        if selection == "prefix":
+            assert all(x.mode == "prefix" for x in i1)
+            assert same
+            torch.testing.assert_close(p1[:, : j + 1], p2[:, : j + 1], rtol=1e-5, atol=1e-5)
+            batch = {"states": s, "actions": a, "returns": r, "timesteps": t, "valid": torch.ones(4, 8, dtype=torch.bool)}
+            got = Trainer(m, TrainConfig(algo="dm"), sampler=None).loss(batch)[1]["action_mse"]
+            with torch.no_grad():
+                want = {mode: float(((m(s, a, r, t, mode=mode)[0] - a) ** 2).mean()) for mode in ("prefix", "topk")}
+            assert got == pytest.approx(want["prefix"], rel=1e-5) and got != pytest.approx(want["topk"], rel=1e-5)
+        else:
+            leaked = not same
+    assert leaked, "top-k over the segment should let later tokens change earlier routing"
+
+
+def test_probe_tokens_and_train_selection_are_saved_and_legacy_configs_load():
+    from rl.models import config_from_dict, config_to_dict
+
+    cfg = DMConfig(state_dim=11, act_dim=3, probe_tokens=2, train_selection="prefix")
+    back = config_from_dict("dm", config_to_dict(cfg))
+    assert back.probe_tokens == 2 and back.train_selection == "prefix"
+    legacy = config_to_dict(DMConfig(state_dim=11, act_dim=3))
+    del legacy["probe_tokens"], legacy["train_selection"]
+    old = config_from_dict("dm", legacy)  # saved before the options: one-sided gradient, top-k
+    assert old.probe_tokens == 0 and old.train_selection == "topk"
+    with pytest.raises(ValueError, match="train_selection"):
+        DMConfig(state_dim=3, act_dim=1, train_selection="causal")

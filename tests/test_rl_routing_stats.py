@@ -35,7 +35,7 @@ def test_topk_fractions_add_up_to_the_fixed_capacity_on_valid_tokens():
     # half the rows right-padded after 4 of 6 timesteps: 12 valid tokens there, k = 6; 18 and k = 9 elsewhere
     batch = _batch(rng, 8, T, valid_len=[6, 4] * 4)
     fr = routing_fractions(model, batch)
-    assert set(fr) == {"topk", "aux"} and all(len(v) == 2 for v in fr.values())
+    assert set(fr) == {"topk", "prefix", "aux"} and all(len(v) == 2 for v in fr.values())
     for layer in fr["topk"]:
         assert set(layer) == set(TOKEN_TYPES) and all(0.0 <= x <= 1.0 for x in layer.values())
         # every type has the same number of valid tokens, so the mean over types is kept / valid = 0.5 exactly;
@@ -55,7 +55,7 @@ def test_errors_for_a_plain_dt_and_unknown_modes():
         routing_fractions(dt, _batch(np.random.default_rng(), 2, 4))
     dm = DecisionMixer(DMConfig(state_dim=11, act_dim=3, context=4, embed_dim=16, num_heads=1, num_layers=2,
                                 routed_layers=(1,)))
-    with pytest.raises(ValueError, match="accepted: 'topk', 'aux'"):
+    with pytest.raises(ValueError, match="accepted: 'topk', 'prefix', 'aux'"):
         routing_fractions(dm, _batch(np.random.default_rng(), 2, 4), modes=("soft",))
 
 
@@ -71,7 +71,7 @@ def test_cli_on_a_trained_checkpoint(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "run"), "--dataset", str(path), "--segments", "16",
                  "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert "topk layer 1:" in out and "aux  layer 1:" in out
+    assert "topk   layer 1:" in out and "prefix layer 1:" in out and "aux    layer 1:" in out
     d = json.loads((tmp_path / "r.json").read_text())
     assert d["routed_layers"] == [1] and set(d["fractions"]["topk"][0]) == set(TOKEN_TYPES)
     with pytest.raises(SystemExit, match="--segments must be positive"):

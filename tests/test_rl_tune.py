@@ -76,6 +76,10 @@ def test_run_weight_reports_validation_metrics():
     assert r["model"]["capacity_cost_weight"] == 0.003
     assert np.isfinite(r["val_action_mse"]) and r["val_action_mse"] > 0
     assert 0.0 < r["val_routed_fraction"] <= 1.0 and 0.0 < r["train_routed_fraction_last_quarter"] <= 1.0
+    # the train/eval gap: evaluation's auxiliary selection against the training selection (top-k by default)
+    assert r["gap_action_mse"] == pytest.approx(r["val_action_mse"] - r["val_action_mse_topk"])
+    assert r["gap_routed_fraction"] == pytest.approx(r["val_routed_fraction"] - r["val_routed_fraction_topk"])
+    assert 0.0 <= r["val_routed_fraction_prefix"] <= 1.0 and np.isfinite(r["val_action_mse_prefix"])
 
 
 def test_medium_is_searched_over_all_snapshots(tmp_path):
