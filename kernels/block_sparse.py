@@ -41,6 +41,7 @@ from kernels.flash_attention import (
     bwd_delta,
     check_device,
     check_tensors,
+    compact_rows,
     is_interpreted,
     launch,
     padding_mask_u8,
@@ -69,8 +70,10 @@ def _bs_fwd(
 ):  # fmt: skip
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # 64-bit base offsets: b * stride_b + h * stride_h reaches B*H*S*D elements, past 2**31 at long contexts.
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row_base = pid_bh.to(tl.int64) * Sq  # this (batch, head)'s first row in LSE / DELTA (B*H*S_q of them)
     hk = h // GROUPS
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -123,9 +126,9 @@ def _bs_fwd(
     _store_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
                 out.to(O.dtype.element_ty), offs_m, q_end, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
     if EVEN_M:
-        tl.store(LSE + pid_bh * Sq + offs_m, lse)
+        tl.store(LSE + row_base + offs_m, lse)
     else:
-        tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=offs_m < q_end)
+        tl.store(LSE + row_base + offs_m, lse, mask=offs_m < q_end)
 
 
 @triton.jit
@@ -145,8 +148,10 @@ def _bs_bwd_dq(
 ):  # fmt: skip
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # 64-bit base offsets: b * stride_b + h * stride_h reaches B*H*S*D elements, past 2**31 at long contexts.
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row_base = pid_bh.to(tl.int64) * Sq  # this (batch, head)'s first row in LSE / DELTA (B*H*S_q of them)
     hk = h // GROUPS
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -159,11 +164,11 @@ def _bs_bwd_dq(
     do = _load_tile(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
                     offs_m, q_end, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
     if EVEN_M:
-        lse = tl.load(LSE + pid_bh * Sq + offs_m)
-        delta = tl.load(DELTA + pid_bh * Sq + offs_m)
+        lse = tl.load(LSE + row_base + offs_m)
+        delta = tl.load(DELTA + row_base + offs_m)
     else:
-        lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=offs_m < q_end, other=float("inf"))
-        delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=offs_m < q_end, other=0.0)
+        lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_end, other=float("inf"))
+        delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < q_end, other=0.0)
     k_base = K + b * s_kb + hk * s_kh
     v_base = V + b * s_vb + hk * s_vh
     idx_base = IDX + b * s_ib + h * s_ih + pid_q * s_iq
@@ -221,8 +226,8 @@ def _bs_bwd_dkdv(
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     HKV = H // GROUPS
-    b = pid_bh // HKV
-    hk = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)  # 64-bit base offsets (see the forward kernel)
+    hk = (pid_bh % HKV).to(tl.int64)
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -407,6 +412,7 @@ class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, idx32, kpm_u8 = ctx.saved_tensors
+        do = compact_rows(do, "grad of the output")
         dq, dk, dv = _bs_backward(q, k, v, o, lse, do, idx32, kpm_u8, ctx.block_size, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None, None
 
@@ -451,6 +457,7 @@ def block_sparse_attention(
     idx32 = _check_block_index(block_index.to(q.device), B, Hq, nq, nk)
     kpm_u8 = padding_mask_u8(key_padding_mask, B, Sk, q.device)
     check_device(q)
+    q, k, v = (compact_rows(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     return _BlockSparseAttention.apply(q, k, v, idx32, kpm_u8, block_size, bool(causal), float(scale))

@@ -35,7 +35,7 @@ import triton.language as tl
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["flash_attention", "is_interpreted", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
+__all__ = ["flash_attention", "is_interpreted", "tile_span", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM = 16
@@ -108,8 +108,10 @@ def _attn_bwd_preprocess(
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # 64-bit base offsets: b * stride_b + h * stride_h reaches B*H*S*D elements, past 2**31 at long contexts.
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row_base = pid_bh.to(tl.int64) * Sq  # this (batch, head)'s first row in LSE / DELTA (B*H*S_q of them)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     o = _load_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
@@ -118,9 +120,9 @@ def _attn_bwd_preprocess(
                     offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if EVEN_M:
-        tl.store(DELTA + pid_bh * Sq + offs_m, delta)
+        tl.store(DELTA + row_base + offs_m, delta)
     else:
-        tl.store(DELTA + pid_bh * Sq + offs_m, delta, mask=offs_m < Sq)
+        tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < Sq)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,8 +189,10 @@ def _attn_fwd(
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # 64-bit base offsets: b * stride_b + h * stride_h reaches B*H*S*D elements, past 2**31 at long contexts.
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row_base = pid_bh.to(tl.int64) * Sq  # this (batch, head)'s first row in LSE / DELTA (B*H*S_q of them)
     hk = h // GROUPS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -221,9 +225,9 @@ def _attn_fwd(
     _store_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
                 out.to(O.dtype.element_ty), offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
     if EVEN_M:
-        tl.store(LSE + pid_bh * Sq + offs_m, lse)
+        tl.store(LSE + row_base + offs_m, lse)
     else:
-        tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=offs_m < Sq)
+        tl.store(LSE + row_base + offs_m, lse, mask=offs_m < Sq)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -251,8 +255,8 @@ def _attn_bwd_dkdv(
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     HKV = H // GROUPS
-    b = pid_bh // HKV
-    hk = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)  # 64-bit base offsets (see the forward kernel)
+    hk = (pid_bh % HKV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -322,8 +326,10 @@ def _attn_bwd_dq(
     """One program per (query block, batch * query head): dQ over the key blocks it sees."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # 64-bit base offsets: b * stride_b + h * stride_h reaches B*H*S*D elements, past 2**31 at long contexts.
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row_base = pid_bh.to(tl.int64) * Sq  # this (batch, head)'s first row in LSE / DELTA (B*H*S_q of them)
     hk = h // GROUPS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -333,11 +339,11 @@ def _attn_bwd_dq(
     do = _load_tile(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
                     offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
     if EVEN_M:
-        lse = tl.load(LSE + pid_bh * Sq + offs_m)
-        delta = tl.load(DELTA + pid_bh * Sq + offs_m)
+        lse = tl.load(LSE + row_base + offs_m)
+        delta = tl.load(DELTA + row_base + offs_m)
     else:
-        lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=offs_m < Sq, other=float("inf"))
-        delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+        lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Sq, other=float("inf"))
+        delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Sq, other=0.0)
     k_base = K + b * s_kb + hk * s_kh
     v_base = V + b * s_vb + hk * s_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -451,6 +457,32 @@ def check_device(q: torch.Tensor) -> None:
         )
 
 
+#: In-tile offsets (``row * stride_s + col * stride_d``) are int32; base offsets of a (batch, head) are int64.
+INT32_MAX = 2**31 - 1
+_ROW_SLACK = 256  # masked rows past S whose (unused) pointers are still computed: up to one tile
+
+
+def tile_span(t: torch.Tensor) -> int:
+    """Largest in-tile element offset the kernels compute for ``t`` ``(B, H, S, D)``: rows up to ``S`` plus one
+    tile of masked rows, times the sequence stride, plus the head-dim extent."""
+    return (t.shape[2] + _ROW_SLACK) * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3))
+
+
+def compact_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` itself when its in-tile offsets fit int32, else a contiguous copy (a ``(B, S, H, D)`` view's
+    sequence stride is ``H*D``); ``ValueError`` when even the copy's ``S*D`` does not fit."""
+    if tile_span(t) <= INT32_MAX:
+        return t
+    dense = t.contiguous()
+    if tile_span(dense) > INT32_MAX:
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)}: one (batch, head) holds S*D = {t.shape[2] * t.shape[3]} elements, "
+            f"more than the kernels' int32 in-tile offsets reach ({INT32_MAX}); use another backend"
+        )
+    logger.debug("%s %s with strides %s copied to contiguous: in-tile offsets past int32", name, tuple(t.shape), t.stride())
+    return dense
+
+
 def padding_mask_u8(key_padding_mask: torch.Tensor | None, b: int, sk: int, device: torch.device) -> torch.Tensor | None:
     """Validate a bool ``(B, S_k)`` padding mask (True = padded) and return it as contiguous uint8."""
     if key_padding_mask is None:
@@ -561,6 +593,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, kpm_u8 = ctx.saved_tensors
+        do = compact_rows(do, "grad of the output")
         dq, dk, dv = _flash_backward(q, k, v, o, lse, do, kpm_u8, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None
 
@@ -596,6 +629,7 @@ def flash_attention(
     check_tensors(q, k, v, attn_bias)
     kpm_u8 = padding_mask_u8(key_padding_mask, q.shape[0], k.shape[2], q.device)
     check_device(q)
+    q, k, v = (compact_rows(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     return _FlashAttention.apply(q, k, v, kpm_u8, bool(causal), float(scale))

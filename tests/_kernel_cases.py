@@ -24,10 +24,14 @@ from core.attention import attention  # noqa: E402
 from core.blocksparse import block_sparse_attention as core_block_sparse  # noqa: E402
 from core.blocksparse import select_blocks  # noqa: E402
 from tests._kernel_utils import (  # noqa: E402
+    INT32_SPAN,
+    FarBuffer,
     assert_close_to_ref,
     check_block_sparse,
     check_dense,
+    fwd_bwd,
     inputs,
+    lowp_peer,
     nan_empty,
 )
 
@@ -107,3 +111,72 @@ def test_block_sparse_with_selected_blocks_matches_core():
     ref = core_block_sparse(q, k, v, idx, block_size=16, causal=True, backend="torch")
     assert_close_to_ref(out, ref, what="out")
     assert math.isfinite(out.sum().item())
+
+
+# ------------------------------------------------------------------------------ offsets past 2**31 elements
+
+
+@pytest.fixture
+def far():
+    """A FarBuffer in fp16 whose 4-D views the kernels also get as their outputs (poisoned with NaN)."""
+    try:
+        buf = FarBuffer(torch.float16)
+    except MemoryError as e:
+        pytest.skip(f"address space: {e}")
+    yield buf
+    del buf
+
+
+@pytest.mark.parametrize("kernel", ["flash", "block_sparse"])
+def test_offsets_past_int32_reach_the_last_batch(kernel, far, monkeypatch):
+    """Every q/k/v/dO input and every O/dQ/dK/dV output lies in a buffer where batch entry 2 starts more than
+    2**31 elements after entry 0: base offsets computed in int32 wrap (and read or write the wrong place), so
+    the last batch entry's outputs and gradients must still match the reference computed on compact copies."""
+    B, Hq, Hkv, S, D, block = 3, 2, 1, 40, 16, 16
+
+    def far_empty(shape, *, like, dtype=None):
+        if len(shape) == 4 and (dtype or like.dtype) == torch.float16:
+            return far.view(tuple(shape), fill=float("nan"))
+        return nan_empty(shape, like=like, dtype=dtype)
+
+    q0, k0, v0, _ = inputs(B, Hq, Hkv, S, S, D, torch.float16)
+    do0 = torch.randn(B, Hq, S, D, dtype=torch.float16)
+    q, k, v, do = (far.view(tuple(t.shape), like=t.detach()) for t in (q0, k0, v0, do0))
+    assert far.last_batch_offset(q) >= INT32_SPAN and q.stride(0) < INT32_SPAN
+    nq = math.ceil(S / block)
+    # Each query block: its diagonal block (so every causal row sees a key) and one random earlier block.
+    diag = torch.arange(nq).expand(B, Hq, nq)
+    earlier = torch.randint(0, nq, (B, Hq, nq)) % diag.clamp(min=1)
+    first = torch.where(diag > 0, earlier, diag)
+    second = torch.where(diag > 0, diag, -1)
+    idx = torch.stack([first, second], dim=-1)  # (B, Hq, NQ, 2): ascending ids, then -1
+    keep = None
+    if kernel == "flash":
+        def run(a, b, c):
+            return fa.flash_attention(a, b, c, causal=True)
+    else:
+        from core.blocksparse import block_index_to_mask
+
+        keep = block_index_to_mask(idx, block_size=block, sq=S, sk=S)
+
+        def run(a, b, c):
+            return bs_mod.block_sparse_attention(a, b, c, idx, block_size=block, causal=True)
+    bias = None if keep is None else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+
+    monkeypatch.setattr(fa, "_empty", far_empty)
+    monkeypatch.setattr(bs_mod, "_empty", far_empty)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    out = run(*leaves)
+    grads = torch.autograd.grad(out, leaves, do)
+    assert out.data_ptr() >= far.buf.data_ptr() and out.stride(0) == FarBuffer.BATCH_STRIDE  # a far output
+
+    ref, ref_grads = fwd_bwd(
+        lambda a, b, c: attention(a.float(), b.float(), c.float(), causal=True, attn_bias=bias, backend="reference"),
+        q0, k0, v0, do0,
+    )  # fmt: skip
+    peer, peer_grads = fwd_bwd(lambda a, b, c: lowp_peer(a, b, c, causal=True, key_padding_mask=None, attn_bias=bias),
+                               q0, k0, v0, do0)  # fmt: skip
+    for name, got, r, p in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), (peer, *peer_grads)):
+        got = got.detach()  # a view of the far buffer, which later kernels wrote to
+        assert_close_to_ref(got[-1], r[-1], p[-1], what=f"{name} of the last batch entry")
+        assert_close_to_ref(got, r, p, what=name)

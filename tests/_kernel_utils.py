@@ -130,3 +130,50 @@ def check_block_sparse(bs_mod, B, Hq, Hkv, Sq, Sk, D, block, causal, pad, dtype,
     assert_close_to_ref(out, ref, peer, what="out")
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
         assert_close_to_ref(g, r, p, what=name)
+
+
+# ------------------------------------------------------------------------------ offsets past 2**31 elements
+
+INT32_SPAN = 2**31
+
+
+class FarBuffer:
+    """Views whose batch entries lie more than 2**31 elements apart, in one buffer touched only where viewed.
+
+    Each view has layout ``(B, H, S, D)`` with a batch stride of ``BATCH_STRIDE`` (just over 2**30 elements,
+    so the stride itself is an int32 argument) and starts ``2**31`` elements into the buffer: with ``B = 3``
+    the last batch entry lies ``2 * BATCH_STRIDE > 2**31`` elements from the view's start, so a kernel that
+    computes ``b * stride`` in int32 wraps around to an address ~``2**32`` elements earlier, which is still
+    inside this buffer (untouched, reading zeros) instead of outside it: the wrong result is a clean assertion
+    failure, not a crash. The buffer is ``~2**32`` elements of virtual memory (8 GiB in fp16); only the
+    viewed elements (a few KiB) are ever written or read, so almost none of it becomes resident.
+    """
+
+    BATCH_STRIDE = 2**30 + 2**20
+    START = 2**31
+    SLOT = 2**16  # elements reserved per view and batch entry
+
+    def __init__(self, dtype: torch.dtype, slots: int = 8) -> None:
+        self.slots, self.used = slots, 0
+        numel = self.START + 2 * self.BATCH_STRIDE + slots * self.SLOT
+        try:
+            self.buf = torch.empty(numel, dtype=dtype)
+        except RuntimeError as e:  # the OS refused the address space (strict overcommit)
+            raise MemoryError(f"cannot reserve {numel * dtype.itemsize / 2**30:.1f} GiB of address space: {e}") from e
+
+    def view(self, shape, *, fill: float | None = None, like: torch.Tensor | None = None) -> torch.Tensor:
+        """A fresh ``(B <= 3, H, S, D)`` view in the next slot, filled with ``like``'s values or ``fill``."""
+        B, H, S, D = shape
+        if B > 3 or H * S * D > self.SLOT or self.used == self.slots:
+            raise ValueError(f"FarBuffer holds {self.slots} views of B <= 3 and H*S*D <= {self.SLOT}, got {shape}")
+        t = self.buf.as_strided(shape, (self.BATCH_STRIDE, S * D, D, 1), self.START + self.used * self.SLOT)
+        self.used += 1
+        if like is not None:
+            t.copy_(like)
+        elif fill is not None:
+            t.fill_(fill)
+        return t
+
+    def last_batch_offset(self, t: torch.Tensor) -> int:
+        """Elements from ``t``'s first element to its last batch entry's first element."""
+        return (t.shape[0] - 1) * t.stride(0)
