@@ -15,20 +15,27 @@ A query row whose keys are all masked returns zeros (not NaN) in every backend.
 
 Backends (the ``BACKENDS`` table, registered explicitly):
     reference: plain math in float32 (float64 for double inputs), the ground truth.
-    sdpa: ``torch.nn.functional.scaled_dot_product_attention``; masks become a dense ``(B, H, S_q, S_k)``
-        mask, so memory grows with ``S_q · S_k``.
+    sdpa: ``torch.nn.functional.scaled_dot_product_attention``; masks become one mask of their broadcast
+        shape (a causal mask with ``S_q ≠ S_k``: ``S_q · S_k``). On CUDA its fused kernels (flash,
+        memory-efficient) never build the scores; elsewhere (math) the scores take ``B · H · S_q · S_k``.
     chunked: online softmax over query and key chunks (:mod:`core.attention_chunked`), exact, memory
         ``O(S · chunk)`` in forward and backward (scores are recomputed in backward); any length on a CPU.
         Chunk sizes per call: ``q_chunk_size`` / ``k_chunk_size``. On CPU each block runs PyTorch's fused
         attention kernel; elsewhere (or for ``D_v ≠ D``) plain PyTorch block math.
     triton: the fused kernel ``kernels.flash_attention`` (imported on first use), CUDA tensors only.
 
-The ``auto`` rule (:func:`choose_backend`), in order:
-    1. CUDA tensors, float16/bfloat16, head dims of q and v in 16..128, no ``attn_bias`` and Triton
-       installed -> ``triton``; if the kernel still declines the input (``ValueError``), go on with rule 2.
-    2. the dense score matrix, ``B · H_q · S_q · S_k · 4`` bytes, fits the memory budget -> ``sdpa``.
-       The budget is ``DEFAULT_MEMORY_BUDGET`` (512 MiB) unless the call passes ``memory_budget=`` (bytes).
-    3. otherwise -> ``chunked``.
+The ``auto`` rule (:func:`choose_backend`, as a plain function of its facts :func:`auto_rule`), in order:
+    1. CUDA tensors, float16/bfloat16, head dims of q and v in 16..128, no ``attn_bias``, Triton installed,
+       and more than ``DECODE_MAX_QUERIES`` queries -> ``triton``; if the kernel still declines the input
+       (``ValueError``: a limit, a tile that does not fit the GPU), the rule goes on from step 2 without it.
+    2. CUDA tensors that SDPA runs with a fused kernel (flash or memory-efficient: never the score matrix,
+       memory ``O(S)``; :func:`sdpa_fused`) and whose masks, as ``sdpa`` builds them, fit the memory budget
+       (:func:`sdpa_mask_bytes`) -> ``sdpa``. This takes decode-sized queries (SDPA's kernels split the keys
+       across the GPU, where the Triton kernel would run one program per (batch, head)), fp32, and biases.
+    3. the dense score matrix, ``B · H_q · S_q · S_k · 4`` bytes, fits the memory budget -> ``sdpa``.
+    4. eligible for step 1 but decode-sized (neither step 2 nor 3 applied) -> ``triton``.
+    5. otherwise -> ``chunked``.
+    The budget is ``DEFAULT_MEMORY_BUDGET`` (512 MiB) unless the call passes ``memory_budget=`` (bytes).
 There is no process-wide switch: choose per call (``backend=``) or per module attribute.
 """
 
@@ -56,14 +63,23 @@ __all__ = [
     "choose_backend",
     "prepare_inputs",
     "dense_score_bytes",
+    "sdpa_mask_bytes",
+    "sdpa_fused",
+    "dispatch_facts",
     "auto_rule",
     "DEFAULT_MEMORY_BUDGET",
+    "DECODE_MAX_QUERIES",
 ]
 
 #: Largest dense score matrix (bytes, counted as fp32) that ``auto`` hands to ``sdpa``; per call: ``memory_budget=``.
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 #: Head dims the Triton kernel is chosen for by ``auto``.
 TRITON_HEAD_DIMS = (16, 128)
+#: Query lengths up to this are decode-sized: one Triton query tile (64-128 rows) per (batch, head) would be
+#: mostly idle rows, and ``B · H`` programs fill a few percent of a large GPU; ``auto`` prefers SDPA there.
+DECODE_MAX_QUERIES = 16
+#: Head dims up to which ``auto`` counts on SDPA's fused CUDA kernels (flash: <= 256; memory-efficient: more).
+SDPA_FUSED_MAX_HEAD_DIM = 256
 
 
 @dataclass(kw_only=True)
@@ -191,18 +207,41 @@ def _reference(a: AttentionInputs) -> torch.Tensor:
     return out.to(out_dtype)
 
 
+def _sdpa_causal(a: AttentionInputs) -> bool:
+    """Whether ``sdpa`` must apply the causal mask: one query (bottom-right aligned) sees every key."""
+    return a.causal and not (a.q.shape[2] == 1 and a.k.shape[2] >= 1)
+
+
+def _sdpa_mask_shape(a: AttentionInputs) -> tuple[int, ...] | None:
+    """Shape of the mask ``sdpa`` hands to SDPA (None: none, ``is_causal`` or no masking at all)."""
+    B, Hq, Sq, _ = a.q.shape
+    Sk = a.k.shape[2]
+    causal = _sdpa_causal(a)
+    if causal and a.key_padding_mask is None and a.attn_bias is None and Sq == Sk:
+        return None
+    shapes = []
+    if causal:
+        shapes.append((1, 1, Sq, Sk))
+    if a.key_padding_mask is not None:
+        shapes.append((B, 1, 1, Sk))
+    if a.attn_bias is not None:
+        shapes.append(tuple(a.attn_bias.shape))
+    return tuple(torch.broadcast_shapes(*shapes)) if shapes else None
+
+
 def _sdpa(a: AttentionInputs) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with our mask semantics."""
     q, k, v = a.q, a.k, a.v
     Sq, Sk = q.shape[2], k.shape[2]
+    causal = _sdpa_causal(a)
     mask = None
     row_has_key = None
-    if a.causal and not (a.key_padding_mask is not None or a.attn_bias is not None) and Sq == Sk:
+    if causal and not (a.key_padding_mask is not None or a.attn_bias is not None) and Sq == Sk:
         is_causal = True
     else:
         is_causal = False
         keep = None
-        if a.causal:
+        if causal:
             keep = causal_keep(Sq, Sk, q.device, q_offset=Sk - Sq)[None, None]
         if a.key_padding_mask is not None:
             kp = ~a.key_padding_mask[:, None, None, :]
@@ -221,9 +260,12 @@ def _sdpa(a: AttentionInputs) -> torch.Tensor:
                 mask = mask.masked_fill(~keep, float("-inf"))
         elif keep is not None:
             mask = keep
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, scale=a.scale, enable_gqa=a.groups > 1
-    )
+    enable_gqa = a.groups > 1
+    if enable_gqa and q.is_cuda and (mask is not None or q.dtype == torch.float32 or q.shape[3] != v.shape[3]):
+        # Only SDPA's flash kernel (fp16/bf16, no mask) maps GQA heads itself; the memory-efficient one needs
+        # K/V per query head (memory O(S), where SDPA's math fallback would build the O(S²) scores).
+        k, v, enable_gqa = _expand_kv(k, a.groups), _expand_kv(v, a.groups), False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=a.scale, enable_gqa=enable_gqa)
     if row_has_key is not None:
         out = torch.where(row_has_key, out, 0.0)
     if a.attn_bias is not None:
@@ -282,6 +324,52 @@ def dense_score_bytes(a: AttentionInputs) -> int:
     return B * Hq * Sq * a.k.shape[2] * 4
 
 
+def sdpa_mask_bytes(a: AttentionInputs) -> int:
+    """Bytes of the masks ``sdpa`` materializes for these inputs (0 without a mask): the bool keep mask, the
+    bias copy it is merged into, and SDPA's own float (and alignment-padded) copy, each the mask's broadcast
+    shape — ``S_q · S_k`` per batch entry for a causal mask with ``S_q ≠ S_k``."""
+    shape = _sdpa_mask_shape(a)
+    if shape is None:
+        return 0
+    n = math.prod(shape)
+    return n * (1 + 2 * a.q.element_size())
+
+
+def sdpa_fused(*, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+    """Whether SDPA runs these CUDA inputs with a fused kernel that never builds the score matrix.
+
+    Flash: fp16/bf16, no mask (``is_causal`` is fine), equal head dims. Memory-efficient: fp16/bf16/fp32, any
+    additive or bool mask, equal head dims. Both: head dims multiples of 8 up to ``SDPA_FUSED_MAX_HEAD_DIM``
+    (a conservative reading of PyTorch's ``sdp_utils`` constraints; ``sdpa`` expands GQA heads itself where
+    the flash kernel cannot run).
+    """
+    return (
+        dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and head_dim == value_dim
+        and head_dim % 8 == 0
+        and 8 <= head_dim <= SDPA_FUSED_MAX_HEAD_DIM
+    )
+
+
+def dispatch_facts(a: AttentionInputs, *, device_type: str | None = None, allow_triton: bool = True) -> dict:
+    """The facts :func:`auto_rule` looks at, for these inputs (``device_type`` overrides ``q``'s device: what
+    ``auto`` would choose for the same shapes on CUDA, e.g. from ``meta`` tensors)."""
+    device_type = device_type or a.q.device.type
+    return {
+        "device_type": device_type,
+        "dtype": a.q.dtype,
+        "head_dim": a.q.shape[3],
+        "value_dim": a.v.shape[3],
+        "q_len": a.q.shape[2],
+        "has_bias": a.attn_bias is not None,
+        "score_bytes": dense_score_bytes(a),
+        "sdpa_fused": device_type == "cuda"
+        and sdpa_fused(dtype=a.q.dtype, head_dim=a.q.shape[3], value_dim=a.v.shape[3]),
+        "mask_bytes": sdpa_mask_bytes(a),
+        "triton_ok": allow_triton and device_type == "cuda" and triton_installed(),
+    }
+
+
 def auto_rule(
     *,
     device_type: str,
@@ -292,6 +380,9 @@ def auto_rule(
     score_bytes: int,
     memory_budget: int | None = None,
     triton_ok: bool = True,
+    q_len: int | None = None,
+    sdpa_fused: bool = False,
+    mask_bytes: int = 0,
 ) -> str:
     """The ``auto`` rule as a plain function of the facts it looks at (see module docs).
 
@@ -301,38 +392,39 @@ def auto_rule(
         head_dim: ``D`` of q/k; value_dim: ``D_v`` of v.
         has_bias: whether an ``attn_bias`` is given.
         score_bytes: bytes of the dense fp32 score matrix (:func:`dense_score_bytes`).
-        memory_budget: bytes allowed for that matrix; default ``DEFAULT_MEMORY_BUDGET``.
-        triton_ok: whether Triton is installed.
+        memory_budget: bytes allowed for that matrix (or for SDPA's masks); default ``DEFAULT_MEMORY_BUDGET``.
+        triton_ok: whether Triton is installed (and allowed).
+        q_len: ``S_q``; up to ``DECODE_MAX_QUERIES`` is decode-sized (None: not known, not decode).
+        sdpa_fused: whether SDPA runs these inputs on this device with a fused kernel (:func:`sdpa_fused`).
+        mask_bytes: bytes of the masks ``sdpa`` would build (:func:`sdpa_mask_bytes`).
     """
     lo, hi = TRITON_HEAD_DIMS
-    if (
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    triton_fits = (
         device_type == "cuda"
         and dtype in (torch.float16, torch.bfloat16)
         and lo <= head_dim <= hi
         and lo <= value_dim <= hi
         and not has_bias
         and triton_ok
-    ):
-        return "triton"
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    return "sdpa" if score_bytes <= budget else "chunked"
-
-
-def choose_backend(a: AttentionInputs, *, memory_budget: int | None = None, allow_triton: bool = True) -> str:
-    """The ``auto`` rule (module docs): ``triton`` on eligible CUDA inputs, else ``sdpa`` when the dense
-    score matrix fits ``memory_budget`` bytes (default ``DEFAULT_MEMORY_BUDGET``), else ``chunked``.
-    ``allow_triton=False`` applies the rule without its first step."""
-    _check_budget(memory_budget)
-    return auto_rule(
-        device_type=a.q.device.type,
-        dtype=a.q.dtype,
-        head_dim=a.q.shape[3],
-        value_dim=a.v.shape[3],
-        has_bias=a.attn_bias is not None,
-        score_bytes=dense_score_bytes(a),
-        memory_budget=memory_budget,
-        triton_ok=allow_triton and a.q.device.type == "cuda" and triton_installed(),
     )
+    decode = q_len is not None and q_len <= DECODE_MAX_QUERIES
+    if triton_fits and not decode:
+        return "triton"
+    if device_type == "cuda" and sdpa_fused and mask_bytes <= budget:
+        return "sdpa"
+    if score_bytes <= budget:
+        return "sdpa"
+    return "triton" if triton_fits else "chunked"
+
+
+def choose_backend(
+    a: AttentionInputs, *, memory_budget: int | None = None, allow_triton: bool = True, device_type: str | None = None
+) -> str:
+    """The ``auto`` rule (module docs) applied to these inputs. ``allow_triton=False`` applies it without
+    Triton; ``device_type="cuda"`` tells what it would choose for the same shapes on a CUDA device."""
+    _check_budget(memory_budget)
+    return auto_rule(**dispatch_facts(a, device_type=device_type, allow_triton=allow_triton), memory_budget=memory_budget)
 
 
 def _check_budget(memory_budget: int | None) -> None:
@@ -392,8 +484,8 @@ def attention(
         name = choose_backend(a, memory_budget=memory_budget)
         if name == "triton":
             try:
-                return _triton(a)
-            except ValueError as err:  # the kernel declined this input: fall back to the memory rule
+                return BACKENDS["triton"](a)
+            except ValueError as err:  # the kernel declined this input: the rule without Triton
                 name = choose_backend(a, memory_budget=memory_budget, allow_triton=False)
                 logger.debug("triton kernel declined the input (%s); using %s", err, name)
         return BACKENDS[name](a)

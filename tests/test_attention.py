@@ -323,6 +323,98 @@ def test_auto_dispatch_uses_memory_budget_per_call(monkeypatch):
     torch.testing.assert_close(out_default, expected, rtol=1e-5, atol=1e-5)
 
 
+def _meta(B, Hq, Hkv, Sq, Sk, D, dtype=torch.bfloat16, **kw):
+    """Validated inputs of meta tensors: shapes and dtypes only, no memory (any size can be asked about)."""
+    q = torch.empty(B, Hq, Sq, D, device="meta", dtype=dtype)
+    k = torch.empty(B, Hkv, Sk, D, device="meta", dtype=dtype)
+    v = torch.empty(B, Hkv, Sk, kw.pop("Dv", D), device="meta", dtype=dtype)
+    return prepare_inputs(q, k, v, **kw)
+
+
+def test_decode_goes_to_sdpa_on_cuda_and_prefill_to_triton():
+    """S_q = 1 (and up to DECODE_MAX_QUERIES) would give Triton one program per (batch, head): SDPA instead."""
+    if not attn_mod.triton_installed():
+        pytest.skip("triton is not installed: auto never picks it")
+    cuda = dict(device_type="cuda")
+    pad = torch.zeros(8, 131072, dtype=torch.bool, device="meta")
+    for sq in (1, attn_mod.DECODE_MAX_QUERIES):
+        a = _meta(8, 32, 8, sq, 131072, 128, causal=True, key_padding_mask=pad)
+        assert choose_backend(a, **cuda) == "sdpa", sq
+    assert choose_backend(_meta(8, 32, 8, attn_mod.DECODE_MAX_QUERIES + 1, 131072, 128, causal=True), **cuda) == "triton"
+    assert choose_backend(_meta(1, 32, 8, 4096, 4096, 128, causal=True), **cuda) == "triton"
+    # Decode whose SDPA path is not fused (D = 20) and whose scores exceed the budget: Triton after all.
+    a = _meta(64, 32, 32, 1, 1 << 20, 20)
+    assert choose_backend(a, **cuda) == "triton"
+    assert choose_backend(a, device_type="cuda", allow_triton=False) == "chunked"
+    # On the CPU (meta here) the rule is the memory rule, as before.
+    assert choose_backend(_meta(8, 32, 8, 1, 131072, 128, causal=True)) == "sdpa"
+
+
+def test_long_fp32_and_biased_inputs_on_cuda_use_sdpa_fused_kernels():
+    """Where SDPA's memory-efficient kernel applies, long fp32 or biased CUDA inputs go to sdpa (O(S) memory),
+    not to the Python chunked loop; what sdpa would materialize (its masks) still counts against the budget."""
+    S = 65536
+    fp32 = _meta(1, 8, 8, S, S, 64, dtype=torch.float32, causal=True)
+    assert attn_mod.dense_score_bytes(fp32) > attn_mod.DEFAULT_MEMORY_BUDGET and attn_mod.sdpa_mask_bytes(fp32) == 0
+    assert choose_backend(fp32, device_type="cuda") == "sdpa"
+    assert choose_backend(fp32) == "chunked"  # CPU: SDPA's math kernel would build the scores
+    # GQA fp32 with padding: the mask is (B, 1, 1, S_k), small; sdpa expands K/V heads itself.
+    pad = torch.zeros(2, S, dtype=torch.bool, device="meta")
+    gqa = _meta(2, 8, 2, S, S, 64, dtype=torch.float32, key_padding_mask=pad)
+    assert attn_mod.sdpa_mask_bytes(gqa) == 2 * S * (1 + 2 * 4)
+    assert choose_backend(gqa, device_type="cuda") == "sdpa"
+    # A small bias row (B, H, 1, S_k) on bf16: Triton takes no bias, SDPA's memory-efficient kernel does.
+    bias = torch.empty(1, 8, 1, S, device="meta", dtype=torch.bfloat16)
+    biased = _meta(1, 8, 8, S, S, 128, attn_bias=bias)
+    assert choose_backend(biased, device_type="cuda") == "sdpa"
+    # Causal with S_q != S_k: sdpa would build an S_q x S_k mask, over the budget -> chunked (fp32) / triton.
+    chunk = _meta(1, 8, 8, 16384, S, 64, dtype=torch.float32, causal=True)
+    assert attn_mod.sdpa_mask_bytes(chunk) == 16384 * S * (1 + 2 * 4) > attn_mod.DEFAULT_MEMORY_BUDGET
+    assert choose_backend(chunk, device_type="cuda") == "chunked"
+    assert choose_backend(_meta(1, 8, 8, 16384, S, 64, causal=True), device_type="cuda") == "triton"
+    # Head dims SDPA's fused kernels do not take (not a multiple of 8): the memory rule.
+    odd = _meta(1, 8, 8, S, S, 20, dtype=torch.float32)
+    assert choose_backend(odd, device_type="cuda") == "chunked"
+
+
+def test_sdpa_mask_shapes_match_what_sdpa_builds():
+    """sdpa_mask_bytes counts the mask _sdpa hands to SDPA: none for plain / square causal / one-query causal."""
+    assert attn_mod.sdpa_mask_bytes(_meta(2, 4, 4, 64, 64, 32, causal=True)) == 0
+    assert attn_mod.sdpa_mask_bytes(_meta(2, 4, 4, 1, 64, 32, causal=True)) == 0  # one query sees every key
+    assert attn_mod.sdpa_mask_bytes(_meta(2, 4, 4, 33, 64, 32, causal=True)) == 33 * 64 * (1 + 2 * 2)
+    pad = torch.zeros(2, 64, dtype=torch.bool, device="meta")
+    assert attn_mod.sdpa_mask_bytes(_meta(2, 4, 4, 33, 64, 32, causal=True, key_padding_mask=pad)) == 2 * 33 * 64 * 5
+
+
+def test_one_query_causal_sdpa_equals_reference():
+    """sdpa drops the causal mask for S_q = 1 (bottom-right aligned, it sees every key): same result."""
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
+    pad = torch.rand(2, 37) < 0.3
+    for kw in ({"causal": True}, {"causal": True, "key_padding_mask": pad}):
+        torch.testing.assert_close(attention(q, k, v, backend="sdpa", **kw), reference(q, k, v, **kw))
+
+
+def test_auto_falls_back_when_the_triton_kernel_declines(monkeypatch):
+    """A ValueError from the kernel (a limit, a tile that does not fit the GPU) sends auto to the rule without
+    Triton, with the same result."""
+    calls = []
+
+    def declining(a):
+        calls.append("triton")
+        raise ValueError("Triton _attn_fwd with {'BLOCK_M': 512} does not fit this GPU")
+
+    monkeypatch.setitem(BACKENDS, "triton", declining)
+    real_choose = attn_mod.choose_backend
+    monkeypatch.setattr(attn_mod, "choose_backend",
+                        lambda a, **kw: "triton" if kw.get("allow_triton", True) else real_choose(a, **kw))
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    out = attention(q, k, v, causal=True)
+    assert calls == ["triton"]
+    torch.testing.assert_close(out, reference(q, k, v, causal=True))
+    out = attention(q, k, v, causal=True, memory_budget=0)  # the fallback obeys the budget: chunked
+    torch.testing.assert_close(out, reference(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+
+
 def test_triton_backend_on_cpu_names_the_combination():
     q = torch.randn(1, 1, 4, 16)
     with pytest.raises(ValueError, match=r"triton.*cpu"):
