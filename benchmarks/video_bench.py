@@ -1,17 +1,30 @@
-"""∞-Video benchmark: accuracy against video length, peak memory against length, throughput split.
+"""∞-Video benchmark: questions only a long-term memory can answer, every peer at an equal budget.
 
-Same trained weights for every method (``video.infinite.METHODS``): uniform subsampling to the training
-length, chunk by chunk without memory (alpha = 1), ∞-Video without and with sticky memories, MovieChat-style
-merging. Videos come from ``video.synthetic`` (written as H.264 MP4 once, cached in ``--data``), each with
-five closed-answer questions (first, last, count, order, exists); accuracy is the fraction answered right.
+Videos come from ``video.synthetic`` (written as H.264 MP4 once, cached in ``--data``): 1K-16K frames with
+2-8 coloured events of 4-8 frames each. Each video is asked one question of every type (first, last,
+count, order, exists, next, after); ``next`` ("which colour came right after the first red?") and ``after``
+("did green appear after the last blue?") depend on order and context across chunks.
 
-Peak memory: each (method, length) case runs in a fresh process (``benchmarks.common.run_isolated``) and
-reports the growth of the resident set at its peak while ingesting one video (``PeakRSS``).
-Throughput: frames read per second of ingest time, split into decode, encode (frame encoder) and memory
-(Q-former + memory consolidation) seconds as measured inside ``InfiniteVideo.ingest``.
+The answer head reads a fixed-size output for every method (``--aggregate``: the last read's Q queries,
+or their mean over reads as in the released ∞-Video pipeline), never a per-chunk list. Peers, all with
+the same weights and the same videos:
 
-    python -m benchmarks.video_bench --quick        # small run, a pipeline check
-    python -m benchmarks.video_bench                # 64..16K frames
+- ``uniform``: ``--num-basis`` frames (as many as the memory holds vectors) spread over the video, read once;
+- ``chunks``: every chunk of ``--chunk-size`` frames read without memory (alpha = 1);
+- ``infinite`` / ``infinite_nosticky``: the continuous memory (``--num-basis`` box functions), with and
+  without sticky memories, mixed at ``--alpha``; the Q-former was trained without it (training-free);
+- ``moviechat``: MovieChat's short-term buffer (18 frames, merged to 2) and long-term memory (256 frames);
+- ``infinite_memtrained`` (with ``--weights-memory``): ∞-Video with a model trained with the memory in the
+  loop — not the published, training-free recipe, reported apart.
+
+Each video is decoded and encoded once per model and fed to every method (``InfiniteVideo.feed``).
+Accuracy gets a Wilson 95% interval; method pairs get the paired difference on the same questions with a
+95% normal interval. Resumable: the JSON keeps every video's per-question marks and a rerun with the same
+settings skips the videos done; ``--videos`` can grow between runs. Peak memory: each (method, length) case
+in a fresh process (``benchmarks.common.run_isolated``), growth of the resident set while ingesting one video.
+
+    python -m benchmarks.video_bench --quick        # 4 videos per length, 1K and 4K frames
+    python -m benchmarks.video_bench                # 16 videos per length, 1K, 4K and 16K frames
 """
 
 from __future__ import annotations
@@ -19,36 +32,223 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PeakRSS, env_info, format_table, parse_size, read_parts, run_isolated, write_json_atomic
+from benchmarks.common import (
+    PeakRSS,
+    env_info,
+    format_table,
+    parse_size,
+    portable_args,
+    read_json,
+    run_isolated,
+    write_json_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).resolve().parent / "results"
+METHODS_ALL = ("uniform", "chunks", "infinite", "infinite_nosticky", "moviechat", "infinite_memtrained")
+PAIRS = (("infinite", "chunks"), ("infinite", "uniform"), ("infinite", "infinite_nosticky"),
+         ("infinite", "moviechat"), ("infinite_memtrained", "infinite"))
+# settings that change the answers: a result file is only resumed with the same values
+SETTINGS = ("seed", "aggregate", "chunk_size", "num_basis", "alpha", "weights", "weights_memory", "dev")
 
 
-def _dataset(root: Path, length: int, n: int, seed: int) -> list[dict]:
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion ``k / n``."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (c - h, c + h)
+
+
+def paired(a: list[int], b: list[int], z: float = 1.96) -> dict:
+    """Accuracy difference of ``a`` over ``b`` on the same questions, with a 95% normal interval."""
+    n = len(a)
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    mean = float(d.mean()) if n else float("nan")
+    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return {"questions": n, "a_only": int((d > 0).sum()), "b_only": int((d < 0).sum()), "diff": mean,
+            "ci_lo": mean - z * se, "ci_hi": mean + z * se}
+
+
+def dataset(root: Path, length: int, n: int, seed: int) -> list[dict]:
+    """``n`` videos of ``length`` frames (written once; deterministic per index, so a larger ``n`` reuses them)."""
     from video.synthetic import load_dataset, write_dataset
 
     folder = root / f"len{length}_seed{seed}"
-    # resumable and deterministic per index: a larger n reuses the videos already written
     write_dataset(folder, n=n, frames=[length], seed=seed + length, size=32)
     return load_dataset(folder)[:n]
 
 
-def _peak_case(method: str, path: str, weights: str | None) -> None:
+def _readers(args) -> dict[str, tuple]:
+    """Method name -> (InfiniteVideo, model key); methods sharing a model share one encoding per video."""
+    import torch
+
+    from video.infinite import InfiniteVideo, InfiniteVideoConfig
+    from video.train import load_model
+
+    torch.set_num_threads(args.threads)
+    models = {"main": load_model(args.weights) if args.weights else None}
+    if args.weights_memory:
+        models["memory"] = load_model(args.weights_memory)
+    out = {}
+    for m in args.method_list:
+        key = "memory" if m == "infinite_memtrained" else "main"
+        cfg = InfiniteVideoConfig(method="infinite" if key == "memory" else m, chunk_size=args.chunk_size,
+                                  num_basis=args.num_basis, num_frames=args.num_basis, alpha=args.alpha,
+                                  aggregate=args.aggregate, seed=args.seed)
+        iv = InfiniteVideo(models[key], cfg, device="cpu")
+        models[key] = iv.model  # the shipped model, loaded once
+        out[m] = (iv, key)
+    return out
+
+
+def run_video(readers: dict, record: dict, chunk_size: int) -> dict[str, dict]:
+    """Decode and encode one video once per model, feed every method, answer every question."""
+    import torch
+
+    from video.io import VideoStream
+
+    stream = VideoStream(record["path"], chunk_size=chunk_size)
+    n_total, duration = stream.info.num_frames, stream.info.duration
+    states = {m: iv.start(record["path"], n_total, duration, stream.indices) for m, (iv, _) in readers.items()}
+    enc_by_key = {}
+    for m, (iv, key) in readers.items():
+        enc_by_key.setdefault(key, iv)
+    secs = {m: 0.0 for m in readers}
+    shared = {"decode": 0.0, "encode": 0.0}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for chunk in stream:
+            t1 = time.perf_counter()
+            shared["decode"] += t1 - t0
+            toks = {key: iv.encode(chunk.frames, chunk.indices, n_total) for key, iv in enc_by_key.items()}
+            t2 = time.perf_counter()
+            shared["encode"] += t2 - t1
+            for m, (iv, key) in readers.items():
+                ta = time.perf_counter()
+                iv.feed(states[m], toks[key], chunk.indices)
+                secs[m] += time.perf_counter() - ta
+            t0 = time.perf_counter()
+    out = {}
+    for m, (iv, _) in readers.items():
+        ta = time.perf_counter()
+        mem = iv.finish(states[m])
+        secs[m] += time.perf_counter() - ta
+        marks = [int(iv.answer(mem, q)[0] == q.answer) for q in record["questions"]]
+        out[m] = {"marks": marks, "memory_s": secs[m], "frames_read": mem.frames_read, **shared}
+    return out
+
+
+def summarize(result: dict) -> dict:
+    """Accuracy rows (per method and length, overall and per question type, with Wilson intervals) and paired rows."""
+    from video.synthetic import QUESTION_TYPES
+
+    acc, pairs, speed = [], [], []
+    for length in sorted({int(k.split("/")[0]) for k in result["videos"]}):
+        vids = sorted(k for k in result["videos"] if int(k.split("/")[0]) == length)
+        methods = [m for m in result["methods"] if all(m in result["videos"][v]["runs"] for v in vids)]
+        for m in methods:
+            marks, types = [], []
+            for v in vids:
+                marks += result["videos"][v]["runs"][m]["marks"]
+                types += result["videos"][v]["qtypes"]
+            k, n = sum(marks), len(marks)
+            lo, hi = wilson(k, n)
+            row = {"method": m, "frames": length, "videos": len(vids), "questions": n, "accuracy": k / n,
+                   "ci_lo": lo, "ci_hi": hi}
+            for t in QUESTION_TYPES:
+                sel = [x for x, tt in zip(marks, types) if tt == t]
+                if sel:
+                    row[f"acc_{t}"] = sum(sel) / len(sel)
+                    row[f"n_{t}"] = len(sel)
+            acc.append(row)
+            runs = [result["videos"][v]["runs"][m] for v in vids]
+            frames = sum(r["frames_read"] for r in runs)
+            speed.append({"method": m, "frames": length, "read_s": sum(r["memory_s"] for r in runs),
+                          "frames_read": frames, "decode_s": sum(r["decode"] for r in runs),
+                          "encode_s": sum(r["encode"] for r in runs)})
+        for a, b in PAIRS:
+            if a in methods and b in methods:
+                ma = [x for v in vids for x in result["videos"][v]["runs"][a]["marks"]]
+                mb = [x for v in vids for x in result["videos"][v]["runs"][b]["marks"]]
+                pairs.append({"frames": length, "a": a, "b": b, **paired(ma, mb)})
+                for t in ("next", "after", "first", "order"):
+                    ta = [x for v in vids for x, tt in zip(result["videos"][v]["runs"][a]["marks"], result["videos"][v]["qtypes"]) if tt == t]
+                    tb = [x for v in vids for x, tt in zip(result["videos"][v]["runs"][b]["marks"], result["videos"][v]["qtypes"]) if tt == t]
+                    if ta:
+                        pairs.append({"frames": length, "a": a, "b": b, "qtype": t, **paired(ta, tb)})
+    return {"accuracy": acc, "paired": pairs, "throughput": speed}
+
+
+def run(args) -> dict:
+    lengths = [parse_size(s) for s in args.lengths.split(",")]
+    data = Path(args.data)
+    settings = {k: getattr(args, k) for k in SETTINGS}
+    settings = {k: (Path(v).name if k.startswith("weights") and v else v) for k, v in settings.items()}
+    result = read_json(args.out)
+    if result is not None and result.get("settings") != settings:
+        raise SystemExit(f"{args.out} holds a run with other settings ({result.get('settings')}); "
+                         f"use another --out or the same settings ({settings})")
+    if result is None:
+        result = {"settings": settings, "methods": list(args.method_list), "videos": {}, "peak_memory": []}
+    result["methods"] = list(dict.fromkeys(result["methods"] + list(args.method_list)))
+    result["env"] = env_info()
+    result["args"] = portable_args(args)
+    readers = _readers(args)
+    from tqdm import tqdm
+
+    for length in [] if args.peak_only else lengths:
+        n = args.videos
+        records = dataset(data, length, n, args.seed + (7_777_777 if args.dev else 0))
+        for r in tqdm(records, desc=f"{length} frames", unit="video"):
+            key = f"{length}/{r['video']}"
+            entry = result["videos"].setdefault(key, {"qtypes": [q.qtype for q in r["questions"]],
+                                                      "answers": [q.answer for q in r["questions"]], "runs": {}})
+            todo = {m: v for m, v in readers.items() if m not in entry["runs"]}
+            if not todo:
+                continue
+            entry["runs"].update(run_video(todo, r, args.chunk_size))
+            write_json_atomic(args.out, result)  # after every video: a killed run loses at most one
+        logger.info("%d frames: %d videos done", length, len(records))
+    if not args.skip_peak:
+        for m in [m for m in args.method_list if m in args.peak_methods.split(",")]:
+            for length in [L for L in lengths if L >= 1024] or lengths[-1:]:
+                if any(p["method"] == m and p["frames"] == length for p in result["peak_memory"]):
+                    continue
+                path = dataset(data, length, 1, args.seed + (7_777_777 if args.dev else 0))[0]["path"]
+                argv = [sys.executable, "-m", "benchmarks.video_bench", "--peak-case", m, path,
+                        "--chunk-size", str(args.chunk_size), "--num-basis", str(args.num_basis)]
+                if args.weights:
+                    argv += ["--weights", args.weights]
+                out = run_isolated(argv, timeout_s=args.case_timeout)
+                result["peak_memory"].append({"method": m, "frames": length, **out})
+                write_json_atomic(args.out, result)
+    result.update(summarize(result))
+    write_json_atomic(args.out, result)
+    return result
+
+
+def _peak_case(method: str, path: str, args) -> None:
     """Child process: ingest one video with ``method``, print its peak memory growth as JSON."""
     import torch
 
     from video.infinite import InfiniteVideo, InfiniteVideoConfig
 
     torch.set_num_threads(1)
-    iv = InfiniteVideo(weights, InfiniteVideoConfig(method=method), device="cpu")
+    cfg = InfiniteVideoConfig(method=method, chunk_size=args.chunk_size, num_basis=args.num_basis,
+                              num_frames=args.num_basis)
+    iv = InfiniteVideo(args.weights, cfg, device="cpu")
     peak = PeakRSS()
     peak.start()
     mem = iv.ingest(path)
@@ -56,134 +256,46 @@ def _peak_case(method: str, path: str, weights: str | None) -> None:
                       "frames_read": mem.frames_read, "timings": mem.timings}))
 
 
-def run(args) -> dict:
-    import torch
-
-    from video.infinite import METHODS, InfiniteVideo, InfiniteVideoConfig
-
-    torch.set_num_threads(args.threads)
-    lengths = [parse_size(s) for s in args.lengths.split(",")]
-    methods = [m for m in args.methods.split(",")] if args.methods else list(METHODS)
-    for m in methods:
-        if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)}")
-    data = Path(args.data)
-    args_rec = {k: v for k, v in vars(args).items()}
-    try:  # record the output path relative to the repository, not the machine's layout
-        args_rec["out"] = str(Path(args.out).resolve().relative_to(RESULTS.parent.parent))
-    except ValueError:
-        args_rec["out"] = Path(args.out).name
-    result = {"env": env_info(), "args": args_rec, "accuracy": [], "peak_memory": [],
-              "throughput": []}
-    readers = {m: InfiniteVideo(args.weights, InfiniteVideoConfig(method=m, aggregate=args.aggregate), device="cpu")
-               for m in methods}
-    from tqdm import tqdm
-
-    for length in [] if args.peak_only else lengths:
-        n = args.videos if length < 8192 else max(2, args.videos // 4)
-        records = _dataset(data, length, n, args.seed)
-        for m in methods:
-            iv = readers[m]
-            correct, total, per_type, marks = 0, 0, {}, []
-            times = {"decode": 0.0, "encode": 0.0, "memory": 0.0}
-            frames = 0
-            t0 = time.perf_counter()
-            for r in tqdm(records, desc=f"{m} @ {length}", unit="video", leave=False):
-                mem = iv.ingest(r["path"])
-                frames += mem.frames_read
-                for k in times:
-                    times[k] += mem.timings[k]
-                for q in r["questions"]:
-                    ans, _ = iv.answer(mem, q)
-                    ok = int(ans == q.answer)
-                    correct += ok
-                    marks.append(str(ok))
-                    total += 1
-                    c = per_type.setdefault(q.qtype, [0, 0])
-                    c[0] += ok
-                    c[1] += 1
-            wall = time.perf_counter() - t0
-            row = {"method": m, "frames": length, "videos": len(records), "questions": total,
-                   "accuracy": correct / total, **{f"acc_{k}": v[0] / v[1] for k, v in per_type.items()},
-                   "correct": "".join(marks)}  # per question, same order for every method: paired comparisons
-            result["accuracy"].append(row)
-            result["throughput"].append({"method": m, "frames": length, "frames_read": frames, "wall_s": wall,
-                                         "frames_per_s": frames / max(wall, 1e-9),
-                                         **{f"{k}_s": v for k, v in times.items()}})
-            logger.info("%s @ %d frames: accuracy %.3f", m, length, row["accuracy"])
-            write_json_atomic(args.out, result)
-    # peak memory against length, one fresh process per case
-    peak_lengths = [L for L in lengths if L >= 1024] or lengths[-1:]
-    peak_methods = [] if args.skip_peak else args.peak_methods.split(",")
-    for m in [m for m in methods if m in peak_methods]:
-        for length in peak_lengths:
-            n = args.videos if length < 8192 else max(2, args.videos // 4)
-            path = _dataset(data, length, n, args.seed)[0]["path"]
-            argv = [sys.executable, "-m", "benchmarks.video_bench", "--peak-case", m, path]
-            if args.weights:
-                argv += ["--weights", args.weights]
-            out = run_isolated(argv, timeout_s=args.case_timeout)
-            result["peak_memory"].append({"method": m, "frames": length, **out})
-            write_json_atomic(args.out, result)
-    write_json_atomic(args.out, result)
-    return result
-
-
-def merge(paths: list[str], out: str) -> dict:
-    """Rows of several result files in one (sorted by length, then method); each part's args and env are kept.
-
-    A (method, length) case found in several files is taken from the first file that has it."""
-    from video.infinite import METHODS
-
-    parts = read_parts(paths)
-    order = {m: i for i, m in enumerate(METHODS)}
-    result = {"parts": [{"file": Path(p).name, "env": r["env"], "args": r["args"]} for p, r in zip(paths, parts)]}
-    for key in ("accuracy", "throughput", "peak_memory"):
-        seen, rows = set(), []
-        for r in parts:
-            for row in r.get(key, []):
-                if (row["method"], row["frames"]) not in seen:
-                    seen.add((row["method"], row["frames"]))
-                    rows.append(row)
-        if key == "peak_memory":
-            rows.sort(key=lambda r: (order.get(r["method"], 99), r["frames"]))
-        else:
-            rows.sort(key=lambda r: (r["frames"], order.get(r["method"], 99)))
-        result[key] = rows
-    write_json_atomic(out, result)
-    return result
-
-
 def report(result: dict, plot: Path | None) -> str:
-    acc_cols = ["method", "frames", "videos", "accuracy", "acc_first", "acc_last", "acc_count", "acc_order", "acc_exists"]
-    text = ["## Accuracy", format_table(result["accuracy"], acc_cols)]
-    paired = _paired_rows(result["accuracy"])
-    if paired:
-        text += ["", "## Paired: questions one method gets right and the other wrong",
-                 format_table(paired, ["frames", "a", "b", "questions", "a_only", "b_only", "diff", "se_diff"])]
-    text += ["", "## Throughput (frames/s of ingest; seconds split)",
-             format_table(result["throughput"], ["method", "frames", "frames_per_s", "decode_s", "encode_s", "memory_s"])]
-    if result["peak_memory"]:
-        rows = []
-        for r in result["peak_memory"]:
-            rows.append({"method": r["method"], "frames": r["frames"], "peak_mb": r.get("peak_mb"),
-                         "status": r.get("status")})
-        text += ["", "## Peak memory growth while ingesting one video", format_table(rows, ["method", "frames", "peak_mb", "status"])]
-    if plot is not None:
+    from video.synthetic import QUESTION_TYPES
+
+    s = result["settings"]
+    text = [f"Settings: aggregate {s['aggregate']}, chunk {s['chunk_size']} frames, {s['num_basis']} basis functions "
+            f"(uniform reads as many frames), alpha {s['alpha']}, weights {s['weights'] or 'shipped'}"
+            + (f", memory-trained weights {s['weights_memory']}" if s.get("weights_memory") else "")
+            + (" — development set" if s.get("dev") else ""), ""]
+    acc_cols = ["method", "frames", "videos", "accuracy", "ci_lo", "ci_hi", *[f"acc_{t}" for t in QUESTION_TYPES]]
+    text += ["## Accuracy (Wilson 95% interval)", format_table(result["accuracy"], acc_cols)]
+    if result["paired"]:
+        text += ["", "## Paired differences on the same questions (a - b, 95% interval)",
+                 format_table(result["paired"], ["frames", "a", "b", "qtype", "questions", "a_only", "b_only",
+                                                 "diff", "ci_lo", "ci_hi"])]
+    text += ["", "## Reading time (s, all videos of a length; decode and encode are shared by the methods)",
+             format_table(result["throughput"], ["method", "frames", "frames_read", "read_s", "decode_s", "encode_s"])]
+    if result.get("peak_memory"):
+        rows = [{"method": r["method"], "frames": r["frames"], "peak_mb": r.get("peak_mb"), "status": r.get("status")}
+                for r in result["peak_memory"]]
+        text += ["", "## Peak memory growth while ingesting one video",
+                 format_table(rows, ["method", "frames", "peak_mb", "status"])]
+    if plot is not None and result["accuracy"]:
         try:
             import matplotlib
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
 
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for m in sorted({r["method"] for r in result["accuracy"]}):
+            fig, ax = plt.subplots(figsize=(6.5, 4))
+            for m in [m for m in METHODS_ALL if any(r["method"] == m for r in result["accuracy"])]:
                 rows = [r for r in result["accuracy"] if r["method"] == m]
-                ax.plot([r["frames"] for r in rows], [r["accuracy"] for r in rows], marker="o", label=m)
+                x = np.array([r["frames"] for r in rows], dtype=float)
+                y = np.array([r["accuracy"] for r in rows])
+                err = np.array([[r["accuracy"] - r["ci_lo"] for r in rows], [r["ci_hi"] - r["accuracy"] for r in rows]])
+                ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=m)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("video length (frames)")
-            ax.set_ylabel("accuracy")
-            ax.legend()
+            ax.set_ylabel("accuracy (95% interval)")
+            ax.set_title(f"read-out: {s['aggregate']}")
+            ax.legend(fontsize=8)
             ax.grid(alpha=0.3)
             fig.tight_layout()
             fig.savefig(plot, dpi=110)
@@ -193,48 +305,31 @@ def report(result: dict, plot: Path | None) -> str:
     return "\n".join(text)
 
 
-PAIRS = (("infinite", "chunks"), ("infinite", "infinite_nosticky"), ("infinite", "uniform"))
-
-
-def _paired_rows(accuracy: list[dict]) -> list[dict]:
-    """Per length and method pair: questions only ``a`` answers right, only ``b``, and the accuracy
-    difference with its paired standard error ``sqrt(a_only + b_only - (a_only - b_only)^2 / n) / n``."""
-    by_key = {(r["method"], r["frames"]): r.get("correct") for r in accuracy}
-    rows = []
-    for length in sorted({r["frames"] for r in accuracy}):
-        for a, b in PAIRS:
-            ca, cb = by_key.get((a, length)), by_key.get((b, length))
-            if not ca or not cb or len(ca) != len(cb):
-                continue
-            n = len(ca)
-            a_only = sum(x == "1" and y == "0" for x, y in zip(ca, cb))
-            b_only = sum(x == "0" and y == "1" for x, y in zip(ca, cb))
-            var = max(a_only + b_only - (a_only - b_only) ** 2 / n, 0.0)
-            rows.append({"frames": length, "a": a, "b": b, "questions": n, "a_only": a_only, "b_only": b_only,
-                         "diff": (a_only - b_only) / n, "se_diff": var**0.5 / n})
-    return rows
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.video_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small run: 6 videos per length (2 from 8K up)")
-    p.add_argument("--lengths", default="64,256,1K,4K,16K", help="video lengths in frames (comma list)")
-    p.add_argument("--videos", type=int, default=16, help="videos per length (a quarter, at least 2, from 8K up)")
-    p.add_argument("--methods", default=None, help="comma list of methods (default: all)")
+    p.add_argument("--quick", action="store_true", help="small run: 4 videos per length, 1K and 4K frames")
+    p.add_argument("--lengths", default="1K,4K,16K", help="video lengths in frames (comma list)")
+    p.add_argument("--videos", type=int, default=16, help="videos per length (each asked every question type)")
+    p.add_argument("--methods", default="uniform,chunks,infinite,infinite_nosticky,moviechat",
+                   help=f"comma list out of {list(METHODS_ALL)}")
+    p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
+    p.add_argument("--weights-memory", default=None,
+                   help="weights of a model trained with the memory in the loop (adds infinite_memtrained)")
+    p.add_argument("--aggregate", default=None, choices=("last", "mean"),
+                   help="fixed-size answer read-out; default: the one the model was trained with")
+    p.add_argument("--chunk-size", type=int, default=32, help="frames per chunk")
+    p.add_argument("--num-basis", type=int, default=64, help="basis functions of the memory = frames uniform reads")
+    p.add_argument("--alpha", type=float, default=0.75, help="short-term weight of the memory methods")
+    p.add_argument("--dev", action="store_true", help="the development videos (another seed), not the reported ones")
     p.add_argument("--peak-methods", default="uniform,chunks,infinite,moviechat", help="methods whose peak memory is measured")
     p.add_argument("--skip-peak", action="store_true", help="do not measure peak memory")
     p.add_argument("--peak-only", action="store_true", help="measure only peak memory (no accuracy runs)")
-    p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="combine result files of runs made side by side (other lengths / methods) into --out")
-    p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
-    p.add_argument("--aggregate", default="attention", choices=("attention", "mean", "last"),
-                   help="answer head pooling over chunks: attention over all, mean over chunks (as published), "
-                        "or the last chunk only (the past reaches it only through the memory)")
     p.add_argument("--data", default="artifacts/video_bench_data", help="cache folder for the generated videos")
-    p.add_argument("--out", default=None, help="JSON result path")
+    p.add_argument("--out", default=None, help="JSON result path (resumed when it exists)")
     p.add_argument("--seed", type=int, default=1234, help="dataset seed")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--case-timeout", type=float, default=1800, help="seconds per peak-memory case")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the table and plot from --out")
     p.add_argument("--peak-case", nargs=2, metavar=("METHOD", "PATH"), help=argparse.SUPPRESS)
     return p
 
@@ -243,18 +338,41 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.peak_case:
-        _peak_case(args.peak_case[0], args.peak_case[1], args.weights)
+        _peak_case(args.peak_case[0], args.peak_case[1], args)
         return 0
     if args.quick:
-        args.videos = min(args.videos, 6)
+        args.videos = min(args.videos, 4)
+        args.lengths = "1K,4K" if args.lengths == "1K,4K,16K" else args.lengths
         args.peak_methods = "infinite,chunks"
-    name = ("video_bench_quick" if args.quick else "video_bench") + ("" if args.aggregate == "attention" else f"_{args.aggregate}")
+    args.method_list = [m for m in args.methods.split(",") if m]
+    if args.weights_memory and "infinite_memtrained" not in args.method_list:
+        args.method_list.append("infinite_memtrained")
+    for m in args.method_list:
+        if m not in METHODS_ALL:
+            raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS_ALL)}")
+    if "infinite_memtrained" in args.method_list and not args.weights_memory:
+        raise SystemExit("infinite_memtrained needs --weights-memory")
+    if args.videos < 1 or args.chunk_size < 1 or args.num_basis < 1:
+        raise SystemExit(f"--videos ({args.videos}), --chunk-size ({args.chunk_size}) and --num-basis "
+                         f"({args.num_basis}) must be >= 1")
+    if args.aggregate is None:
+        from video.infinite import default_weights_path
+        from video.train import load_model
+
+        readout = load_model(args.weights or default_weights_path()).config.readout
+        args.aggregate = readout if readout in ("last", "mean") else "last"
+    name = "video_bench_bounded" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "") + f"_{args.aggregate}"
     args.out = args.out or str(RESULTS / f"{name}.json")
-    result = merge(args.merge, args.out) if args.merge else run(args)
+    if args.report_only:
+        result = read_json(args.out)
+        if result is None:
+            raise SystemExit(f"no results at {args.out}")
+        result.update(summarize(result))
+    else:
+        result = run(args)
     table = report(result, Path(args.out).with_suffix(".png"))
     print(table)
-    md = Path(args.out).with_suffix(".md")
-    md.write_text(table + "\n")
+    Path(args.out).with_suffix(".md").write_text(table + "\n")
     return 0
 
 

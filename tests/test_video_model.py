@@ -55,7 +55,7 @@ def test_model_forward_and_a_few_steps_reduce_loss(small_model):
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
     frames, times, q, ans, _ = make_batch(rng, 4, 8)
     logits = model(frames, times, q, num_chunks=2)
-    assert q.shape == (4, 16, 3) and logits.shape == (4, 16, len(ANSWERS))
+    assert q.shape == (4, 20, 3) and logits.shape == (4, 20, len(ANSWERS))
     # several questions per clip give the same logits as asking them one at a time
     torch.testing.assert_close(model(frames, times, q[:, 3], num_chunks=2), logits[:, 3], rtol=1e-4, atol=1e-5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -164,14 +164,23 @@ def test_all_questions_cover_every_colour_with_true_answers():
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
     spec = make_spec(32, seed=int(rng.integers(1 << 30)), size=32, event_length=(1, 3), num_events=(1, 8))
     qs = all_questions(spec, rng)
-    assert len(qs) == 16
+    assert len(qs) == 20
     order = [e.colour for e in sorted(spec.events, key=lambda e: e.start)]
     counts = [q for q in qs if q and q.qtype == "count"]
     assert [q.arg1 for q in counts] == list(range(len(COLOURS)))
     assert [q.answer for q in counts] == [str(order.count(c)) for c in range(len(COLOURS))]
     exists = [q for q in qs if q and q.qtype == "exists"]
     assert [q.answer for q in exists] == ["yes" if c in order else "no" for c in range(len(COLOURS))]
-    assert (qs[-1] is None) == (len(set(order)) < 2)
+    assert (qs[15] is None) == (len(set(order)) < 2)
+    for q in qs[16:18]:  # next: the colour of the event after the first one of arg1
+        assert (q is None) == (len(order) < 2)
+        if q is not None:
+            assert q.qtype == "next" and q.answer == COLOURS[order[order.index(q.arg1) + 1]]
+    for q in qs[18:]:  # after: does arg1 occur after the last arg2
+        assert (q is None) == (len(set(order)) < 2)
+        if q is not None:
+            last_b = max(i for i, c in enumerate(order) if c == q.arg2)
+            assert q.qtype == "after" and q.answer == ("yes" if q.arg1 in order[last_b + 1:] else "no")
 
 
 def test_density_over_time_maps_memory_positions_to_chunks():
@@ -198,17 +207,22 @@ def test_density_over_time_maps_memory_positions_to_chunks():
 
 
 def test_answer_aggregates(small_model):
-    """'last' reads only the last chunk's queries, 'mean' their average; both differ from attention over all."""
+    """'last' reads only the last chunk's queries, 'mean' their average: a fixed-size read-out that ignores
+    chunk times; 'attention' reads every chunk with its time."""
     C, Q, D = 3, 4, 32
     out = torch.randn(2, C, Q, D)
     times = torch.sort(torch.rand(2, C), dim=1).values
     qs = torch.tensor([[0, 0, 0], [2, 3, 0]])
     with torch.no_grad():
         last = small_model.answer(out, qs, times, aggregate="last")
-        only_last = small_model.answer(out[:, -1:], qs, times[:, -1:], aggregate="attention")
+        only_last = small_model.answer(out[:, -1:], qs, torch.rand(2, 1), aggregate="mean")
         torch.testing.assert_close(last, only_last)
+        mean = small_model.answer(out, qs, times, aggregate="mean")
+        torch.testing.assert_close(mean, small_model.answer(out.mean(1, keepdim=True), qs, times[:, :1], aggregate="last"))
+        assert not torch.allclose(mean, last)
         full = small_model.answer(out, qs, times, aggregate="attention")
         assert not torch.allclose(last, full)
+        assert not torch.allclose(full, small_model.answer(out, qs, times.flip(1), aggregate="attention"))
         out2 = out.clone()
         out2[:, :-1] = torch.randn(2, C - 1, Q, D)  # earlier chunks do not matter to 'last'
         torch.testing.assert_close(small_model.answer(out2, qs, times, aggregate="last"), last)

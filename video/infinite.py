@@ -5,19 +5,27 @@ and read by the Q-former, whose cross-attention layers mix ordinary attention ov
 continuous attention over a long-term memory (:class:`core.continuous.ContinuousMemory`, one per layer)
 that is consolidated at every chunk. Memory use does not grow with the video's length.
 
-Peers run through the same code path and the same weights (``method``):
+Peers run through the same code path and the same weights (``method``); the answer head reads a
+fixed-size output (``aggregate``: the last read's queries, or their mean over reads) for all of them:
 
-- ``uniform``: subsample the whole video to the training length and read it as one chunk.
+- ``uniform``: subsample the whole video to ``num_frames`` frames (an equal budget: as many frames as
+  the memory has basis functions) and read them as one chunk.
 - ``chunks``: read every chunk without memory (alpha = 1), the chunk-by-chunk baseline.
 - ``infinite``: the continuous long-term memory with sticky resampling.
 - ``infinite_nosticky``: the same with evenly spaced resampling.
-- ``moviechat``: MovieChat-style merging: keep a buffer of frames, merge the most similar adjacent
-  pair (cosine of mean frame tokens) whenever it exceeds the training length, read the result at the end.
+- ``moviechat``: MovieChat's memory: a short-term buffer of ``moviechat_short`` frames; when it is full,
+  its most similar adjacent frames (cosine of mean frame tokens) are merged until ``moviechat_merge``
+  remain, which join a long-term memory of at most ``moviechat_long`` frames (merged the same way when
+  over); long-term plus short-term frames are read as one chunk at the end.
+
+Reading is a small state machine (:meth:`InfiniteVideo.start`, :meth:`~InfiniteVideo.feed`,
+:meth:`~InfiniteVideo.finish`) so that one decoded and encoded stream can feed several methods at once
+(the benchmark does); :meth:`InfiniteVideo.ingest` streams a file through it.
 
     from video import InfiniteVideo
     iv = InfiniteVideo()                      # shipped small model
     mem = iv.ingest("video.mp4")              # streams the file
-    iv.answer(mem, "first")                   # -> ("red", {answer: prob})
+    iv.answer(mem, "first")                   # -> ("green", {answer: prob})
     times, mass = iv.density_over_time(mem)   # attention over the video's time, for plots
 """
 
@@ -33,7 +41,7 @@ import torch
 
 from core.continuous import ContinuousMemory, ContinuousMemoryConfig
 from video.io import VideoStream
-from video.model import AGGREGATES, VideoQAModel, question_tensor
+from video.model import AGGREGATES, BOUNDED_AGGREGATES, VideoQAModel, question_tensor
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES, Question
 
 logger = logging.getLogger(__name__)
@@ -63,8 +71,12 @@ class InfiniteVideoConfig:
     num_samples: int = 512  # positions of the old signal resampled per consolidation
     num_bins: int = 128  # density histogram bins for sticky resampling
     num_points: int = 1000  # integration points of the continuous attention
-    num_frames: int = 32  # frames kept by "uniform" and "moviechat" (the training length)
-    aggregate: str = "attention"  # how the answer head pools chunk outputs: "attention", "mean" or "last" chunk only
+    num_frames: int = 32  # frames kept by "uniform" (the benchmark sets it to num_basis: an equal budget)
+    moviechat_short: int = 18  # MovieChat's short-term buffer, frames
+    moviechat_merge: int = 2  # frames a full short-term buffer is merged down to before joining the long-term memory
+    moviechat_long: int = 256  # MovieChat's long-term memory, frames
+    aggregate: str | None = None  # answer read-out: "last" chunk or "mean" over chunks (fixed size), "attention"
+    # over every chunk (grows with the video); None = what the model was trained with (its card), else "last"
     max_frames: int | None = None  # stop reading after this many frames
     seed: int = 0  # sticky draws
 
@@ -75,8 +87,11 @@ class InfiniteVideoConfig:
             raise ValueError(f"chunk_size ({self.chunk_size}) and num_frames ({self.num_frames}) must be >= 1")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
-        if self.aggregate not in AGGREGATES:
+        if self.aggregate is not None and self.aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
+        if not 1 <= self.moviechat_merge < self.moviechat_short or self.moviechat_long < self.moviechat_merge:
+            raise ValueError(f"MovieChat sizes need 1 <= merge ({self.moviechat_merge}) < short "
+                             f"({self.moviechat_short}) and long ({self.moviechat_long}) >= merge")
 
     def memory_config(self) -> ContinuousMemoryConfig:
         return ContinuousMemoryConfig(num_basis=self.num_basis, basis=self.basis, ridge=self.ridge, tau=self.tau,
@@ -101,6 +116,7 @@ class VideoMemory:
     tau: float = 0.75
     timings: dict[str, float] = field(default_factory=dict)  # seconds: decode, encode, memory
     peak_frames_held: int = 0  # most decoded frames held at once
+    sources: list[torch.Tensor] = field(default_factory=list)  # per layer (T,): video time in [0, 1] held at each point
 
 
 def parse_question(question, arg1: int | str = -1, arg2: int | str = -1) -> torch.Tensor:
@@ -150,12 +166,83 @@ class InfiniteVideo:
         self.model = model.to(self.device).eval()
         self.config = config or InfiniteVideoConfig()
 
+    @property
+    def aggregate(self) -> str:
+        """The answer read-out in use: the config's, else the one the model was trained with."""
+        return self.config.aggregate or getattr(self.model.config, "readout", "last")
+
     # -- reading -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _encode(self, frames: np.ndarray, indices: np.ndarray, num_frames: int) -> torch.Tensor:
+    def encode(self, frames: np.ndarray, indices: np.ndarray, num_frames: int) -> torch.Tensor:
+        """Frames ``(L, H, W, 3)`` uint8 at file indices ``indices`` of a ``num_frames`` video -> tokens ``(1, L, T, D)``."""
         x = torch.from_numpy(frames).to(self.device)[None]  # (1, L, H, W, 3)
         t = torch.from_numpy((indices.astype(np.float32) + 0.5) / num_frames).to(self.device)[None]  # (1, L)
         return self.model.encode_frames(x, t)  # (1, L, T, D)
+
+    def uniform_picks(self, selected: np.ndarray) -> np.ndarray:
+        """The file indices ``uniform`` keeps out of the ``selected`` ones: ``num_frames`` evenly spread."""
+        pick = np.linspace(0, len(selected) - 1, min(self.config.num_frames, len(selected))).round()
+        return selected[np.unique(pick.astype(np.int64))]
+
+    def start(self, path, num_frames: int, duration: float, selected: np.ndarray) -> "_ReadState":
+        """Begin reading a video of ``num_frames`` frames of which the file indices ``selected`` will be fed."""
+        cfg = self.config
+        state = _ReadState(path=str(path), num_frames=num_frames, duration=duration, frames_read=len(selected))
+        if cfg.method == "uniform":
+            state.keep = self.uniform_picks(np.asarray(selected))
+            state.frames_read = len(state.keep)
+        if cfg.method in ("infinite", "infinite_nosticky") and cfg.alpha < 1.0:
+            state.memories = [ContinuousMemory(cfg.memory_config(), seed=cfg.seed) for _ in self.model.blocks]
+        return state
+
+    @torch.no_grad()
+    def feed(self, state: "_ReadState", tok_1LTD: torch.Tensor, indices: np.ndarray) -> None:
+        """Read one chunk: its tokens (:meth:`encode`) and file indices."""
+        cfg = self.config
+        times = torch.from_numpy((indices.astype(np.float32) + 0.5) / state.num_frames)  # (L,) in [0, 1]
+        if cfg.method == "uniform":
+            sel = np.isin(indices, state.keep)
+            if sel.any():
+                state.buffer.append((tok_1LTD[0, torch.from_numpy(sel).to(tok_1LTD.device)], times[sel]))
+            return
+        if cfg.method == "moviechat":
+            state.moviechat = _moviechat_feed(state.moviechat, tok_1LTD[0], times, cfg)
+            return
+        record = [] if state.memories else None
+        out = self.model.read_chunk(tok_1LTD, memories=state.memories, alpha=cfg.alpha, record=record,
+                                    times_BL=times[None].to(tok_1LTD.device))
+        state.outs.append(out[0])
+        state.ctimes.append(float(times.mean()))
+        state.bounds.append((float(indices[0]) / state.num_frames, float(indices[-1] + 1) / state.num_frames))
+        if record:
+            state.densities = [d[0] for d in record]
+
+    @torch.no_grad()
+    def finish(self, state: "_ReadState") -> VideoMemory:
+        """End reading: the last reads of ``uniform`` and ``moviechat``, and what answering needs."""
+        cfg = self.config
+        if cfg.method == "uniform" and state.buffer:
+            tok = torch.cat([b[0] for b in state.buffer])  # (n, T, D)
+            times = torch.cat([b[1] for b in state.buffer])
+            state.outs.append(self.model.read_chunk(tok[None])[0])
+            state.ctimes.append(float(times.mean()))
+            state.bounds.append((0.0, 1.0))
+        if cfg.method == "moviechat" and state.moviechat is not None:
+            tokens, times = _moviechat_frames(state.moviechat)
+            state.outs.append(self.model.read_chunk(tokens[None])[0])
+            state.ctimes.append(float(times.mean()))
+            state.bounds.append((0.0, 1.0))
+        if not state.outs:
+            raise ValueError(f"no frames were read from {state.path!r}")
+        mems = state.memories or []
+        return VideoMemory(
+            path=state.path, method=cfg.method, num_frames=state.num_frames, duration=state.duration,
+            frames_read=state.frames_read, chunk_outputs=torch.stack(state.outs).cpu(),
+            chunk_times=torch.tensor(state.ctimes), chunk_bounds=state.bounds,
+            coefficients=[m.coef[0].cpu() for m in mems], densities=[d.cpu() for d in state.densities],
+            tau=cfg.tau, timings=state.timings, peak_frames_held=state.peak,
+            sources=[m.source_times()[0].cpu() for m in mems],
+        )
 
     @torch.no_grad()
     def ingest(self, path, *, progress: bool = False) -> VideoMemory:
@@ -163,59 +250,31 @@ class InfiniteVideo:
         cfg = self.config
         stream = VideoStream(path, fps=cfg.fps, chunk_size=cfg.chunk_size, max_frames=cfg.max_frames)
         n_total = stream.info.num_frames
-        timings = {"decode": 0.0, "encode": 0.0, "memory": 0.0}
-        if cfg.method == "uniform":
-            pick = np.linspace(0, stream.num_selected - 1, min(cfg.num_frames, stream.num_selected)).round()
-            stream.indices = stream.indices[np.unique(pick.astype(np.int64))]
+        state = self.start(path, n_total, stream.info.duration, stream.indices)
+        if cfg.method == "uniform":  # decode only the kept frames, as one chunk
+            stream.indices = state.keep
             stream.chunk_size = len(stream.indices)
-        use_memory = cfg.method in ("infinite", "infinite_nosticky") and cfg.alpha < 1.0
-        memories = None
-        if use_memory:
-            memories = [ContinuousMemory(cfg.memory_config(), seed=cfg.seed) for _ in self.model.blocks]
-        outs, ctimes, bounds, densities = [], [], [], []
-        merged = None  # moviechat buffer: tokens (n, T, D), features (n, D), times (n,), weights (n,)
-        peak = 0
         it = iter(stream)
         if progress:
             from tqdm import tqdm
 
             it = tqdm(it, total=len(stream), desc=Path(path).name, unit="chunk")
+        timings = state.timings
         t0 = time.perf_counter()
         for chunk in it:
             t1 = time.perf_counter()
             timings["decode"] += t1 - t0
-            peak = max(peak, len(chunk.frames))
-            tok = self._encode(chunk.frames, chunk.indices, n_total)  # (1, L, T, D)
+            state.peak = max(state.peak, len(chunk.frames))
+            tok = self.encode(chunk.frames, chunk.indices, n_total)  # (1, L, T, D)
             t2 = time.perf_counter()
             timings["encode"] += t2 - t1
-            lo = float(chunk.indices[0]) / n_total
-            hi = float(chunk.indices[-1] + 1) / n_total
-            times = torch.from_numpy((chunk.indices.astype(np.float32) + 0.5) / n_total)
-            if cfg.method == "moviechat":
-                merged = _moviechat_merge(merged, tok[0], times, cfg.num_frames)
-            else:
-                record = [] if use_memory else None
-                outs.append(self.model.read_chunk(tok, memories=memories, alpha=cfg.alpha, record=record)[0])
-                ctimes.append(float(times.mean()))
-                bounds.append((lo, hi))
-                if record:
-                    densities = [d[0] for d in record]
+            self.feed(state, tok, chunk.indices)
             t0 = time.perf_counter()
             timings["memory"] += t0 - t2
-        if cfg.method == "moviechat" and merged is not None:
-            t2 = time.perf_counter()
-            tokens, _, mtimes, _ = merged
-            outs.append(self.model.read_chunk(tokens[None])[0])
-            ctimes.append(float(mtimes.mean()))
-            bounds.append((0.0, 1.0))
-            timings["memory"] += time.perf_counter() - t2
-        return VideoMemory(
-            path=str(path), method=cfg.method, num_frames=n_total, duration=stream.info.duration,
-            frames_read=stream.num_selected, chunk_outputs=torch.stack(outs).cpu(),
-            chunk_times=torch.tensor(ctimes), chunk_bounds=bounds,
-            coefficients=[m.coef[0].cpu() for m in memories] if memories else [],
-            densities=[d.cpu() for d in densities], tau=cfg.tau, timings=timings, peak_frames_held=peak,
-        )
+        t2 = time.perf_counter()
+        mem = self.finish(state)
+        mem.timings["memory"] += time.perf_counter() - t2
+        return mem
 
     # -- answering -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -223,7 +282,7 @@ class InfiniteVideo:
         """Answer a question about an ingested video; returns the answer and the probability of each answer."""
         q = parse_question(question, arg1, arg2).to(self.device)
         logits = self.model.answer(memory.chunk_outputs[None].to(self.device), q, memory.chunk_times[None].to(self.device),
-                                   aggregate=self.config.aggregate)[0]
+                                   aggregate=self.aggregate)[0]
         probs = logits.float().softmax(-1).cpu()
         return ANSWERS[int(probs.argmax())], {a: float(p) for a, p in zip(ANSWERS, probs)}
 
@@ -235,9 +294,10 @@ class InfiniteVideo:
     def density_over_time(memory: VideoMemory, num_bins: int = 200) -> tuple[np.ndarray, np.ndarray]:
         """Where the last chunk's continuous attention fell, mapped back onto the video's time axis.
 
-        Memory position ``s`` maps to video time through the consolidation history: the last chunk fills
-        ``(tau, 1]``, the one before ``(tau^2, tau]`` and so on (each old position was multiplied by
-        ``tau`` at every later consolidation), the first chunk ``(0, tau^(C-1)]``.
+        Memory position ``s`` maps to video time through each layer's source map (sticky consolidation
+        warps the time axis: an attended span spreads over more of the memory). Without source maps the
+        history is taken as evenly resampled: the last chunk fills ``(tau, 1]``, the one before
+        ``(tau^2, tau]`` and so on, the first chunk ``(0, tau^(C-1)]``.
 
         Returns:
             ``(times_s, mass)``: bin centres in seconds and the attention mass in each of ``num_bins``
@@ -245,6 +305,18 @@ class InfiniteVideo:
         """
         if not memory.densities:
             raise ValueError(f"method {memory.method!r} keeps no continuous memory; use 'infinite' or 'infinite_nosticky'")
+        if memory.sources:  # each layer's source map says which video time every integration point holds
+            hist = np.zeros(num_bins)
+            for dens_T, src_T in zip(memory.densities, memory.sources):
+                dens = dens_T.float().numpy()
+                T = dens.shape[0]
+                w = np.full(T, 1.0 / (T - 1))
+                w[0] = w[-1] = 0.5 / (T - 1)
+                idx = np.clip((src_T.float().numpy() * num_bins).astype(int), 0, num_bins - 1)
+                hist += np.bincount(idx, weights=dens * w, minlength=num_bins)
+            hist = hist / max(hist.sum(), 1e-12)
+            return (np.arange(num_bins) + 0.5) / num_bins * memory.duration, hist
+        # no source maps (a memory saved before they existed): every consolidation multiplied positions by tau
         dens = torch.stack(memory.densities).float().mean(0).numpy()  # (T,)
         T = dens.shape[0]
         s = np.linspace(0, 1, T)
@@ -267,14 +339,55 @@ class InfiniteVideo:
         return centres, hist
 
 
-def _moviechat_merge(state, tok_LTD: torch.Tensor, times_L: torch.Tensor, capacity: int):
+@dataclass
+class _ReadState:
+    """What :meth:`InfiniteVideo.feed` accumulates for one video."""
+
+    path: str
+    num_frames: int
+    duration: float
+    frames_read: int
+    keep: np.ndarray | None = None  # uniform: the file indices kept
+    buffer: list = field(default_factory=list)  # uniform: (tokens (n, T, D), times (n,)) of kept frames
+    memories: list | None = None  # infinite: one ContinuousMemory per Q-former block
+    moviechat: dict | None = None  # moviechat: short- and long-term buffers
+    outs: list = field(default_factory=list)  # (Q, D) per read
+    ctimes: list = field(default_factory=list)
+    bounds: list = field(default_factory=list)
+    densities: list = field(default_factory=list)
+    timings: dict = field(default_factory=lambda: {"decode": 0.0, "encode": 0.0, "memory": 0.0})
+    peak: int = 0
+
+
+def _moviechat_feed(state: dict | None, tok_LTD: torch.Tensor, times_L: torch.Tensor, cfg: InfiniteVideoConfig) -> dict:
+    """MovieChat's memory, one frame at a time: fill the short-term buffer; when full, merge it down to
+    ``moviechat_merge`` frames and move them to the long-term memory (merged down to ``moviechat_long``)."""
+    if state is None:
+        state = {"short": None, "long": None}
+    for i in range(tok_LTD.shape[0]):
+        state["short"] = _moviechat_merge(state["short"], tok_LTD[i:i + 1], times_L[i:i + 1], cfg.moviechat_short)
+        if len(state["short"][2]) >= cfg.moviechat_short:
+            tokens, f, t, w = _moviechat_merge(state["short"], tok_LTD[:0], times_L[:0], cfg.moviechat_merge)
+            state["long"] = _moviechat_merge(state["long"], tokens, t, cfg.moviechat_long, feats=f, weights=w)
+            state["short"] = None
+    return state
+
+
+def _moviechat_frames(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Long-term then short-term frames: tokens ``(n, T, D)`` and times ``(n,)``."""
+    parts = [p for p in (state["long"], state["short"]) if p is not None]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+
+
+def _moviechat_merge(state, tok_LTD: torch.Tensor, times_L: torch.Tensor, capacity: int, *,
+                     feats: torch.Tensor | None = None, weights: torch.Tensor | None = None):
     """Append frames to the MovieChat-style buffer, then merge the most similar adjacent pairs down to ``capacity``.
 
     Frames are compared by the cosine similarity of their mean tokens; a merged frame is the
     count-weighted average of the pair (tokens and time).
     """
-    feats = tok_LTD.mean(1)  # (L, D)
-    weights = torch.ones(len(times_L))
+    feats = tok_LTD.mean(1) if feats is None else feats  # (L, D)
+    weights = torch.ones(len(times_L)) if weights is None else weights
     if state is None:
         tokens, f, t, w = tok_LTD, feats, times_L, weights
     else:

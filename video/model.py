@@ -8,7 +8,12 @@ Data flow for one video, split into chunks of frames:
          long-term memory (``core.continuous``), mixes in continuous attention over everything seen so
          far: out = alpha * short_term + (1 - alpha) * long_term, through the same key/value projections
       -> chunk outputs (B, C, Q, D) for the C chunks
-      -> answer head: the question (type + colour arguments) attends over all chunk outputs -> logits
+      -> answer head: the question (type + colour arguments) attends over a fixed-size read-out of the
+         chunk outputs -> logits. The bounded read-outs of the published pipelines are ``"last"`` (the
+         final chunk's Q queries: whatever the answer needs from earlier chunks must come through the
+         long-term memory) and ``"mean"`` (the Q queries averaged over chunks, as the released ∞-Video
+         code feeds the LLM); ``"attention"`` (over every chunk's queries plus a chunk-time embedding, a
+         read-out that grows with the video) is kept for models trained with it.
 
 The same weights serve every reading strategy (:mod:`video.infinite`): uniform subsampling (one chunk),
 chunk-by-chunk without memory (alpha = 1), ∞-Video (memory, with or without sticky resampling) and
@@ -23,14 +28,15 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from core.continuous import ContinuousMemory, continuous_attention_with_density, mix_attention
+from core.continuous import ContinuousMemory, ContinuousMemoryConfig, continuous_attention_with_density, mix_attention
 from core.layers import QFormerBlock
 from video.encoders import build_frame_encoder
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES
 
-__all__ = ["AGGREGATES", "VideoQAConfig", "VideoQAModel", "time_embedding", "question_tensor"]
+__all__ = ["AGGREGATES", "BOUNDED_AGGREGATES", "VideoQAConfig", "VideoQAModel", "time_embedding", "question_tensor"]
 
 AGGREGATES = ("attention", "mean", "last")  # how the answer head pools the chunks' query outputs
+BOUNDED_AGGREGATES = ("last", "mean")  # read-outs of a fixed size whatever the number of chunks
 
 
 @dataclass(kw_only=True)
@@ -48,8 +54,12 @@ class VideoQAConfig:
     num_answers: int = len(ANSWERS)  # closed answer vocabulary
     num_question_types: int = len(QUESTION_TYPES)
     num_colours: int = len(COLOURS)
+    readout: str = "attention"  # the answer read-out the model was trained with (see VideoQAModel.answer);
+    # readers use it unless told otherwise. "attention" for weights saved before the field existed
 
     def __post_init__(self) -> None:
+        if self.readout not in AGGREGATES:
+            raise ValueError(f"readout must be one of {list(AGGREGATES)}, got {self.readout!r}")
         if self.dim % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide dim ({self.dim})")
         for name in ("dim", "num_heads", "num_layers", "num_queries", "encoder_dim", "num_answers"):
@@ -82,14 +92,15 @@ def question_tensor(questions, device=None) -> torch.Tensor:
 class _MemoryCrossAttention:
     """Cross-attention hook: ordinary attention over the chunk mixed with the continuous long-term memory."""
 
-    def __init__(self, memory: ContinuousMemory, alpha: float, tokens_per_frame: int, record: list | None) -> None:
-        self.memory, self.alpha, self.tpf, self.record = memory, alpha, tokens_per_frame, record
+    def __init__(self, memory: ContinuousMemory, alpha: float, tokens_per_frame: int, record: list | None,
+                 times_BL: torch.Tensor | None = None) -> None:
+        self.memory, self.alpha, self.tpf, self.record, self.times = memory, alpha, tokens_per_frame, record, times_BL
 
     def __call__(self, attn, queries_BQD, context_BND, pad):
         short = attn(queries_BQD, context_BND, key_padding_mask=pad)  # (B, Q, dim)
         B, N, D = context_BND.shape
         frames_BLD = context_BND.reshape(B, N // self.tpf, self.tpf, D).mean(2)  # one vector per frame
-        self.memory.update(frames_BLD)
+        self.memory.update(frames_BLD, self.times)
         # keys and values of the signal at the integration points (B, H, T, hd), through the same projections;
         # they are affine, so they are applied to the N basis coefficients rather than the T points
         (k, v), logw_T = self.memory.project_points(lambda c: attn.project_kv(c.to(context_BND.dtype)))
@@ -151,6 +162,7 @@ class VideoQAModel(nn.Module):
         memories: list[ContinuousMemory] | None = None,
         alpha: float = 0.75,
         record: list | None = None,
+        times_BL: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the Q-former over one chunk's tokens; returns query outputs ``(B, Q, dim)``.
 
@@ -159,6 +171,8 @@ class VideoQAModel(nn.Module):
             memories: one :class:`ContinuousMemory` per block (updated in place), or None for no memory.
             alpha: weight of the ordinary (short-term) cross-attention; 1 - alpha goes to the memory.
             record: if a list, each block's attention density over the memory ``(B, T_int)`` is appended.
+            times_BL: the frames' video times, handed to the memories for their source maps
+                (:meth:`ContinuousMemory.source_times`); default frame counts.
         """
         B, L, T, D = tokens_BLTD.shape
         ctx = tokens_BLTD.reshape(B, L * T, D)
@@ -168,7 +182,7 @@ class VideoQAModel(nn.Module):
         for i, block in enumerate(self.blocks):
             hook = None
             if memories is not None and alpha < 1.0:
-                hook = _MemoryCrossAttention(memories[i], alpha, T, record)
+                hook = _MemoryCrossAttention(memories[i], alpha, T, record, times_BL)
             q = block(q, ctx, cross_attn=hook)
         return self.norm(q)
 
@@ -181,18 +195,19 @@ class VideoQAModel(nn.Module):
             chunk_out_BCQD: query outputs of the ``C`` chunks.
             questions_B3: see :func:`question_tensor`.
             chunk_times_BC: centre time of each chunk in [0, 1].
-            aggregate: ``"attention"`` (the question attends over every chunk's queries), ``"mean"``
-                (queries averaged over chunks first, as the published pipelines feed the LLM) or ``"last"``
-                (only the last chunk's queries: whatever the answer needs from earlier chunks must come
-                through the long-term memory).
+            aggregate: ``"last"`` (only the last chunk's queries: whatever the answer needs from earlier
+                chunks must come through the long-term memory), ``"mean"`` (queries averaged over chunks,
+                as the released pipeline feeds the LLM) — both of a fixed size — or ``"attention"`` (the
+                question attends over every chunk's queries plus a chunk-time embedding; grows with ``C``).
         """
         B, C, Q, D = chunk_out_BCQD.shape
-        x = chunk_out_BCQD + self.chunk_time(time_embedding(chunk_times_BC, D))[:, :, None, :]
         if aggregate == "mean":
-            x = x.mean(1, keepdim=True)
+            x = chunk_out_BCQD.mean(1, keepdim=True)  # (B, 1, Q, D)
         elif aggregate == "last":
-            x = x[:, -1:]
-        elif aggregate != "attention":
+            x = chunk_out_BCQD[:, -1:]  # (B, 1, Q, D)
+        elif aggregate == "attention":
+            x = chunk_out_BCQD + self.chunk_time(time_embedding(chunk_times_BC, D))[:, :, None, :]
+        else:
             raise ValueError(f"aggregate must be one of {list(AGGREGATES)}, got {aggregate!r}")
         x = x.reshape(B, -1, D)
         qv = self.q_type(questions_B3[:, 0]) + self.q_arg1(questions_B3[:, 1]) + self.q_arg2(questions_B3[:, 2])
@@ -200,12 +215,17 @@ class VideoQAModel(nn.Module):
         return self.head(torch.cat([pooled[:, 0], qv], dim=-1))
 
     def forward(self, frames_BLHWC: torch.Tensor, times_BL: torch.Tensor, questions: torch.Tensor,
-                *, num_chunks: int = 1, tags: list | None = None) -> torch.Tensor:
-        """Training path: split ``L`` frames into ``num_chunks`` equal chunks, read each without memory, answer.
+                *, num_chunks: int = 1, tags: list | None = None, aggregate: str = "attention",
+                memory: ContinuousMemoryConfig | None = None, alpha: float = 0.75) -> torch.Tensor:
+        """Training path: split ``L`` frames into ``num_chunks`` equal chunks, read them, answer.
 
         Args:
             questions: ``(B, 3)`` one question per clip, or ``(B, K, 3)`` several questions per clip
                 (the clip is read once and every question answered from it).
+            aggregate: the answer head's read-out (see :meth:`answer`).
+            memory: None reads the chunks independently (no memory, the published training); a
+                configuration reads them in order with one long-term memory per block, mixed at ``alpha``
+                (the memory in the training loop; gradients flow through the ridge fits, not the draws).
 
         Returns:
             Logits ``(B, num_answers)`` or ``(B, K, num_answers)``.
@@ -215,12 +235,18 @@ class VideoQAModel(nn.Module):
             raise ValueError(f"num_chunks ({num_chunks}) must divide the clip length ({L})")
         tok = self.encode_frames(frames_BLHWC, times_BL, tags=tags)  # (B, L, T, D)
         c = L // num_chunks
-        chunks = tok.reshape(B * num_chunks, c, *tok.shape[2:])  # chunks read independently
-        out = self.read_chunk(chunks).reshape(B, num_chunks, self.config.num_queries, -1)
+        if memory is None:
+            chunks = tok.reshape(B * num_chunks, c, *tok.shape[2:])  # chunks read independently
+            out = self.read_chunk(chunks).reshape(B, num_chunks, self.config.num_queries, -1)
+        else:
+            mems = [ContinuousMemory(memory) for _ in self.blocks]
+            out = torch.stack([self.read_chunk(tok[:, i * c:(i + 1) * c], memories=mems, alpha=alpha,
+                                               times_BL=times_BL[:, i * c:(i + 1) * c])
+                               for i in range(num_chunks)], dim=1)  # (B, C, Q, D)
         ctimes = times_BL.reshape(B, num_chunks, c).mean(-1)
         if questions.dim() == 2:
-            return self.answer(out, questions, ctimes)
+            return self.answer(out, questions, ctimes, aggregate=aggregate)
         K = questions.shape[1]
         out_rep = out[:, None].expand(B, K, *out.shape[1:]).reshape(B * K, *out.shape[1:])  # (B*K, C, Q, D)
         ct_rep = ctimes[:, None].expand(B, K, num_chunks).reshape(B * K, num_chunks)
-        return self.answer(out_rep, questions.reshape(B * K, 3), ct_rep).reshape(B, K, -1)
+        return self.answer(out_rep, questions.reshape(B * K, 3), ct_rep, aggregate=aggregate).reshape(B, K, -1)

@@ -8,6 +8,11 @@ at known times. Questions need information from anywhere in the video:
 - ``count``: how many times did colour c appear?   answer: 0..4
 - ``order``: did colour a appear before colour b?  answer: yes / no
 - ``exists``: did colour c appear at all?          answer: yes / no (the colour is rare: 0 or 1 times)
+- ``next``: which colour came right after the first c?        answer: a colour
+- ``after``: did colour a appear after the last b?             answer: yes / no
+
+``next`` and ``after`` depend on order and context: on a long video read in chunks, the two events
+involved usually lie in different chunks.
 
 Everything is a pure function of a :class:`VideoSpec` (seeded), so any frame range can be rendered
 without rendering the rest: training draws short clips in memory, the CLI writes long videos as H.264
@@ -48,6 +53,8 @@ __all__ = [
     "iter_frames",
     "make_questions",
     "make_question",
+    "random_next_question",
+    "random_after_question",
     "question_text",
     "load_dataset",
     "write_video",
@@ -60,7 +67,7 @@ COLOURS = ("red", "green", "blue", "yellow", "magenta", "cyan")
 COLOUR_RGB = np.array(
     [[230, 40, 40], [40, 200, 60], [50, 80, 240], [240, 220, 40], [220, 50, 220], [40, 220, 230]], dtype=np.float32
 )
-QUESTION_TYPES = ("first", "last", "count", "order", "exists")
+QUESTION_TYPES = ("first", "last", "count", "order", "exists", "next", "after")
 MAX_COUNT = 4
 ANSWERS = (*COLOURS, *(str(i) for i in range(MAX_COUNT + 1)), "yes", "no")
 ANSWER_INDEX = {a: i for i, a in enumerate(ANSWERS)}
@@ -207,6 +214,14 @@ def _answer(spec: VideoSpec, qtype: str, a1: int, a2: int) -> str:
         return "yes" if a1 in order else "no"
     if qtype == "order":
         return "yes" if order.index(a1) < order.index(a2) else "no"
+    if qtype == "next":
+        i = order.index(a1)
+        if i + 1 >= len(order):
+            raise ValueError(f"no event follows the first {COLOURS[a1]} one")
+        return COLOURS[order[i + 1]]
+    if qtype == "after":
+        last_b = len(order) - 1 - order[::-1].index(a2)
+        return "yes" if a1 in order[last_b + 1:] else "no"
     raise ValueError(f"unknown question type {qtype!r}; choose one of {list(QUESTION_TYPES)}")
 
 
@@ -219,13 +234,24 @@ def question_text(qtype: str, a1: int, a2: int) -> str:
         "count": f"How many times did a {c1} square appear?",
         "order": f"Did the {c1} square appear before the {c2} square?",
         "exists": f"Did a {c1} square appear at all?",
+        "next": f"Which colour came right after the first {c1} square?",
+        "after": f"Did a {c1} square appear after the last {c2} square?",
     }[qtype]
 
 
 def make_question(spec: VideoSpec, qtype: str, arg1: int = -1, arg2: int = -1) -> Question:
-    """The question of type ``qtype`` with the given colour arguments, and its true answer."""
+    """The question of type ``qtype`` with the given colour arguments, and its true answer.
+
+    ``order`` needs both colours present, ``next`` a present colour that is followed by another event,
+    ``after`` a present second colour; otherwise a ``ValueError`` says so.
+    """
     if qtype not in QUESTION_TYPES:
         raise ValueError(f"unknown question type {qtype!r}; choose one of {list(QUESTION_TYPES)}")
+    present = {e.colour for e in spec.events}
+    need = {"order": (arg1, arg2), "next": (arg1,), "after": (arg2,)}.get(qtype, ())
+    for c in need:
+        if c not in present:
+            raise ValueError(f"a {qtype!r} question needs colour {c} to appear in the video (present: {sorted(present)})")
     return Question(qtype=qtype, arg1=arg1, arg2=arg2, answer=_answer(spec, qtype, arg1, arg2),
                     text=question_text(qtype, arg1, arg2))
 
@@ -246,7 +272,33 @@ def make_questions(spec: VideoSpec, rng: np.random.Generator | int) -> list[Ques
     rare = [c for c in range(len(COLOURS)) if counts[c] <= 1]
     c = int(rng.choice(rare)) if rare else int(rng.integers(len(COLOURS)))
     out.append(make_question(spec, "exists", c))
+    q = random_next_question(spec, rng)
+    if q is not None:
+        out.append(q)
+    q = random_after_question(spec, rng, want=str(rng.choice(["yes", "no"])))
+    if q is not None:
+        out.append(q)
     return out
+
+
+def random_next_question(spec: VideoSpec, rng: np.random.Generator) -> Question | None:
+    """A ``next`` question about a colour whose first event is followed by another (None if there is none)."""
+    order = [e.colour for e in sorted(spec.events, key=lambda e: e.start)]
+    ok = sorted({c for c in order if order.index(c) + 1 < len(order)})
+    if not ok:
+        return None
+    return make_question(spec, "next", int(rng.choice(ok)))
+
+
+def random_after_question(spec: VideoSpec, rng: np.random.Generator, want: str | None = None) -> Question | None:
+    """An ``after`` question about two different present colours, with answer ``want`` when some pair has it."""
+    present = sorted({e.colour for e in spec.events})
+    pairs = [(a, b) for a in present for b in present if a != b]
+    if not pairs:
+        return None
+    qs = [make_question(spec, "after", a, b) for a, b in pairs]
+    pool = [q for q in qs if q.answer == want] or qs
+    return pool[int(rng.integers(len(pool)))]
 
 
 def _av():

@@ -2,9 +2,14 @@
 
 Clips of 16 or 32 frames are rendered on the fly (:mod:`video.synthetic`), split into 1, 2 or 4 chunks
 that the Q-former reads independently (no memory: the ∞-Video memory is added at inference without
-retraining), and every question about each clip is answered from one read (16 per clip). Resumable: ``--out DIR`` holds ``checkpoint.pt``
-(model, optimizer, scheduler, step, RNG state); rerunning the same command continues where it stopped.
-The best model by validation accuracy is exported as safetensors + a JSON model card.
+retraining, as published), and every question about each clip is answered from one read (20 per clip)
+through the answer head's read-out (``--aggregate``: ``mean`` over chunks or the ``last`` chunk, both of
+a fixed size). ``--memory-in-loop`` instead reads the chunks in order through the continuous long-term
+memory (a model trained with the memory, not the published recipe). ``--init-from`` starts from other
+weights (tensors of the same shape are copied; new question types get fresh embeddings). Resumable:
+``--out DIR`` holds ``checkpoint.pt`` (model, optimizer, scheduler, step, RNG state); rerunning the same
+command continues where it stopped. The best model by validation accuracy is exported as safetensors + a
+JSON model card.
 
     python -m video.train --out runs/videoqa --steps 3000 --export video/weights/videoqa_tiny.safetensors
 """
@@ -24,21 +29,57 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from video.model import VideoQAConfig, VideoQAModel
-from video.synthetic import COLOURS, QUESTION_TYPES, make_question, make_spec, render_frames
+from core.continuous import ContinuousMemoryConfig
+from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
+from video.synthetic import (
+    COLOURS,
+    QUESTION_TYPES,
+    make_question,
+    make_spec,
+    random_after_question,
+    random_next_question,
+    render_frames,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["all_questions", "make_batch", "evaluate", "train", "save_weights", "load_model", "build_parser", "main"]
+__all__ = ["all_questions", "make_batch", "evaluate", "train", "init_from", "save_weights", "load_model",
+           "build_parser", "main"]
 
 CLIP_LENGTHS = (16, 32)
 CHUNK_COUNTS = (1, 2, 4)
 
 
-def all_questions(spec, rng: np.random.Generator, num_order: int = 2) -> list:
-    """Every question type about a clip: first, last, count and exists for each colour, ``num_order`` order pairs.
+def init_from(model: VideoQAModel, path) -> list[str]:
+    """Copy the weights at ``path`` into ``model`` where shapes allow; returns the names not copied in full.
 
-    Order questions need two colours present; when fewer are, the slot holds None (ignored by the loss).
+    Embedding tables that grew (more question types) keep their first rows from ``path``.
+    """
+    src = load_model(path).state_dict()
+    dst = model.state_dict()
+    partial = []
+    for name, t in dst.items():
+        if name not in src:
+            partial.append(name)
+            continue
+        s = src[name]
+        if s.shape == t.shape:
+            dst[name] = s.clone()
+        elif s.dim() == t.dim() and s.shape[1:] == t.shape[1:] and s.shape[0] < t.shape[0]:
+            dst[name][: s.shape[0]] = s
+            partial.append(name)
+        else:
+            partial.append(name)
+    model.load_state_dict(dst)
+    return partial
+
+
+def all_questions(spec, rng: np.random.Generator, num_order: int = 2, num_next: int = 2, num_after: int = 2) -> list:
+    """Every question type about a clip: first, last, count and exists for each colour, ``num_order`` order
+    pairs, ``num_next`` next questions and ``num_after`` after questions (half asked to answer yes).
+
+    A question that cannot be asked about the clip (an order pair with fewer than two colours present, say)
+    leaves its slot None (ignored by the loss), so every clip has the same number of slots.
     """
     qs = [make_question(spec, "first"), make_question(spec, "last")]
     qs += [make_question(spec, "count", c) for c in range(len(COLOURS))]
@@ -50,6 +91,8 @@ def all_questions(spec, rng: np.random.Generator, num_order: int = 2) -> list:
             qs.append(make_question(spec, "order", a, b))
         else:
             qs.append(None)
+    qs += [random_next_question(spec, rng) for _ in range(num_next)]
+    qs += [random_after_question(spec, rng, want="yes" if i % 2 == 0 else "no") for i in range(num_after)]
     return qs
 
 
@@ -80,12 +123,13 @@ def make_batch(rng: np.random.Generator, batch_size: int, length: int, *, size: 
 
 
 @torch.no_grad()
-def evaluate(model: VideoQAModel, batches) -> dict[str, float]:
+def evaluate(model: VideoQAModel, batches, *, aggregate: str = "attention", memory: ContinuousMemoryConfig | None = None,
+             alpha: float = 0.75) -> dict[str, float]:
     """Accuracy overall and per question type on fixed validation batches ``(frames, times, q, ans, qtypes, chunks)``."""
     model.eval()
     correct = {t: [0, 0] for t in QUESTION_TYPES}
     for frames, times, q, ans, qtypes, chunks in batches:
-        pred = model(frames, times, q, num_chunks=chunks).argmax(-1)  # (B, K)
+        pred = model(frames, times, q, num_chunks=chunks, aggregate=aggregate, memory=memory, alpha=alpha).argmax(-1)
         for p_row, a_row, t_row in zip(pred.tolist(), ans.tolist(), qtypes):
             for p, a, t in zip(p_row, a_row, t_row):
                 if t is None:
@@ -151,7 +195,14 @@ def train(args) -> dict:
     torch.manual_seed(args.seed)
     model = VideoQAModel(VideoQAConfig(dim=args.dim, encoder_dim=args.dim, encoder_width=args.width,
                                        num_layers=args.layers, num_queries=args.queries, num_heads=args.heads,
-                                       input_size=args.input_size))
+                                       input_size=args.input_size, readout=args.aggregate))
+    if args.init_from and not ckpt_path.exists():
+        partial = init_from(model, args.init_from)
+        logger.info("initialised from %s (not copied in full: %s)", args.init_from, partial)
+    lengths = [int(v) for v in args.clip_lengths.split(",")]
+    counts = [int(v) for v in args.chunk_counts.split(",")]
+    memory = ContinuousMemoryConfig(num_basis=args.mem_basis, num_samples=args.mem_samples,
+                                    num_points=args.mem_points) if args.memory_in_loop else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     rng = np.random.default_rng(args.seed)
@@ -168,19 +219,20 @@ def train(args) -> dict:
     val_rng = np.random.default_rng(10_000 + args.seed)
     val = []
     for i in range(args.val_batches):
-        L = CLIP_LENGTHS[i % len(CLIP_LENGTHS)]
-        val.append((*make_batch(val_rng, args.batch_size, L), CHUNK_COUNTS[i % len(CHUNK_COUNTS)]))
+        L = lengths[i % len(lengths)]
+        val.append((*make_batch(val_rng, args.batch_size, L), counts[i % len(counts)]))
     from tqdm import tqdm
 
     bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", disable=not args.progress)
     t0 = time.time() - elapsed
     model.train()
     while step < args.steps:
-        L = CLIP_LENGTHS[int(rng.integers(len(CLIP_LENGTHS)))]
-        chunks = CHUNK_COUNTS[int(rng.integers(len(CHUNK_COUNTS)))]
+        L = lengths[int(rng.integers(len(lengths)))]
+        chunks = counts[int(rng.integers(len(counts)))]
         frames, times, q, ans, _, tag_target = make_batch(rng, args.batch_size, L, with_tags=True)
         tags = []
-        logits = model(frames, times, q, num_chunks=chunks, tags=tags)  # (B, K, answers)
+        logits = model(frames, times, q, num_chunks=chunks, tags=tags, aggregate=args.aggregate,
+                       memory=memory, alpha=args.alpha)  # (B, K, answers)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ans.reshape(-1), ignore_index=-100)
         # auxiliary: which colours each frame shows (teaches the frame encoder what to look at)
         loss = loss + args.tag_weight * F.binary_cross_entropy_with_logits(tags[0], tag_target)
@@ -193,7 +245,7 @@ def train(args) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % args.eval_every == 0 or step == args.steps:
-            metrics = evaluate(model, val)
+            metrics = evaluate(model, val, aggregate=args.aggregate, memory=memory, alpha=args.alpha)
             metrics.update(step=step, loss=float(loss.item()), wall_s=time.time() - t0)
             history.append(metrics)
             logger.info("step %d: %s", step, {k: round(v, 3) for k, v in metrics.items()})
@@ -203,10 +255,16 @@ def train(args) -> dict:
                     "model": "VideoQAModel (tiny frame encoder + Q-former + answer head)",
                     "config": model.config.to_dict(),
                     "command": "python -m video.train " + " ".join(args.argv),
-                    "data": "synthetic clips of 16/32 frames rendered by video.synthetic (32x32 px, 1-8 events "
-                            "of 1-3 frames), read as 1, 2 or 4 chunks without memory, plus an auxiliary per-frame colour-tag loss on the "
-                            "frame encoder; every question per clip (first, last, count and "
-                            "exists for each colour, two order pairs)",
+                    "data": f"synthetic clips of {args.clip_lengths} frames rendered by video.synthetic (32x32 px, "
+                            f"1-8 events of 1-3 frames), read as {args.chunk_counts} chunks "
+                            + ("in order through the continuous memory (memory in the training loop, alpha "
+                               f"{args.alpha}, {args.mem_basis} box functions)" if memory else "without memory")
+                            + f", answered from the '{args.aggregate}' read-out, plus an auxiliary per-frame "
+                            "colour-tag loss on the frame encoder; every question per clip (first, last, count and "
+                            "exists for each colour, two order pairs, two next and two after questions)",
+                    "aggregate": args.aggregate,
+                    "memory_in_loop": bool(memory),
+                    "init_from": Path(args.init_from).name if args.init_from else None,
                     "steps": step,
                     "batch_size": args.batch_size,
                     "wall_time_s": round(time.time() - t0, 1),
@@ -241,6 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--tag-weight", type=float, default=1.0, help="weight of the auxiliary per-frame colour loss")
     p.add_argument("--seed", type=int, default=0, help="seed of the training stream")
+    p.add_argument("--clip-lengths", default="16,32", help="clip lengths in frames (comma list)")
+    p.add_argument("--chunk-counts", default="1,2,4", help="chunks each clip is split into (comma list)")
+    p.add_argument("--aggregate", default="mean", choices=AGGREGATES,
+                   help="answer read-out: mean over chunks or last chunk (fixed size), or attention over all chunks")
+    p.add_argument("--init-from", default=None, help="start from these weights (same-shape tensors copied)")
+    p.add_argument("--memory-in-loop", action="store_true",
+                   help="read the chunks in order through the continuous memory while training (not the published recipe)")
+    p.add_argument("--alpha", type=float, default=0.75, help="short-term weight with --memory-in-loop")
+    p.add_argument("--mem-basis", type=int, default=64, help="basis functions of the memory with --memory-in-loop")
+    p.add_argument("--mem-samples", type=int, default=512, help="old-signal samples per consolidation")
+    p.add_argument("--mem-points", type=int, default=1000, help="integration points of the continuous attention")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
@@ -255,6 +324,16 @@ def main(argv=None) -> int:
     for name in ("steps", "batch_size", "eval_every", "val_batches", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("clip_lengths", "chunk_counts"):
+        try:
+            vals = [int(v) for v in getattr(args, name).split(",")]
+        except ValueError:
+            raise SystemExit(f"--{name.replace('_', '-')} must be a comma list of integers, got {getattr(args, name)!r}")
+        if not vals or min(vals) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1, got {getattr(args, name)!r}")
+    bad = [(L, c) for L in map(int, args.clip_lengths.split(",")) for c in map(int, args.chunk_counts.split(",")) if L % c]
+    if bad:
+        raise SystemExit(f"every chunk count must divide every clip length; these do not: {bad}")
     random.seed(args.seed)
     result = train(args)
     logger.info("done: step %d, best validation accuracy %.3f", result["step"], result["best"])
