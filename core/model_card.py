@@ -367,7 +367,7 @@ def _card_text(package: str, stem: str, record: dict[str, Any]) -> CardText:
         datasets=list(base.datasets),
         limitations=list(base.limitations),
     )
-    prefixes = sorted((k for k in PACKAGE_TEXT if k.startswith(package + "/") and stem.startswith(k.split("/", 1)[1])), key=len)
+    prefixes = sorted((k for k in PACKAGE_TEXT if k.startswith(package + "/") and stem.startswith(k[len(package) + 1 :])), key=len)
     for key in prefixes:
         extra = PACKAGE_TEXT[key]
         if extra.intended_use != NOT_RECORDED:

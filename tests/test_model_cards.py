@@ -170,3 +170,20 @@ def test_bad_inputs_are_refused(tmp_path):
     bad.write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match="not a safetensors file"):
         weights_summary(bad)
+
+
+def test_app_weights_and_the_json_own_card_text(tmp_path):
+    """Weights of an app (apps/<app>/weights) are carded too; the JSON's `model_card` object supplies the use text."""
+    _package(tmp_path, "apps")
+    app = _package(tmp_path, "apps/newapp")
+    (app / "README.md").write_text("# new app\n")
+    w = app / "weights" / "clf.safetensors"
+    _write_safetensors(w, {"w": ([3], "F32")})
+    own = {"intended_use": "Classify essays in the demo.", "out_of_scope": "Grading real students.", "tags": ["text-classification"], "datasets": ["essays (local)"]}
+    w.with_suffix(".json").write_text(json.dumps({"model": "C", "model_card": own}))
+    text = render_card(w, root=tmp_path)
+    assert "## Intended use\n\nClassify essays in the demo." in text
+    assert "## Out-of-scope use\n\nGrading real students." in text
+    assert '- "newapp"' in text and '- "text-classification"' in text and '- "essays (local)"' in text
+    assert "[the package README](../README.md)" in text
+    assert "Weights `apps/newapp/weights/clf.safetensors`" in text
