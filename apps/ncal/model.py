@@ -1,0 +1,147 @@
+"""NCAL classifier = text encoder (character transformer or a local HF model) + linear or fixed-ETF head.
+
+A checkpoint is a folder:
+
+- ``ncal.json``: classes, long-tail bins, dataset, PMTD context, loss, encoder description, metrics;
+- ``model.safetensors``: the weights (the character encoder: all of them; an HF encoder: only the trainable
+  ones — LoRA adapters or every weight — plus the head; the frozen base is read again from its local folder);
+- ``tokenizer.json``: the character tokenizer (character encoder only).
+
+:func:`infer` is the one ``@torch.no_grad()`` inference function the CLI, the estimator and the demo call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from apps.ncal.encoder import EncoderConfig, TextEncoder
+from apps.ncal.tokenizer import CharTokenizer
+from apps.ncal.weights_io import load_safetensors, read_json, save_safetensors, write_json_atomic
+from core.collapse import ETFClassifier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NCALModel", "Checkpoint", "build_encoder", "save_checkpoint", "load_checkpoint", "infer"]
+
+
+class NCALModel(nn.Module):
+    """``forward(input_ids, attention_mask) -> (feats (B, D), logits (B, K))``.
+
+    Args:
+        encoder: a module mapping ``(input_ids, attention_mask)`` to features ``(B, D)``, with ``feature_dim``.
+        num_classes: K.
+        head: ``"linear"`` (learned) or ``"etf"`` (fixed simplex ETF, :class:`core.collapse.ETFClassifier`).
+    """
+
+    def __init__(self, encoder: nn.Module, num_classes: int, *, head: str = "linear") -> None:
+        super().__init__()
+        if head not in ("linear", "etf"):
+            raise ValueError(f"head must be 'linear' or 'etf', got {head!r}")
+        self.encoder = encoder
+        self.head_kind = head
+        D = encoder.feature_dim
+        self.head = nn.Linear(D, num_classes) if head == "linear" else ETFClassifier(D, num_classes)
+
+    @property
+    def etf_W_KD(self) -> torch.Tensor | None:
+        return self.head.W_KD if self.head_kind == "etf" else None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feats_BD = self.encoder(input_ids, attention_mask)
+        return feats_BD, self.head(feats_BD)
+
+
+@dataclass(kw_only=True)
+class Checkpoint:
+    """A loaded checkpoint: model (eval mode), tokenizer and its ``ncal.json`` metadata."""
+
+    model: NCALModel
+    tokenizer: object  # CharTokenizer or HFTokenizer: has batch(texts)
+    meta: dict
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.meta["classes"])
+
+
+def build_encoder(spec: dict, *, tokenizer_path: Path | None = None) -> tuple[nn.Module, object]:
+    """Encoder + tokenizer from an ``ncal.json`` encoder description (weights not loaded)."""
+    if spec["kind"] == "char":
+        tok = CharTokenizer.load(tokenizer_path) if tokenizer_path else None
+        return TextEncoder(EncoderConfig(**spec["config"])), tok
+    if spec["kind"] == "hf":
+        from apps.ncal.hf_encoder import HFEncoder, HFTokenizer, parse_hf_source
+
+        path = parse_hf_source(spec["source"])
+        enc = HFEncoder(path, pool=spec.get("pool", "last"), lora_r=spec.get("lora_r", 0),
+                        lora_alpha=spec.get("lora_alpha", 16), lora_targets=spec.get("lora_targets"))
+        return enc, HFTokenizer(path, max_length=spec.get("max_length", 256))
+    raise ValueError(f"unknown encoder kind {spec['kind']!r}; known: 'char', 'hf'")
+
+
+def _weights_to_save(model: NCALModel) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    if isinstance(model.encoder, TextEncoder):
+        return sd
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    keep = {k: v for k, v in sd.items() if k in trainable or not k.startswith("encoder.")}
+    return keep
+
+
+def save_checkpoint(folder: str | Path, model: NCALModel, tokenizer, meta: dict) -> Path:
+    """Write ``model.safetensors``, ``ncal.json`` (and ``tokenizer.json`` for the character encoder) atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(folder / "model.safetensors", _weights_to_save(model))
+    if isinstance(tokenizer, CharTokenizer):
+        tokenizer.save(folder / "tokenizer.json")
+    write_json_atomic(folder / "ncal.json", meta)
+    return folder
+
+
+def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = None) -> Checkpoint:
+    """Load a checkpoint folder (module docs). ``FileNotFoundError`` names the missing file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no NCAL checkpoint folder at {folder}")
+    meta = read_json(folder / "ncal.json")
+    enc, tok = build_encoder(meta["encoder"], tokenizer_path=folder / "tokenizer.json")
+    model = NCALModel(enc, len(meta["classes"]), head="etf" if meta["loss"]["name"] == "etf" else "linear")
+    sd = load_safetensors(folder / "model.safetensors")
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected:
+        raise ValueError(f"{folder}/model.safetensors has weights the model does not: {unexpected[:5]}")
+    if isinstance(enc, TextEncoder) and missing:
+        raise ValueError(f"{folder}/model.safetensors lacks weights: {missing[:5]}")
+    bad = [k for k in missing if not k.startswith("encoder.")]
+    if bad:
+        raise ValueError(f"{folder}/model.safetensors lacks head weights: {bad}")
+    model.to(device or "cpu").eval()
+    return Checkpoint(model=model, tokenizer=tok, meta=meta)
+
+
+@torch.no_grad()
+def infer(model: NCALModel, tokenizer, texts: list[str], *, batch_size: int = 64,
+          device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probabilities (N, K), features (N, D))`` for texts, in input order, on CPU, in float32.
+
+    Texts are batched by length (less padding); the model is put in eval mode.
+    """
+    model.eval()
+    device = device or next(model.parameters()).device
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    probs, feats = [None] * len(texts), [None] * len(texts)
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        b = tokenizer.batch([texts[i] for i in idx], device=device)
+        f_BD, logits_BK = model(b["input_ids"], b["attention_mask"])
+        p_BK = logits_BK.float().softmax(-1).cpu()
+        f_BD = f_BD.float().cpu()
+        for j, i in enumerate(idx):
+            probs[i], feats[i] = p_BK[j], f_BD[j]
+    return torch.stack(probs), torch.stack(feats)

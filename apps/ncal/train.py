@@ -1,0 +1,326 @@
+"""Train an NCAL classifier: ``python -m apps.ncal.train --dataset tmwpl --loss tc --seed 0 --out runs/ncal/tmwpl_tc_0``.
+
+``--dataset`` is ``tmwpl``, ``pmtd`` (the shipped sets; evaluated on their official test split every epoch) or a
+JSONL path (TMWPL or PMTD layout; ``--test PATH`` for an evaluation file). ``--encoder`` is ``default`` (the
+character transformer pretrained here by MLM, shipped in ``apps/ncal/weights/mlm_encoder``), ``scratch`` (same
+shape, random), a folder written by ``python -m apps.ncal.pretrain``, or ``hf:/path/to/model`` (a local Hugging
+Face checkpoint; ``--lora-r 8`` for LoRA through ``peft``).
+
+Writes to ``OUT``: ``last.pt`` (full state every ``--ckpt-every`` steps and at each epoch end: model, loss state
+with its TC feature bank, optimizer, scheduler, step, RNG; rerunning the same command resumes from it),
+``metrics.jsonl`` (one line per epoch: train loss, test accuracy / macro-F1 / bin recall, NC1 and NC2 of the
+train and test features), and at the end the checkpoint (``model.safetensors``, ``ncal.json``, tokenizer) that
+``apps.ncal.evaluate`` / ``predict`` / :class:`apps.ncal.NCALClassifier` read. The test split never steers
+training: the run keeps its last epoch.
+
+Runs under ``torchrun --nproc_per_node=K`` (DDP; gloo on CPU, NCCL on GPU): each process takes every K-th
+batch, gradients are averaged, rank 0 evaluates and writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from apps.ncal.data import (
+    CONTEXTS,
+    DATASETS,
+    Example,
+    classes_from,
+    load_split,
+    longtail_bins,
+    read_jsonl,
+)
+from apps.ncal.losses import LOSSES, LossConfig, LongTailLoss
+from apps.ncal.metrics import classification_metrics, collapse_metrics
+from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
+from apps.ncal.weights_io import load_state, save_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainConfig", "train", "build_parser", "main", "DEFAULT_ENCODER", "load_data"]
+
+DEFAULT_ENCODER = Path(__file__).resolve().parent / "weights" / "mlm_encoder"
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One fine-tuning run."""
+
+    dataset: str  # "tmwpl", "pmtd" or a JSONL path
+    out: str  # run folder
+    test: str | None = None  # evaluation JSONL for a user dataset (shipped sets use their test split)
+    loss: str = "tc"  # one of LOSSES
+    tc_lambda: float = 0.1  # TC weight (NCAL: 0.1)
+    bank_size: int = 256  # TC feature bank (0 = pairs within the batch only)
+    encoder: str = "default"  # "default", "scratch", a pretrain folder, or "hf:/path"
+    lora_r: int = 0  # LoRA rank for an hf: encoder (0 = full fine-tuning)
+    pool: str | None = None  # feature pooling; None = "mean" for the character encoder, "last" for hf:
+    context: str = "past"  # PMTD context (see apps.ncal.data)
+    epochs: int = 4  # passes over the train set
+    batch_size: int = 32  # examples per step (per process under torchrun)
+    lr: float = 2e-4  # peak AdamW learning rate (linear warm-up, cosine decay)
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.06  # share of steps spent warming up
+    seed: int = 0
+    ckpt_every: int = 200  # steps between full-state checkpoints (also at every epoch end)
+    nc_train_sample: int = 1024  # train examples whose features give the train NC1/NC2 each epoch
+    device: str | None = None  # default: cuda if available
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.context not in CONTEXTS:
+            raise ValueError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def load_data(dataset: str, test: str | None, context: str) -> tuple[list[Example], list[Example] | None, tuple[str, ...], str]:
+    """``(train, test or None, classes, dataset name)`` for a shipped name or a JSONL path."""
+    if dataset.lower() in DATASETS:
+        tr, classes = load_split(dataset, "train", context=context)
+        te = read_jsonl(test, classes=classes, context=context) if test else load_split(dataset, "test", context=context)[0]
+        return tr, te, classes, dataset.lower()
+    if not (dataset.endswith(".jsonl") or Path(dataset).is_file()):
+        raise ValueError(f"unknown dataset {dataset!r}; known datasets: {sorted(DATASETS)} or a path to a .jsonl file")
+    tr = read_jsonl(dataset, context=context)
+    classes = classes_from(tr)
+    te = read_jsonl(test, classes=classes, context=context) if test else None
+    return tr, te, classes, str(dataset)
+
+
+def _encoder_spec(cfg: TrainConfig) -> tuple[dict, dict | None, Path | None]:
+    """(ncal.json encoder description, initial encoder weights or None, tokenizer path or None)."""
+    if cfg.encoder.startswith("hf:"):
+        return ({"kind": "hf", "source": cfg.encoder, "pool": cfg.pool or "last", "lora_r": cfg.lora_r}, None, None)
+    from apps.ncal.weights_io import load_safetensors, read_json
+
+    folder = DEFAULT_ENCODER if cfg.encoder in ("default", "scratch") else Path(cfg.encoder)
+    if not (folder / "encoder.json").is_file():
+        raise FileNotFoundError(f"no pretrained encoder at {folder} (expected encoder.json, encoder.safetensors, "
+                                f"tokenizer.json from python -m apps.ncal.pretrain)")
+    enc_cfg = dict(read_json(folder / "encoder.json")["config"])
+    enc_cfg["pool"] = cfg.pool or "mean"
+    weights = None if cfg.encoder == "scratch" else load_safetensors(folder / "encoder.safetensors")
+    return {"kind": "char", "config": enc_cfg, "init": cfg.encoder}, weights, folder / "tokenizer.json"
+
+
+def _batches(n: int, lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    order = list(range(n))
+    rng.shuffle(order)
+    window = batch_size * 20
+    out = []
+    for s in range(0, n, window):
+        chunk = sorted(order[s:s + window], key=lambda i: lengths[i])
+        out += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    rng.shuffle(out)
+    return out
+
+
+def _evaluate(model, tok, examples, classes, bins, device, label_idx) -> tuple[dict, torch.Tensor]:
+    probs, feats = infer(model, tok, [e.text for e in examples], device=device)
+    y = [label_idx[e.label] for e in examples]
+    m = classification_metrics(y, probs.argmax(1).tolist(), list(classes), bins)
+    present = len(set(y))
+    if present >= 2:
+        m.update({f"nc_{k}": v for k, v in collapse_metrics(feats, y, len(classes)).items() if k != "cosines"})
+    return m, feats
+
+
+def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
+    """Run (or resume) one fine-tuning run; returns the final ``ncal.json`` metadata (with test metrics)."""
+    from tqdm.auto import tqdm
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_ex, test_ex, classes, ds_name = load_data(cfg.dataset, cfg.test, cfg.context)
+    label_idx = {c: k for k, c in enumerate(classes)}
+    bins = longtail_bins([e.label for e in train_ex], classes)
+    counts = Counter(e.label for e in train_ex)
+    counts_K = torch.tensor([counts.get(c, 0) for c in classes], dtype=torch.float64)
+
+    random.seed(cfg.seed); np.random.seed(cfg.seed); torch.manual_seed(cfg.seed)
+    enc_spec, enc_weights, tok_path = _encoder_spec(cfg)
+    encoder, tok = build_encoder(enc_spec, tokenizer_path=tok_path)
+    if enc_weights is not None:
+        encoder.load_state_dict(enc_weights, strict=True)
+    model = NCALModel(encoder, len(classes), head="etf" if cfg.loss == "etf" else "linear").to(device)
+    loss_fn = LongTailLoss(LossConfig(name=cfg.loss, tc_lambda=cfg.tc_lambda, bank_size=cfg.bank_size),
+                           counts_K, encoder.feature_dim).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    texts = [e.text for e in train_ex]
+    y_all = torch.tensor([label_idx[e.label] for e in train_ex])
+    lengths = [len(t) for t in texts]
+    n_batches = math.ceil(len(texts) / cfg.batch_size)
+    steps_per_epoch = math.ceil(n_batches / world)
+    total = steps_per_epoch * cfg.epochs
+    warm = max(1, int(cfg.warmup_frac * total))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    ddp_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    settings = dataclasses.asdict(cfg)
+    step, wall = 0, 0.0
+    if (out / "last.pt").exists():
+        st = load_state(out / "last.pt")
+        same = {k: v for k, v in settings.items() if k not in ("out", "device", "ckpt_every")}
+        old = {k: v for k, v in st["settings"].items() if k in same}
+        if old != same:
+            diff = {k: (old.get(k), v) for k, v in same.items() if old.get(k) != v}
+            raise ValueError(f"{out}/last.pt was written with other settings (old, new): {diff}; use a new --out")
+        model.load_state_dict(st["model"]); loss_fn.load_state_dict(st["loss"])
+        opt.load_state_dict(st["optimizer"]); sched.load_state_dict(st["scheduler"])
+        step, wall = st["step"], st["wall_s"]
+        torch.set_rng_state(st["torch_rng"])
+        logger.info("resumed %s at step %d of %d", out, step, total)
+    if step >= total and (out / "ncal.json").exists():
+        logger.info("%s is complete (%d steps); nothing to do", out, total)
+        return json.loads((out / "ncal.json").read_text(encoding="utf-8"))
+
+    def checkpoint():
+        if rank == 0:
+            save_state(out / "last.pt", {"settings": settings, "model": model.state_dict(), "loss": loss_fn.state_dict(),
+                                         "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                         "step": step, "wall_s": wall, "torch_rng": torch.get_rng_state()})
+
+    nc_idx = random.Random(cfg.seed + 7).sample(range(len(train_ex)), min(cfg.nc_train_sample, len(train_ex)))
+    bar = tqdm(total=total, initial=step, desc=f"{ds_name}/{cfg.loss}/seed{cfg.seed}", disable=not progress or rank != 0,
+               dynamic_ncols=True)
+    metrics_f = open(out / "metrics.jsonl", "a", encoding="utf-8") if rank == 0 else None
+    last_test = None
+    try:
+        while step < total:
+            epoch = step // steps_per_epoch
+            batches = _batches(len(texts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch))[rank::world]
+            model.train(); loss_fn.train()
+            run_loss, run_n = 0.0, 0
+            for bi in range(step % steps_per_epoch, steps_per_epoch):
+                t0 = time.time()
+                idx = batches[bi % len(batches)]
+                b = tok.batch([texts[i] for i in idx], device=device)
+                y_B = y_all[idx].to(device)
+                feats_BD, logits_BK = ddp_model(b["input_ids"], b["attention_mask"])
+                loss, parts = loss_fn(feats_BD, logits_BK, y_B, model.etf_W_KD)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step(); sched.step()
+                step += 1
+                wall += time.time() - t0
+                run_loss += loss.item(); run_n += 1
+                bar.update(1); bar.set_postfix(loss=f"{loss.item():.3f}")
+                if step % cfg.ckpt_every == 0:
+                    checkpoint()
+            if rank == 0:
+                rec = {"epoch": epoch + 1, "step": step, "train_loss": round(run_loss / max(run_n, 1), 4), "wall_s": round(wall, 1)}
+                sub = [train_ex[i] for i in nc_idx]
+                tr_m, _ = _evaluate(model, tok, sub, classes, bins, device, label_idx)
+                rec["train_nc1"], rec["train_nc2"] = tr_m.get("nc_nc1"), tr_m.get("nc_nc2")
+                if test_ex is not None:
+                    last_test, _ = _evaluate(model, tok, test_ex, classes, bins, device, label_idx)
+                    rec.update({f"test_{k}": v for k, v in last_test.items()
+                                if k in ("accuracy", "macro_f1", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2")})
+                metrics_f.write(json.dumps(rec) + "\n"); metrics_f.flush()
+                logger.info("epoch %d: %s", epoch + 1, rec)
+            checkpoint()
+    finally:
+        bar.close()
+        if metrics_f:
+            metrics_f.close()
+    meta = {
+        "dataset": ds_name,
+        "classes": list(classes),
+        "bins": bins,
+        "train_counts": {c: counts.get(c, 0) for c in classes},
+        "context": cfg.context,
+        "loss": loss_fn.cfg.to_dict(),
+        "encoder": enc_spec,
+        "settings": settings,
+        "steps": step,
+        "train_wall_s": round(wall, 1),
+        "test": last_test,
+    }
+    if rank == 0:
+        if test_ex is not None and last_test is None:  # resumed right at the end: evaluate once
+            meta["test"], _ = _evaluate(model, tok, test_ex, classes, bins, device, label_idx)
+        save_checkpoint(out, model, tok, meta)
+    return meta
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m apps.ncal.train", description=__doc__.split("\n\n")[0])
+    d = TrainConfig(dataset="tmwpl", out="x")
+    p.add_argument("--dataset", required=True, help="tmwpl, pmtd, or a JSONL path")
+    p.add_argument("--out", required=True, help="run folder (resumes if it holds last.pt)")
+    p.add_argument("--test", default=None, help="evaluation JSONL for a user dataset")
+    p.add_argument("--loss", default=d.loss, choices=LOSSES)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--tc-lambda", type=float, default=d.tc_lambda)
+    p.add_argument("--bank-size", type=int, default=d.bank_size, help="TC feature bank size (0: within-batch pairs)")
+    p.add_argument("--encoder", default=d.encoder, help="default, scratch, a pretrain folder, or hf:/path/to/model")
+    p.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank for hf: encoders (0 = full fine-tuning)")
+    p.add_argument("--pool", default=None, choices=("mean", "cls", "last"))
+    p.add_argument("--context", default=d.context, choices=CONTEXTS, help="PMTD context (default past: no future turn)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainConfig(dataset=args.dataset, out=args.out, test=args.test, loss=args.loss, seed=args.seed,
+                      tc_lambda=args.tc_lambda, bank_size=args.bank_size, encoder=args.encoder, lora_r=args.lora_r,
+                      pool=args.pool, context=args.context, epochs=args.epochs, batch_size=args.batch_size,
+                      lr=args.lr, ckpt_every=args.ckpt_every, device=args.device)
+    meta = train(cfg)
+    if meta.get("test"):
+        t = meta["test"]
+        logger.info("test: accuracy %.4f, macro-F1 %.4f, tail recall %s", t["accuracy"], t["macro_f1"], t.get("recall_tail"))
+    return meta
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Atomic save/load of NCAL weights (safetensors + JSON config) and of full training states (torch pickles)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from core.fileio import write_json_atomic
+
+__all__ = ["save_safetensors", "load_safetensors", "save_state", "load_state", "read_json", "write_json_atomic"]
+
+
+def _tmp_beside(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    return tmp
+
+
+def save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """Write tensors (made contiguous, on CPU) to a safetensors file atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = _tmp_beside(path)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no weights file at {path}")
+    return load_file(str(path))
+
+
+def save_state(path: str | os.PathLike, state: dict) -> Path:
+    """``torch.save`` to a temp file then rename (a killed run keeps its previous state)."""
+    path = Path(path)
+    tmp = _tmp_beside(path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_state(path: str | os.PathLike) -> dict:
+    return torch.load(Path(path), map_location="cpu", weights_only=False)
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no file at {path}")
+    return json.loads(path.read_text(encoding="utf-8"))
