@@ -1,5 +1,8 @@
 """Offline RL datasets: one ``.npz`` format with D4RL-like keys, a validating loader, trajectories.
 
+``load_dataset`` also reads D4RL-style HDF5 files and local Minari datasets (:mod:`rl.formats`), and
+``save_dataset`` writes D4RL-style HDF5 for a ``.hdf5``/``.h5`` name; all pass the same validation.
+
 File layout (``numpy.savez_compressed``; ``N`` transitions, in episode order):
 
     observations  float32 (N, obs_dim)   observation before the action
@@ -31,6 +34,8 @@ __all__ = [
     "FORMAT_VERSION",
     "OfflineDataset",
     "Trajectory",
+    "SAVE_SUFFIXES",
+    "check_save_path",
     "save_dataset",
     "load_dataset",
     "validate_arrays",
@@ -133,11 +138,25 @@ def validate_arrays(arrays: dict[str, np.ndarray], *, source: str = "dataset") -
                          f"index {n - 1}); every episode must end with terminals or timeouts True")
 
 
-def save_dataset(path: str | os.PathLike, ds: OfflineDataset) -> Path:
-    """Write ``ds`` atomically to ``path`` (``.npz``)."""
+SAVE_SUFFIXES = (".npz", ".hdf5", ".h5")  # what save_dataset writes (HDF5: D4RL layout, see rl.formats)
+
+
+def check_save_path(path: str | os.PathLike) -> Path:
+    """``path`` as a ``Path`` if :func:`save_dataset` can write it, else ``ValueError`` naming the accepted suffixes."""
     path = Path(path)
+    if path.suffix not in SAVE_SUFFIXES:
+        raise ValueError(f"cannot write a dataset to {str(path)!r}: the file name must end in one of "
+                         f"{', '.join(SAVE_SUFFIXES)} (.npz, or D4RL-style HDF5)")
+    return path
+
+
+def save_dataset(path: str | os.PathLike, ds: OfflineDataset) -> Path:
+    """Write ``ds`` atomically to ``path``: ``.npz`` (this module's format) or ``.hdf5``/``.h5`` (D4RL layout)."""
+    path = check_save_path(path)
     if path.suffix != ".npz":
-        raise ValueError(f"dataset files end in .npz, got {str(path)!r}")
+        from rl.formats import save_hdf5
+
+        return save_hdf5(path, ds)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(ds.metadata)
     meta.setdefault("format_version", FORMAT_VERSION)
@@ -153,10 +172,28 @@ def save_dataset(path: str | os.PathLike, ds: OfflineDataset) -> Path:
 
 
 def load_dataset(path: str | os.PathLike) -> OfflineDataset:
-    """Read and validate a dataset file written by :func:`save_dataset` (or any npz with the same keys)."""
+    """Read and validate a dataset: ``.npz`` (written by :func:`save_dataset`, or any npz with the same keys),
+    D4RL-style ``.hdf5``/``.h5``, or a local Minari dataset ``minari:/path/to/dataset`` (see :mod:`rl.formats`).
+    Every format goes through :func:`validate_arrays`."""
+    text = str(path)
+    if text.startswith("minari:"):
+        from rl.formats import load_minari
+
+        return load_minari(text)
     path = Path(path)
+    if path.suffix in (".hdf5", ".h5"):
+        from rl.formats import load_hdf5
+
+        return load_hdf5(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file not found: {str(path)!r} (make one with `python -m rl.generate`)")
+    if path.is_dir():
+        if (path / "data" / "main_data.hdf5").exists():
+            from rl.formats import load_minari
+
+            return load_minari(path)
+        raise ValueError(f"{str(path)!r} is a folder; accepted datasets: a .npz or .hdf5/.h5 file, or a Minari "
+                         f"dataset folder given as minari:/path/to/dataset")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}

@@ -2,6 +2,8 @@
 
     python -m rl.generate --env Hopper-v5 --quality medium --steps 100000 --seed 0 --out data/hopper-medium.npz
 
+``--out`` ending in ``.hdf5``/``.h5`` writes a D4RL-style HDF5 file instead (:mod:`rl.formats`).
+
 Qualities: ``random`` (uniform actions), ``medium`` / ``expert`` (stochastic actions of the shipped SAC snapshot,
 see :mod:`rl.policies`), ``medium-replay`` (the snapshots up to medium, equal shares of the steps, in training
 order, like a replay buffer), ``medium-expert`` (half medium, half expert). The output is deterministic given
@@ -19,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from rl.data import OfflineDataset, save_dataset
+from rl.data import OfflineDataset, check_save_path, save_dataset
 from rl.envs import SUPPORTED_ENVS, make_env
 
 logger = logging.getLogger(__name__)
@@ -113,13 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quality", required=True, choices=QUALITIES)
     p.add_argument("--steps", type=int, required=True, help="transitions to collect")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output .npz file (written atomically)")
+    p.add_argument("--out", required=True, help="output file, written atomically: .npz, or .hdf5/.h5 (D4RL layout)")
     p.add_argument("--policy", default=None, help="behaviour .safetensors (default: the shipped one for --env)")
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    try:  # before any step is collected: an unwritable name is refused in one line
+        check_save_path(args.out)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     ds = generate(args.env, args.quality, args.steps, args.seed, policy_path=args.policy, progress=True)

@@ -207,8 +207,11 @@ def _model_config(algo: str, ds: OfflineDataset, env, overrides: dict) -> DTConf
 
 
 def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, *, model_overrides: dict | None = None,
-          resume: bool = False, progress: bool = True) -> list[dict]:
-    """Train (or resume) and return the metrics records written in this call."""
+          resume: bool = False, progress: bool = True, env_id: str | None = None) -> list[dict]:
+    """Train (or resume) and return the metrics records written in this call.
+
+    ``env_id`` names the environment when the dataset's metadata does not (a D4RL HDF5 file from elsewhere), or
+    overrides it."""
     from tqdm.auto import tqdm
 
     from rl.envs import SUPPORTED_ENVS, make_env
@@ -217,9 +220,14 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
 
     out = Path(out)
     ds = load_dataset(dataset)
+    if env_id is not None:
+        if ds.metadata.get("env") not in (None, env_id):
+            logger.warning("dataset %s names env %r; training for %r as asked", dataset, ds.metadata["env"], env_id)
+        ds.metadata["env"] = env_id
     env_id = ds.metadata.get("env")
     if env_id not in SUPPORTED_ENVS:
-        raise ValueError(f"dataset {str(dataset)!r} names env {env_id!r} in its metadata; supported: {list(SUPPORTED_ENVS)}")
+        raise ValueError(f"dataset {str(dataset)!r} names env {env_id!r} in its metadata; supported: "
+                         f"{list(SUPPORTED_ENVS)} (name it with --env)")
     env = make_env(env_id)
     check_env_compat(ds, env.observation_space, env.action_space, env_id=env_id)
     ckpt_path = out / "checkpoint.pt"
@@ -318,10 +326,11 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.train", description="Train a Decision Transformer / Mixer offline.")
     p.add_argument("--algo", choices=("dm", "dt"), required=True)
-    p.add_argument("--dataset", required=True, help=".npz dataset from `python -m rl.generate`")
+    p.add_argument("--dataset", required=True, help="dataset: .npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
     p.add_argument("--steps", type=int, required=True, help="total gradient steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--env", default=None, help="environment id, for a dataset whose metadata names none (or another)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -376,7 +385,7 @@ def main(argv=None) -> None:
             if overrides.pop(k) is not None and k in ("probe_tokens", "train_selection"):
                 raise SystemExit(f"--{k.replace('_', '-')} applies to --algo dm only")
     try:
-        train(cfg, args.dataset, args.out, model_overrides=overrides, resume=args.resume)
+        train(cfg, args.dataset, args.out, model_overrides=overrides, resume=args.resume, env_id=args.env)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from e
 

@@ -137,9 +137,10 @@ def _write_json(path: Path, obj) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", required=True, help=".npz dataset from `python -m rl.generate`")
+    p.add_argument("--dataset", required=True, help="dataset: .npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
     p.add_argument("--weights", default="0,0.001,0.003,0.01", help="comma-separated capacity_cost_weight values")
     p.add_argument("--out", required=True, help="output directory (one JSON per weight + summary.json)")
+    p.add_argument("--env", default=None, help="environment id, for a dataset whose metadata names none (or another)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0, help="seeds the split, the model and the batches")
     p.add_argument("--val-fraction", type=float, default=0.2, help="fraction of trajectories held out")
@@ -174,6 +175,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: --weights must be non-negative numbers, got {args.weights!r}")
     try:
         ds = load_dataset(args.dataset)
+        if args.env is not None:
+            ds.metadata["env"] = args.env
         train_ds, val_ds = split_trajectories_dataset(ds, args.val_fraction, args.seed)
         cfg = TrainConfig(algo="dm", steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                           warmup_steps=args.warmup_steps, eval_episodes=0, checkpoint_every=args.steps)
