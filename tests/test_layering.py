@@ -64,7 +64,12 @@ def layer_violations(root: Path = ROOT) -> list[str]:
         for path in sorted((root / pkg).rglob("*.py")):
             if any(part.startswith(".") for part in path.relative_to(root).parts):
                 continue
-            for line, name in _imports(path, root):
+            try:
+                found = _imports(path, root)
+            except SyntaxError as e:
+                bad.append(f"{path.relative_to(root)}:{e.lineno}: cannot be parsed ({e.msg})")
+                continue
+            for line, name in found:
                 top = name.split(".")[0]
                 if top in NEVER_IMPORTED or (top in LAYERS and top != pkg and LAYERS[top] >= rank):
                     bad.append(f"{path.relative_to(root)}:{line}: {pkg} imports {name}")
