@@ -75,6 +75,22 @@ def _validate(model, batches: list[dict[str, torch.Tensor]], mode: str) -> tuple
     return se / n, (routed / tokens if tokens else float("nan"))
 
 
+@torch.no_grad()
+def _agreement(model, batches: list[dict[str, torch.Tensor]], mode: str) -> float:
+    """Fraction of valid tokens (all routed layers) on which the auxiliary selection equals ``mode``'s selection."""
+    model.eval()
+    same, tokens = 0.0, 0.0
+    for b in batches:
+        args = (b["states"], b["actions"], b["returns"], b["timesteps"])
+        _, aux = model(*args, valid_BT=b["valid"], mode="aux")
+        _, ref = model(*args, valid_BT=b["valid"], mode=mode)
+        v = b["valid"].repeat_interleave(3, 1)
+        for x, y in zip(aux, ref):
+            same += float(((x.mask == y.mask) & v).sum())
+            tokens += float(v.sum())
+    return same / tokens if tokens else float("nan")
+
+
 def run_weight(weight: float, train_ds: OfflineDataset, val_ds: OfflineDataset, *, cfg: TrainConfig,
                overrides: dict, val_batches: int = 8) -> dict:
     """Train a DM with ``capacity_cost_weight=weight`` and measure it on the validation trajectories."""
@@ -111,6 +127,7 @@ def run_weight(weight: float, train_ds: OfflineDataset, val_ds: OfflineDataset, 
         "val_action_mse_prefix": val_mse_prefix, "val_routed_fraction_prefix": routed_prefix,
         # train/eval gap: evaluation (auxiliary selection) minus the training selection, same model and segments
         "gap_action_mse": val_mse_aux - train_mode[0], "gap_routed_fraction": routed_aux - train_mode[1],
+        "val_aux_agreement": _agreement(model, batches, mcfg.train_selection),
         "model": config_to_dict(mcfg),
     }
 

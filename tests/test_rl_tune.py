@@ -80,6 +80,7 @@ def test_run_weight_reports_validation_metrics():
     assert r["gap_action_mse"] == pytest.approx(r["val_action_mse"] - r["val_action_mse_topk"])
     assert r["gap_routed_fraction"] == pytest.approx(r["val_routed_fraction"] - r["val_routed_fraction_topk"])
     assert 0.0 <= r["val_routed_fraction_prefix"] <= 1.0 and np.isfinite(r["val_action_mse_prefix"])
+    assert 0.0 <= r["val_aux_agreement"] <= 1.0
 
 
 def test_medium_is_searched_over_all_snapshots(tmp_path):
