@@ -257,6 +257,11 @@ def _is_scalar(v: Any) -> bool:
     return v is None or isinstance(v, (str, int, float, bool))
 
 
+def _inline_list(v: Any) -> bool:
+    """A list short enough for one line: scalars, none of them a phrase (a string with spaces)."""
+    return isinstance(v, list) and all(_is_scalar(x) and not (isinstance(x, str) and " " in x) for x in v)
+
+
 def _cell(v: Any) -> str:
     return " ".join(_scalar(v).replace("|", "\\|").split())
 
@@ -271,11 +276,11 @@ def _render(value: Any, indent: int = 0) -> list[str]:
     if _is_scalar(value):
         return [pad + _scalar(value)]
     if isinstance(value, list):
-        if all(_is_scalar(v) for v in value):
+        if _inline_list(value):
             return [pad + (", ".join(_scalar(v) for v in value) if value else "(empty)")]
         out = []
         for v in value:
-            if isinstance(v, dict) and all(_is_scalar(x) or isinstance(x, list) and all(map(_is_scalar, x)) for x in v.values()):
+            if isinstance(v, dict) and all(_is_scalar(x) or _inline_list(x) for x in v.values()):
                 out.append(pad + "- " + "; ".join(f"{k}: {_render(x)[0].strip()}" for k, x in v.items()))
                 continue
             sub = _render(v, indent + 1)
@@ -287,7 +292,7 @@ def _render(value: Any, indent: int = 0) -> list[str]:
             return ["| field | value |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in value.items()]
         out = []
         for k, v in value.items():
-            if _is_scalar(v) or (isinstance(v, list) and all(_is_scalar(x) for x in v)):
+            if _is_scalar(v) or _inline_list(v):
                 out.append(f"{pad}- {k}: {_render(v)[0].strip()}")
             else:
                 out.append(f"{pad}- {k}:")
@@ -298,7 +303,7 @@ def _render(value: Any, indent: int = 0) -> list[str]:
 
 def _field_lines(label: str, value: Any) -> list[str]:
     """``- **label**: value`` for a scalar or a list of scalars, a nested list below the label otherwise."""
-    if _is_scalar(value) or (isinstance(value, list) and all(_is_scalar(v) for v in value)):
+    if _is_scalar(value) or _inline_list(value):
         return [f"- **{label}**: {_render(value)[0]}"]
     if isinstance(value, dict) and len(value) >= 4 and all(_is_scalar(v) for v in value.values()):
         return [f"- **{label}**:", ""] + ["  " + line for line in _render(value)] + [""]
