@@ -50,6 +50,16 @@ def _dataset_path(data_dir: Path, name: str, steps: int, seed: int) -> Path:
     return path
 
 
+def _routing_overrides(args) -> dict:
+    """DM routing options given on the command line (absent: DMConfig's defaults)."""
+    out = {}
+    if getattr(args, "probe_tokens", None) is not None:
+        out["probe_tokens"] = args.probe_tokens
+    if getattr(args, "train_selection", None) is not None:
+        out["train_selection"] = args.train_selection
+    return out
+
+
 def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
     from rl.evaluate import load_policy, evaluate_returns
     from rl.references import normalized_score
@@ -62,6 +72,7 @@ def _run_ours(algo, path, seed, args, workdir: Path) -> dict:
         overrides["routed_layers"] = tuple(int(x) for x in args.routed_layers.split(","))
         if args.capacity_cost is not None:
             overrides["capacity_cost_weight"] = args.capacity_cost
+        overrides.update(_routing_overrides(args))
     cfg = TrainConfig(algo=algo, steps=args.steps, seed=seed, batch_size=args.batch_size, lr=args.lr,
                       warmup_steps=min(args.warmup, args.steps), log_every=max(1, min(100, args.steps // 4)),
                       eval_episodes=0, checkpoint_every=min(1_000, args.steps), segment_anchor=args.segment_anchor)
@@ -116,6 +127,7 @@ def _timing(path, args) -> dict:
         cases[f"dt-{args.dm_layers}L"] = ("dt", {**base, "num_layers": args.dm_layers})
     if args.capacity_cost is not None:
         cases["dm"][1]["capacity_cost_weight"] = args.capacity_cost
+    cases["dm"][1].update(_routing_overrides(args))
     total = max(args.timing_warmup, args.timing_steps) + args.timing_steps
     trainers = {}
     for name, (algo, ov) in cases.items():
@@ -241,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our models' training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     p.add_argument("--capacity-cost", type=float, default=None,
                    help="DM capacity_cost_weight (default: DMConfig's); choose it with `python -m rl.tune`")
+    p.add_argument("--probe-tokens", type=int, default=None,
+                   help="DM probe_tokens (default: DMConfig's, 4; results recorded before the option used 0)")
+    p.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
+                   help="DM routing in training (default: DMConfig's, top-k over the segment)")
     p.add_argument("--timing-warmup", type=int, default=500,
                    help="with --timing-steps: untimed steps before the second timed phase (DM at its learned capacity)")
     p.add_argument("--timing-steps", type=int, default=0,

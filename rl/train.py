@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rl.data import OfflineDataset, check_env_compat, load_dataset, returns_to_go
-from rl.models import DMConfig, DTConfig, build_model, config_to_dict
+from rl.models import DMConfig, DTConfig, build_model, config_from_dict, config_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -251,10 +251,11 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
     metrics_path = out / "metrics.jsonl"
     if resume and ckpt_path.exists():
         st = torch.load(ckpt_path, weights_only=False)
-        if st["train_config"]["algo"] != cfg.algo or st["model_config"] != config_to_dict(mcfg):
+        # a config saved before a later option gets the value it was trained with (config_from_dict)
+        saved = config_to_dict(config_from_dict(st["train_config"]["algo"], st["model_config"]))
+        if st["train_config"]["algo"] != cfg.algo or saved != config_to_dict(mcfg):
             now = config_to_dict(mcfg)
-            diff = {k: (st["model_config"].get(k), now.get(k)) for k in sorted(set(now) | set(st["model_config"]))
-                    if st["model_config"].get(k) != now.get(k)}
+            diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(now) | set(saved)) if saved.get(k) != now.get(k)}
             raise ValueError(f"--resume: {str(out)!r} was trained with a different algo or model config "
                              f"(saved, now): {diff}")
         saved_anchor = st["train_config"].get("segment_anchor", "start")  # checkpoints from before the option

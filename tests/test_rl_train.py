@@ -157,3 +157,20 @@ def test_resume_refuses_another_segment_anchor(tmp_path):
     with pytest.raises(ValueError, match="segment_anchor='start', not 'end'"):
         train(TrainConfig(steps=2, segment_anchor="end", **common), path, tmp_path / "run", model_overrides=TINY,
               resume=True, progress=False)
+
+
+def test_resume_of_a_run_saved_before_the_routing_options(tmp_path):
+    """A checkpoint whose model config predates probe_tokens/train_selection was trained with the one-sided
+    gradient: it resumes with --probe-tokens 0, and the default (4) is refused naming the difference."""
+    path = save_dataset(tmp_path / "d.npz", _hopper_like(np.random.default_rng()))
+    common = dict(algo="dm", seed=0, batch_size=4, log_every=1, eval_episodes=0, checkpoint_every=2, warmup_steps=1)
+    legacy = dict(TINY, routed_layers=(1,), probe_tokens=0)
+    train(TrainConfig(steps=2, **common), path, tmp_path / "run", model_overrides=legacy, progress=False)
+    st = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    del st["model_config"]["probe_tokens"], st["model_config"]["train_selection"]
+    torch.save(st, tmp_path / "run" / "checkpoint.pt")
+    with pytest.raises(ValueError, match=r"'probe_tokens': \(0, 4\)"):
+        train(TrainConfig(steps=4, **common), path, tmp_path / "run", model_overrides=dict(legacy, probe_tokens=None),
+              resume=True, progress=False)
+    train(TrainConfig(steps=4, **common), path, tmp_path / "run", model_overrides=legacy, resume=True, progress=False)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["step"] == 4
