@@ -44,7 +44,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="In-context classification of large tables, scikit-learn compatible.",
         package="tabular/",
         ui_module="apps.tabicl.ui",
-        status="works; both accuracy targets met in context (twelve-table mean 0.929, HistGradientBoosting 0.924) and 500K-row tables predicted within a 4 GB budget",
+        status="works; both accuracy targets met in context (twelve-table mean 0.929, HistGradientBoosting 0.924); 500K × 100 tables predicted with 4.9 GB peak memory",
     ),
     AppSpec(
         key="querent",
