@@ -142,8 +142,12 @@ def _evaluate(model, tok, examples, classes, bins, device, label_idx) -> tuple[d
     return m, feats
 
 
-def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Run (or resume) one fine-tuning run; returns the final ``ncal.json`` metadata (with test metrics)."""
+def train(cfg: TrainConfig, *, progress: bool = True,
+          examples: tuple[list[Example], list[Example] | None, tuple[str, ...]] | None = None) -> dict:
+    """Run (or resume) one fine-tuning run; returns the final ``ncal.json`` metadata (with test metrics).
+
+    ``examples``: ``(train, test or None, classes)`` given in memory (then ``cfg.dataset`` is only a name).
+    """
     from tqdm.auto import tqdm
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -159,7 +163,10 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    train_ex, test_ex, classes, ds_name = load_data(cfg.dataset, cfg.test, cfg.context)
+    if examples is None:
+        train_ex, test_ex, classes, ds_name = load_data(cfg.dataset, cfg.test, cfg.context)
+    else:
+        (train_ex, test_ex, classes), ds_name = examples, cfg.dataset
     label_idx = {c: k for k, c in enumerate(classes)}
     bins = longtail_bins([e.label for e in train_ex], classes)
     counts = Counter(e.label for e in train_ex)

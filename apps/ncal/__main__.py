@@ -1,0 +1,5 @@
+"""NCAL demo alone: ``python -m apps.ncal`` serves the NCAL tab on 127.0.0.1:7860."""
+from apps.hub import main
+
+if __name__ == "__main__":
+    main(app="ncal")

@@ -1,0 +1,170 @@
+"""Gradio tab: type or pick a maths word problem or a dialogue turn → class probabilities from the shipped NCAL
+model; beside it the shipped run's class-mean cosine matrix next to the ideal simplex ETF, and its NC1/NC2
+curves over training."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_ui", "run_classify", "collapse_figure", "curves_figure", "EXAMPLE", "examples_for"]
+
+KEY = "ncal"
+EXAMPLE = {"model": "tmwpl", "pick": 0}
+N_PICKS = 3  # test items offered per class
+
+
+def examples_for(model: str) -> list[tuple[str, str, dict]]:
+    """``(label, true class, fields)`` of a few test items per class of a shipped set (raw fields, for the form)."""
+    from apps.ncal.data import DATA_DIR, resolve_dataset
+
+    spec = resolve_dataset(model)
+    per: dict[str, int] = {}
+    out = []
+    with open(DATA_DIR / spec.test, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            c = rec["class"]
+            if per.get(c, 0) >= N_PICKS:
+                continue
+            per[c] = per.get(c, 0) + 1
+            if "question" in rec:
+                fields = {"text": rec["question"], "speaker": None, "previous": "", "previous_speaker": None}
+            else:
+                hist = [next(iter(t.items())) for t in rec.get("dialog_history") or []]
+                i = 1 if len(hist) == 3 else 0
+                who = hist[i][0] if hist else None
+                prev = hist[i - 1] if i >= 1 else (None, "")
+                fields = {"text": rec["dialog_content"], "speaker": who, "previous": prev[1], "previous_speaker": prev[0]}
+            short = fields["text"].replace("\n", " ")
+            out.append((f"[{c}] {short[:40]}{'…' if len(short) > 40 else ''}", c, fields))
+    return sorted(out, key=lambda e: spec.classes.index(e[1]))
+
+
+def _shipped_dir(model: str):
+    from apps.ncal.estimator import resolve_checkpoint
+
+    return resolve_checkpoint(model)
+
+
+def run_classify(model: str, text: str, speaker: str | None = None, previous: str = "",
+                 previous_speaker: str | None = None):
+    """Returns (probabilities {class: p}, status text). Validates the text; dialogue fields only for ``pmtd``."""
+    from apps.ncal.data import check_texts, format_turn
+    from apps.ncal.predict import cached_checkpoint, classify
+
+    check_texts([text or ""])
+    if model == "pmtd":
+        text = format_turn(text, speaker=speaker or None, previous=previous or None,
+                           previous_speaker=previous_speaker or None)
+    probs = classify(model, [text])[0]
+    meta = cached_checkpoint(model).meta
+    best = max(probs, key=probs.get)
+    t = meta.get("test") or {}
+    status = (f"Done: **{best}** ({probs[best]:.1%}). Model: {model} ({meta['loss']['name']} loss, "
+              f"{meta.get('steps', '?')} steps); its test accuracy {t.get('accuracy', float('nan')):.3f}, "
+              f"macro-F1 {t.get('macro_f1', float('nan')):.3f}.")
+    return probs, status
+
+
+def collapse_figure(model: str):
+    """Matplotlib figure: the shipped model's centred class-mean cosines on its test set beside the ETF's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from core.collapse import etf_gram
+
+    folder = _shipped_dir(model)
+    col = json.loads((folder / "collapse.json").read_text(encoding="utf-8"))
+    cos = np.array([[np.nan if v is None else v for v in row] for row in col["cosines"]], dtype=float)
+    K = cos.shape[0]
+    ideal = etf_gram(K).numpy()
+    fig, axes = plt.subplots(1, 2, figsize=(8.5, 4))
+    for ax, m, title in ((axes[0], cos, f"class means, test set (NC2 {col['nc2']:.2f})"), (axes[1], ideal, "simplex ETF")):
+        im = ax.imshow(m, vmin=-1, vmax=1, cmap="RdBu_r")
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(range(K)); ax.set_yticks(range(K))
+        ax.set_xticklabels([str(k) for k in range(K)], fontsize=7); ax.set_yticklabels([str(k) for k in range(K)], fontsize=7)
+    fig.colorbar(im, ax=axes, shrink=0.8)
+    return fig
+
+
+def curves_figure(model: str):
+    """NC1 and NC2 (train sample and test) per epoch of the shipped run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = _shipped_dir(model)
+    recs = [json.loads(line) for line in (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    ep = [r["epoch"] for r in recs]
+    fig, axes = plt.subplots(1, 2, figsize=(8.5, 3.2))
+    for ax, key in ((axes[0], "nc1"), (axes[1], "nc2")):
+        ax.plot(ep, [r.get(f"train_{key}") for r in recs], "o-", label="train sample")
+        ax.plot(ep, [r.get(f"test_nc_{key}") for r in recs], "s--", label="test")
+        ax.set_xlabel("epoch"); ax.set_title(key.upper(), fontsize=9); ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def build_ui() -> None:
+    import gradio as gr
+
+    from apps.ncal.data import DATASETS
+
+    gr.Markdown("## NCAL\nLong-tailed classification of Chinese educational text: maths word problems → TIMSS "
+                "cognitive level (TMWPL), teacher–student dialogue turns → dialogue act (PMTD). The shipped models "
+                "are a small character transformer pretrained here and fine-tuned with the text-collapse (TC) "
+                "regularizer. For a dialogue turn, give its speaker and the previous turn (the next turn is not used).")
+    picks0 = examples_for(EXAMPLE["model"])
+    with gr.Row():
+        model = gr.Dropdown(list(DATASETS), value=EXAMPLE["model"], label="model")
+        pick = gr.Dropdown([p[0] for p in picks0], value=None, label="or pick a test item ([true class] text)")
+    text = gr.Textbox(label="problem or dialogue turn", lines=3)
+    with gr.Row():
+        speaker = gr.Dropdown(["", "teacher", "student"], value="", label="speaker (PMTD)")
+        previous = gr.Textbox(label="previous turn (PMTD)", lines=1)
+        prev_speaker = gr.Dropdown(["", "teacher", "student"], value="", label="previous speaker (PMTD)")
+    with gr.Row():
+        run = gr.Button("Classify", variant="primary")
+        example = gr.Button("Run the bundled example (a TMWPL test problem)", elem_id=f"{KEY}-example")
+    status = gr.Markdown(elem_id=f"{KEY}-status")
+    probs = gr.Label(label="class probabilities", num_top_classes=8)
+    with gr.Row():
+        cos_plot = gr.Plot(label="class-mean cosines vs the ideal ETF")
+        nc_plot = gr.Plot(label="NC1 / NC2 over training (shipped run)")
+
+    def _model_changed(m):
+        try:
+            return gr.update(choices=[p[0] for p in examples_for(m)], value=None), collapse_figure(m), curves_figure(m)
+        except (ValueError, FileNotFoundError) as err:
+            raise gr.Error(str(err)) from err
+
+    def _picked(m, label):
+        for lab, _, f in examples_for(m):
+            if lab == label:
+                return f["text"], f["speaker"] or "", f["previous"] or "", f["previous_speaker"] or ""
+        return gr.update(), gr.update(), gr.update(), gr.update()
+
+    def _run(m, t, sp, pv, psp):
+        try:
+            return run_classify(m, t, sp or None, pv or "", psp or None)
+        except (ValueError, FileNotFoundError) as err:
+            raise gr.Error(str(err)) from err
+
+    def _example():
+        m = EXAMPLE["model"]
+        lab, _, f = examples_for(m)[EXAMPLE["pick"]]
+        p, s = _run(m, f["text"], None, "", None)
+        return m, f["text"], p, s, collapse_figure(m), curves_figure(m)
+
+    model.change(_model_changed, model, [pick, cos_plot, nc_plot], api_name=f"{KEY}_model")
+    pick.change(_picked, [model, pick], [text, speaker, previous, prev_speaker], api_name=f"{KEY}_pick")
+    run.click(_run, [model, text, speaker, previous, prev_speaker], [probs, status], api_name=f"{KEY}_run")
+    example.click(_example, None, [model, text, probs, status, cos_plot, nc_plot], api_name=f"{KEY}_example")

@@ -1,0 +1,129 @@
+"""apps.ncal.data and apps.ncal.tokenizer: the shipped sets, validation of bad input, PMTD context, bins."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from apps.ncal.data import (
+    DATA_DIR,
+    DATASETS,
+    check_texts,
+    format_turn,
+    load_split,
+    longtail_bins,
+    read_jsonl,
+    resolve_dataset,
+)
+from apps.ncal.tokenizer import SPECIALS, CharTokenizer, normalize
+
+
+@pytest.mark.parametrize("name,n_train,n_test,top,bottom", [("tmwpl", 8262, 350, ("回忆", 4995), ("分析", 166)),
+                                                             ("pmtd", 3894, 320, ("R-FR", 974), ("R-RR", 22))])
+def test_shipped_sets(name, n_train, n_test, top, bottom):
+    tr, classes = load_split(name, "train")
+    te, _ = load_split(name, "test")
+    assert len(tr) == n_train and len(te) == n_test
+    counts = Counter(e.label for e in tr)
+    assert counts.most_common(1)[0] == top and min(counts.items(), key=lambda kv: kv[1]) == bottom
+    assert set(Counter(e.label for e in te).values()) == {n_test // len(classes)}  # balanced test split
+    assert set(counts) == set(classes) == set(DATASETS[name].classes)
+
+
+def test_longtail_bins_from_train_counts():
+    tr, classes = load_split("tmwpl", "train")
+    bins = longtail_bins([e.label for e in tr], classes)
+    assert bins == {"回忆": "head", "识别": "medium", "表征建模": "medium", "选取策略": "medium",
+                    "过程实施": "tail", "推断": "tail", "分析": "tail"}
+    tr, classes = load_split("pmtd", "train")
+    bins = longtail_bins([e.label for e in tr], classes)
+    assert [c for c in classes if bins[c] == "tail"] == ["I-H", "R-RR"]
+    assert longtail_bins(["a"] * 10 + ["b"] * 5 + ["c"], ("a", "b", "c", "d")) == {
+        "a": "head", "b": "head", "c": "medium", "d": "tail"}
+
+
+def _pmtd_rec(content, history, cls="I-Q"):
+    return {"id": "x", "dialog_content": content, "class": cls, "dialog_history": history}
+
+
+def test_pmtd_context_never_uses_the_next_turn_by_default(tmp_path):
+    p = tmp_path / "d.jsonl"
+    rec = _pmtd_rec("这道题你会吗？", [{"student": "老师好。"}, {"teacher": "这道题你会吗？"}, {"student": "答案是五。"}])
+    p.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
+    past = read_jsonl(p)[0].text
+    assert past == "学生：老师好。\n老师：这道题你会吗？"
+    assert "答案是五" not in past
+    assert "答案是五" in read_jsonl(p, context="window")[0].text
+    assert read_jsonl(p, context="none")[0].text == "老师：这道题你会吗？"
+
+
+def test_shipped_pmtd_texts_end_with_their_turn():
+    rows = [json.loads(line) for line in open(DATA_DIR / "PMTD_test.jsonl", encoding="utf-8")]
+    ex, _ = load_split("pmtd", "test")
+    for r, e in zip(rows, ex):
+        lines = e.text.split("\n")
+        assert len(lines) <= 2  # previous turn + the turn, never a third (future) one
+        assert lines[-1].endswith(r["dialog_content"].strip())
+        assert lines[-1] == format_turn(r["dialog_content"], speaker=next(iter(r["dialog_history"][1])))
+
+
+def test_format_turn_refuses_unknown_speaker():
+    with pytest.raises(ValueError, match="speaker must be one of"):
+        format_turn("好", speaker="parent")
+
+
+@pytest.mark.parametrize("content,match", [
+    (b'{"id": 1, "question": "abc", "class": "\xff\xfe"}\n', "line 2: not UTF-8"),
+    (b'{"id": 1, "text": "abc", "class": "x"}\n', "line 2: missing the text field"),
+    (b'{"id": 1, "question": "   ", "class": "x"}\n', "line 2: field 'question' must be non-empty"),
+    (b'{"id": 1, "question": "abc", "class": "nope"}\n', "line 2: label 'nope' is not one of the classes"),
+    (b'{"id": 1, "question": "abc"}\n', "line 2: missing field 'class'"),
+    (b'[1, 2]\n', "line 2: expected a JSON object"),
+    (b'{"id": 1, "question": \n', "line 2: not valid JSON"),
+])
+def test_bad_lines_name_their_line(tmp_path, content, match):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes('{"id": 0, "question": "一加一", "class": "回忆"}\n'.encode() + content)
+    with pytest.raises(ValueError, match=match):
+        read_jsonl(p, classes=DATASETS["tmwpl"].classes)
+
+
+def test_unlabelled_lines_allowed_when_asked(tmp_path):
+    p = tmp_path / "u.jsonl"
+    p.write_text('{"question": "一加一"}\n\n{"question": "二加二"}\n', encoding="utf-8")
+    ex = read_jsonl(p, require_label=False)
+    assert [e.label for e in ex] == [None, None] and [e.line for e in ex] == [1, 3]
+
+
+def test_unknown_dataset_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown dataset 'nope'.*pmtd.*tmwpl"):
+        resolve_dataset("nope")
+    with pytest.raises(FileNotFoundError):
+        read_jsonl(tmp_path / "none.jsonl")
+
+
+def test_check_texts():
+    assert check_texts(["一", "二".encode()]) == ["一", "二"]
+    with pytest.raises(ValueError, match="text 1: empty"):
+        check_texts(["ok", "  \n"])
+    with pytest.raises(ValueError, match="text 0: not UTF-8"):
+        check_texts([b"\xff"])
+    with pytest.raises(ValueError, match="single string"):
+        check_texts("一个")
+
+
+def test_char_tokenizer_roundtrip_and_truncation(tmp_path):
+    tok = CharTokenizer.train(["小明有３个苹果", "小红有5个梨", "小明"], min_freq=1, max_length=6)
+    assert tuple(tok.vocab[:5]) == SPECIALS
+    assert normalize("３ Ａ\t b") == "3 a b"
+    ids = tok.ids("小明有3个苹果")
+    assert len(ids) == 6 and ids[0] == tok.cls_id and ids[-1] == tok.sep_id
+    assert ids[1:-1] == [tok.index[c] for c in "3个苹果"]  # the end of the text is kept
+    assert tok.ids("猫")[1] == tok.unk_id
+    b = tok.batch(["小明", "小明有3个"])
+    assert b["input_ids"].shape == (2, 6) and b["attention_mask"].sum(1).tolist() == [4, 6]
+    tok.save(tmp_path / "tokenizer.json")
+    tok2 = CharTokenizer.load(tmp_path / "tokenizer.json")
+    assert tok2.vocab == tok.vocab and tok2.max_length == 6
