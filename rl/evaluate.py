@@ -41,12 +41,17 @@ class EpisodeResult:
 @torch.no_grad()
 def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed: int = 0,
             max_steps: int | None = None, render: bool = False, render_every: int = 1,
-            width: int = 320, height: int = 240, progress=None) -> EpisodeResult:
+            width: int = 320, height: int = 240, progress=None, routing: str = "aux") -> EpisodeResult:
     """Run ``episodes`` episodes with ``model`` conditioned on ``target_return``.
+
+    ``routing`` is the routed layers' causal selection when acting: ``"aux"`` (the auxiliary predictor, the
+    default) or ``"prefix"`` (causal prefix top-k, what a DM trained with ``train_selection="prefix"`` used).
 
     With ``render=True`` only one episode may run; frames come from MuJoCo's offscreen renderer
     (``MUJOCO_GL=egl`` on a machine without a display).
     """
+    if routing not in ("aux", "prefix"):
+        raise ValueError(f"routing must be 'aux' or 'prefix' (causal selections), got {routing!r}")
     model.eval()
     cfg = model.config
     K = cfg.context
@@ -81,7 +86,7 @@ def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed
         actions = torch.cat([actions, torch.zeros(E, 1, A)], 1)[:, -K:]
         rtg = torch.cat([rtg, cur_rtg[:, None]], 1)[:, -K:]
         times = torch.cat([times, torch.full((E, 1), t, dtype=torch.long)], 1)[:, -K:]
-        pred, infos = model(states, actions, rtg, times, mode="aux")
+        pred, infos = model(states, actions, rtg, times, mode=routing)
         a = pred[:, -1]
         if infos:
             # newest return and state tokens sit at positions -3 and -2 of the 3T sequence
@@ -115,12 +120,13 @@ def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed
 
 
 def evaluate_returns(model, env_id: str, *, target_return: float, episodes: int, seed: int = 0,
-                     batch: int = 10) -> np.ndarray:
-    """Returns of ``episodes`` episodes, run ``batch`` at a time."""
+                     batch: int = 10, routing: str = "aux") -> np.ndarray:
+    """Returns of ``episodes`` episodes, run ``batch`` at a time (``routing``: see :func:`rollout`)."""
     out = []
     for start in range(0, episodes, batch):
         n = min(batch, episodes - start)
-        out.append(rollout(model, env_id, target_return=target_return, episodes=n, seed=seed + start).returns)
+        out.append(rollout(model, env_id, target_return=target_return, episodes=n, seed=seed + start,
+                           routing=routing).returns)
     return np.concatenate(out)
 
 
@@ -195,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=10, help="environments stepped together")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--video", default=None, help="also run one rendered episode (first target) and write it here (.mp4)")
+    p.add_argument("--routing", choices=("aux", "prefix"), default="aux",
+                   help="DM routing when acting: the auxiliary predictor (default) or causal prefix top-k")
     p.add_argument("--threads", type=int, default=1)
     return p
 
@@ -208,14 +216,16 @@ def main(argv=None) -> None:
     targets = args.target_return or info.get("eval_targets") or [3600.0]
     results = []
     for tr in targets:
-        rets = evaluate_returns(model, env_id, target_return=tr, episodes=args.episodes, seed=args.seed, batch=args.batch)
+        rets = evaluate_returns(model, env_id, target_return=tr, episodes=args.episodes, seed=args.seed, batch=args.batch,
+                                routing=args.routing)
         scores = normalized_score(env_id, rets)
         results.append({"target_return": tr, "returns": rets.tolist(), "return_mean": float(rets.mean()),
                         "score_mean": float(scores.mean()), "score_std": float(scores.std())})
         print(f"{env_id} target {tr:g}: return {rets.mean():.1f} ± {rets.std():.1f}, "
               f"normalized score {scores.mean():.1f} ± {scores.std():.1f} over {len(rets)} episodes")
     if args.video:
-        ep = rollout(model, env_id, target_return=targets[0], episodes=1, seed=args.seed, render=True)
+        ep = rollout(model, env_id, target_return=targets[0], episodes=1, seed=args.seed, render=True,
+                     routing=args.routing)
         path = write_video(ep.frames, args.video)
         print(f"video of one episode (return {ep.returns[0]:.1f}, {ep.lengths[0]} steps): {path}")
     if args.json:

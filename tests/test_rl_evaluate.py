@@ -57,3 +57,25 @@ def test_rendering_then_loading_triton_does_not_crash(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stderr[-800:])
+
+
+def test_prefix_routing_when_acting(policy):
+    """``routing="prefix"`` acts with causal prefix top-k: the routed flags it records are those of a forward pass
+    with mode "prefix" on the same window; an unknown routing is refused."""
+    model, info = policy
+    res = rollout(model, info["env"], target_return=1000.0, episodes=2, seed=5, max_steps=6, routing="prefix")
+    assert res.routed is not None and res.routed.shape[:3] == (2, 6, len(info["model"]["routed_layers"]))
+    # first step: the window is (R_0, s_0, a_0 placeholder); the newest return/state flags come from that pass
+    from rl.envs import make_env
+
+    env = make_env(info["env"])
+    obs, _ = env.reset(seed=5)
+    env.close()
+    S, A = model.config.state_dim, model.config.act_dim
+    with torch.no_grad():
+        _, infos = model(torch.as_tensor(obs, dtype=torch.float32).view(1, 1, S), torch.zeros(1, 1, A),
+                         torch.full((1, 1, 1), 1000.0), torch.zeros(1, 1, dtype=torch.long), mode="prefix")
+    want = np.stack([i.mask[0, :2].numpy() for i in infos])
+    np.testing.assert_array_equal(res.routed[0, 0], want)
+    with pytest.raises(ValueError, match="routing must be 'aux' or 'prefix'"):
+        rollout(model, info["env"], target_return=1000.0, episodes=1, max_steps=2, routing="topk")
