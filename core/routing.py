@@ -20,8 +20,9 @@ Selections (``mode``):
         predict), which no policy can see when acting.
     ``"prefix"``: causal prefix top-k: token ``i`` is routed when its rank among the scores of tokens ``0..i``
         (ties to the earlier token) is below ``c_i * n_i - 0.5``, ``n_i`` the valid tokens up to ``i`` and ``c_i``
-        the capacity predicted from them: the top ``c_i`` fraction of every prefix. The decision depends on tokens ``<= i`` only, so training can use the
-        selection that acting can (``RoutingConfig.train_selection = "prefix"``); the count per sample varies.
+        the capacity predicted from them: the top ``c_i`` fraction of every prefix. The decision depends on
+        tokens ``<= i`` only, so training can use the selection that acting can
+        (``RoutingConfig.train_selection = "prefix"``); the count per sample varies.
     ``"aux"``: the auxiliary predictor's per-token decision (evaluation).
     ``"auto"``: ``train_selection`` in ``train()``, ``"aux"`` in ``eval()``.
 
@@ -90,8 +91,10 @@ class RoutingConfig:
     soft_rank_temperature: float = 2.0  # T of the straight-through soft mask, in ranks (larger: more tokens get gradient)
     aux_hidden: int = 64  # width of the auxiliary selection predictor's hidden layer
     aux_threshold: float = 0.5  # probability above which the auxiliary predictor selects a token at evaluation
-    probe_tokens: int = 4  # unselected tokens past the cut that run the block for the capacity gradient only (0: one-sided, selected tokens only); 4 = 2T covers the soft mask's slope
-    train_selection: str = "topk"  # selection of mode "auto" in train(): "topk" (whole sequence) or "prefix" (causal prefix top-k)
+    # unselected tokens past the cut that run the block for the capacity gradient only (0: one-sided, through
+    # selected tokens only, which cannot learn that adding a token helps); 4 = 2 T covers the soft mask's slope
+    probe_tokens: int = 4
+    train_selection: str = "topk"  # mode "auto" in train(): "topk" (whole sequence) or "prefix" (causal prefix top-k)
 
     def __post_init__(self) -> None:
         if self.dim <= 0:

@@ -72,8 +72,12 @@ class DMConfig(DTConfig):
     min_capacity: float = 0.1  # bounds of the predicted capacity
     max_capacity: float = 1.0
     soft_rank_temperature: float = 2.0  # straight-through soft-mask temperature, in ranks
-    probe_tokens: int = 4  # unselected tokens past the cut that run a routed block for the capacity gradient only (0: gradient through selected tokens only, which cannot learn that adding a token helps)
-    train_selection: str = "topk"  # training selection: "topk" over the whole segment (sees later tokens) or "prefix" (causal prefix top-k, what acting can see)
+    # unselected tokens past the cut that run a routed block for the capacity gradient only (core.routing); 0: the
+    # gradient reaches capacity through selected tokens only and cannot learn that adding a token helps
+    probe_tokens: int = 4
+    # routing in training: "topk" over the whole segment (later tokens, the predicted action among them, decide
+    # whether a state token is routed) or "prefix" (causal prefix top-k: what acting can see)
+    train_selection: str = "topk"
     router_hidden: int = 64  # width of the capacity and auxiliary predictors
     aux_loss_weight: float = 0.1  # weight of the auxiliary predictor's BCE in the training loss
     capacity_cost_weight: float = 0.0  # weight of the mean predicted capacity (compute cost) in the loss; 0 chosen by `python -m rl.tune` on hopper-medium (rl/README.md)

@@ -50,7 +50,8 @@ def routing_fractions(model, batch: dict[str, torch.Tensor],
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.routing_stats", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="DM training directory or shipped DM policy")
-    p.add_argument("--dataset", required=True, help="dataset: .npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
+    p.add_argument("--dataset", required=True,
+                   help=".npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
     p.add_argument("--segments", type=int, default=256, help="random training segments")
     p.add_argument("--seed", type=int, default=123, help="seed of the segment sampler")
     p.add_argument("--json", default=None, help="also write the fractions to this JSON file")

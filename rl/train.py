@@ -327,7 +327,8 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.train", description="Train a Decision Transformer / Mixer offline.")
     p.add_argument("--algo", choices=("dm", "dt"), required=True)
-    p.add_argument("--dataset", required=True, help="dataset: .npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
+    p.add_argument("--dataset", required=True,
+                   help=".npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
     p.add_argument("--steps", type=int, required=True, help="total gradient steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")

@@ -154,7 +154,8 @@ def _write_json(path: Path, obj) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", required=True, help="dataset: .npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
+    p.add_argument("--dataset", required=True,
+                   help=".npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
     p.add_argument("--weights", default="0,0.001,0.003,0.01", help="comma-separated capacity_cost_weight values")
     p.add_argument("--out", required=True, help="output directory (one JSON per weight + summary.json)")
     p.add_argument("--env", default=None, help="environment id, for a dataset whose metadata names none (or another)")
