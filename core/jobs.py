@@ -330,11 +330,25 @@ class FileLock:
         logger.info("took over a stale lock %s (%s)", self.path, info)
         return True
 
+    def _clear_dead_temps(self) -> None:
+        """Remove temps of this lock (``.<name>.<host>.<pid>.<rand>.tmp[.broken]``) left by killed processes."""
+        d, b = os.path.split(self.path)
+        for tmp in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(b)}.*.tmp*")):
+            rest = os.path.basename(tmp)[len(b) + 2:].removesuffix(".broken").removesuffix(".tmp")
+            host, pid, _ = (rest.rsplit(".", 2) + ["", ""])[:3] if rest.count(".") >= 2 else ("", "", "")
+            try:
+                old = time.time() - os.path.getmtime(tmp) > self.stale_after
+            except FileNotFoundError:
+                continue
+            if old or (host == _HOST and pid.isdigit() and not _pid_alive(int(pid))):
+                _unlink(tmp)
+
     def acquire(self) -> bool:
         """Take the lock (breaking a stale one); False if another live process holds it."""
         if self.held:
             return True
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self._clear_dead_temps()
         self.token = uuid.uuid4().hex
         info = self._info(time.time())
         for _ in range(3):
@@ -490,10 +504,13 @@ class _Worker:
             raise exc
         return payload
 
-    def run(self, item: Item) -> dict:
+    def ensure_started(self) -> None:
         if self.proc is None or not self.proc.is_alive():
             self.close()
             self._start()
+
+    def run(self, item: Item) -> dict:
+        self.ensure_started()
         self.conn.send(item)
         if not self.conn.poll(self.time_limit):
             self.close()
@@ -611,6 +628,8 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
                     logger.warning("redoing %s (settings differ: %s)", p, "; ".join(diffs[:6]))
                     _unlink(p)
                 remove_temps(outs)
+                if worker is not None:
+                    worker.ensure_started()  # its start (imports, setup) counts neither as the item's time nor limit
                 t0 = time.perf_counter()
                 fields = worker.run(it) if worker is not None else job.process(it)
                 fields = dict(fields or {})

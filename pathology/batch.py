@@ -1,38 +1,47 @@
 """Batch slide processing: tissue segmentation, patch coordinates and patch features for a folder of slides.
 
 ``python -m pathology.batch --slides DIR --out DIR [--task seg|coords|feat|all] [--mpp 0.5]
-[--patch-size 256] [--encoder NAME] [--weights PATH] [--shard I/N] [--skip-errors] [--workers K]``
+[--patch-size 256] [--encoder NAME] [--weights PATH] [--encoder-kwargs JSON] [--allow-partial-weights]
+[--shard I/N] [--skip-errors] [--overwrite] [--time-limit SECONDS] [--workers K]``
 
 Outputs under ``--out``:
 - ``seg/<slide>.png`` thumbnail with the tissue mask (green) and the patch grid (blue), ``seg/<slide>_mask.png``
   the mask itself;
 - ``patches/<slide>.h5`` ``coords`` (N, 2) level-0 (x, y), attrs ``patch_size``, ``patch_level``, ``mpp``;
 - ``features/<encoder>/<slide>.h5`` ``coords`` + ``features`` (N, D) (CLAM layout);
-- ``manifest.csv`` (``manifest_<I>of<N>.csv`` with ``--shard``): one row per slide with its status;
+- ``manifest.csv`` (``manifest_<I>of<N>.csv`` with ``--shard``): one row per slide with its status and the
+  fingerprint of its settings;
 - ``failures.log``: tracebacks of failed slides; ``locks/``: lock files of slides in progress.
 
-Every output is written to a temp file and renamed, so a killed run leaves no partial file; a rerun
-skips finished outputs and takes over locks whose process is gone.
+Settings: every output stores the settings it was made with (root attrs ``settings`` (JSON) and
+``settings_fingerprint`` of the h5 files; text chunks of the same names in the mask PNG): the slide's µm/px and
+the tissue settings (mask), plus ``--mpp``, ``--patch-size``, ``--min-tissue`` (coords), plus the encoder's
+identity: name, weights file, ``--encoder-kwargs`` (features). A rerun whose settings differ from an existing
+output's refuses before any work and names the differences; ``--overwrite`` redoes those outputs, or choose a new
+``--out``. Finished outputs with the same settings are kept.
+
+Every output is written to a temp file and renamed, so a killed run leaves no partial file; a rerun skips
+finished outputs and takes over locks whose process is gone (or whose heartbeat stopped, on another host).
+The job machinery (shards, locks, manifest, time limit, fingerprints) is :mod:`core.jobs`.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import dataclasses
+import inspect
 import json
 import logging
 import os
 import re
-import socket
 import sys
-import time
-import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from pathology.patching import _atomic_target
+from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, canonical_settings, file_identity,
+                       job_config_from_args, run_job, settings_fingerprint)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +50,6 @@ __all__ = ["BatchConfig", "list_slides", "run_batch", "build_parser", "main", "S
 SLIDE_EXTENSIONS = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif",
                     ".dcm", ".czi", ".png", ".jpg", ".jpeg")
 TASKS = ("seg", "coords", "feat", "all")
-MANIFEST_FIELDS = ["slide_id", "path", "status", "task", "n_patches", "patches_per_s", "seconds", "error"]
 
 
 @dataclass(kw_only=True)
@@ -57,8 +65,13 @@ class BatchConfig:
     slide_mpp: float | None = None  # override of the slides' own µm/px (for files without it)
     encoder: str = "default"  # patch encoder registry name
     weights: str | None = None  # local weights file for the encoder
+    encoder_kwargs: dict = field(default_factory=dict)  # constructor keywords of the encoder (part of its settings)
+    strict: bool = True  # weights must fill every encoder key (False: load what fits, log what is missing)
     shard: tuple[int, int] = (0, 1)  # (index, count): this process handles slides index, index+count, ...
     skip_errors: bool = False  # record a failed slide and go on (otherwise stop with an error)
+    overwrite: bool = False  # redo outputs made with other settings (otherwise refuse before any work)
+    time_limit: float | None = None  # seconds per slide, run in a worker process killed past it (None: no limit)
+    stale_after: float = 600.0  # a lock whose heartbeat is older than this is taken over (any host)
     workers: int = 0  # DataLoader workers reading tiles while the encoder runs
     batch_size: int = 64  # patches per encoder batch
     device: str | None = None  # encoder device (default: CUDA if present, else CPU)
@@ -71,17 +84,27 @@ class BatchConfig:
             raise ValueError(f"mpp ({self.mpp}) must be > 0")
         if self.patch_size < 8:
             raise ValueError(f"patch_size ({self.patch_size}) must be >= 8")
-        i, n = self.shard
-        if not (n >= 1 and 0 <= i < n):
-            raise ValueError(f"shard ({i}/{n}) must satisfy 0 <= I < N")
         if self.workers < 0:
             raise ValueError(f"workers ({self.workers}) must be >= 0")
         if self.slide_mpp is not None and not self.slide_mpp > 0:
             raise ValueError(f"slide_mpp ({self.slide_mpp}) must be > 0")
+        if not isinstance(self.encoder_kwargs, dict):
+            raise ValueError(f"encoder_kwargs ({self.encoder_kwargs!r}) must be a dict of constructor keywords")
+        try:
+            canonical_settings(self.encoder_kwargs)  # JSON values only: they are stored with the features
+        except ValueError as e:
+            raise ValueError(f"encoder_kwargs ({self.encoder_kwargs!r}) must hold JSON values only: {e}") from None
+        self.job_config()  # validates shard, time_limit, stale_after
 
     @property
     def encoder_tag(self) -> str:
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.encoder)
+
+    def job_config(self) -> JobConfig:
+        return JobConfig(out=self.out, shard=self.shard, skip_errors=self.skip_errors, overwrite=self.overwrite,
+                         time_limit=self.time_limit, stale_after=self.stale_after,
+                         heartbeat=min(30.0, self.stale_after / 4), progress=self.progress,
+                         desc=f"slides [{self.task}]")
 
 
 def list_slides(folder: str) -> list[str]:
@@ -98,137 +121,66 @@ def _slide_id(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
-# --------------------------------------------------------------------------------------------- locks
+def _encoder_settings(cfg: BatchConfig) -> dict:
+    """The encoder's identity (name, weights, constructor keywords), stored with the features."""
+    from pathology import encoders
+
+    fn = getattr(encoders, "encoder_settings", None)
+    if fn is not None:
+        return fn(cfg.encoder, cfg.weights, cfg.encoder_kwargs or None)
+    weights = cfg.weights
+    if weights is None and cfg.encoder in ("default", "longctx-small"):
+        weights = encoders.DEFAULT_WEIGHTS
+    return {"name": cfg.encoder, "weights": file_identity(weights) if weights and os.path.isfile(weights) else weights,
+            "kwargs": cfg.encoder_kwargs}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _build_encoder(cfg: BatchConfig):
+    from pathology.encoders import build_encoder
+
+    kw = {"weights": cfg.weights, "device": cfg.device}
+    accepted = inspect.signature(build_encoder).parameters
+    for name, value, default in (("encoder_kwargs", cfg.encoder_kwargs or None, None), ("strict", cfg.strict, True)):
+        if name in accepted:
+            kw[name] = value
+        elif value != default:
+            raise ValueError(f"{name}={value!r} is not supported by this version of pathology.encoders.build_encoder")
+    return build_encoder(cfg.encoder, **kw)
 
 
-def _unlink(path: str) -> None:
-    """Remove a file that another process may have removed first."""
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+def _write_png(path: str, img: np.ndarray, settings: dict | None = None) -> None:
+    """Save an image as PNG atomically, with its settings as text chunks."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    if settings is not None:
+        info.add_text("settings", json.dumps(canonical_settings(settings), sort_keys=True))
+        info.add_text("settings_fingerprint", settings_fingerprint(settings))
+    with atomic_write(path, ".png") as tmp:
+        Image.fromarray(img).save(tmp, pnginfo=info)
 
 
-def _remove_if_writer_dead(tmp: str, pid: str) -> None:
-    """Remove the temp file ``tmp`` written by process ``pid`` if that process is gone (and is not this one)."""
-    if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-        _unlink(tmp)
+class _SlideJob:
+    """The per-slide work of a batch run (a :class:`core.jobs.Job`)."""
 
+    key_field = "slide_id"
+    extra_fields = ("task", "n_patches", "patches_per_s")
 
-def _remove_dead_temps(paths) -> None:
-    """Delete temp files (``.<name>.<pid>.tmp[.png]``, from :func:`pathology.patching._atomic_target`: outputs,
-    locks and the manifest) of these paths whose writer process is gone.
-
-    A run killed mid-write leaves its temp file behind; the run that takes over the slide clears it, so no
-    partial file survives a kill and rerun. Temps of live processes are left alone.
-    """
-    import glob
-
-    for path in paths:
-        d, b = os.path.split(path)
-        for tmp in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(b)}.*.tmp*")):
-            _remove_if_writer_dead(tmp, os.path.basename(tmp)[len(b) + 2:].split(".", 1)[0])
-
-
-class _Lock:
-    """An exclusive lock file; a lock left by a dead process on this host is taken over."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.held = False
-
-    def acquire(self) -> bool:
-        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
-        # The lock appears whole or not at all: its content goes to a temp file that is then hard-linked to
-        # the lock's name (atomic, fails if the name exists), so a kill never leaves an empty lock behind.
-        _remove_dead_temps([self.path])
-        tmp = _atomic_target(self.path)
-        with open(tmp, "w") as f:
-            f.write(me)
-        try:
-            for _ in range(2):
-                try:
-                    os.link(tmp, self.path)
-                except FileExistsError:
-                    if self._stale():
-                        _unlink(self.path)
-                        continue
-                    return False
-                self.held = True
-                return True
-            return False
-        finally:
-            os.remove(tmp)
-
-    def clear_if_stale(self) -> None:
-        """Remove the lock if its process is gone (e.g. killed after writing the output, before unlocking)."""
-        _remove_dead_temps([self.path])
-        if os.path.exists(self.path) and self._stale():
-            _unlink(self.path)
-
-    def _stale(self) -> bool:
-        try:
-            with open(self.path) as f:
-                info = json.load(f)
-        except (OSError, ValueError):
-            # Unreadable or half-written: stale if older than a minute.
-            try:
-                return time.time() - os.path.getmtime(self.path) > 60
-            except FileNotFoundError:
-                return True
-        if info.get("host") != socket.gethostname():
-            return False  # another machine's job: leave it alone
-        return not _pid_alive(int(info.get("pid", -1)))
-
-    def release(self) -> None:
-        if self.held:
-            _unlink(self.path)
-            self.held = False
-
-
-# ------------------------------------------------------------------------------------------ manifest
-
-
-def _write_csv_atomic(path: str, rows: list[dict]) -> None:
-    tmp = _atomic_target(path)
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=MANIFEST_FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in MANIFEST_FIELDS})
-    os.replace(tmp, path)
-
-
-def _read_manifest(path: str) -> dict[str, dict]:
-    if not os.path.exists(path):
-        return {}
-    with open(path, newline="") as f:
-        return {r["slide_id"]: r for r in csv.DictReader(f)}
-
-
-# ------------------------------------------------------------------------------------------ the work
-
-
-class _Runner:
     def __init__(self, cfg: BatchConfig):
         self.cfg = cfg
-        self.dirs = {k: os.path.join(cfg.out, k) for k in ("seg", "patches", "locks")}
+        self.dirs = {k: os.path.join(cfg.out, k) for k in ("seg", "patches")}
         self.dirs["features"] = os.path.join(cfg.out, "features", cfg.encoder_tag)
         for d in self.dirs.values():
             os.makedirs(d, exist_ok=True)
         self._encoder = None
+        self._encoder_settings: dict | None = None
+        self._slide_mpp: dict[str, float | None] = {}
 
-    def outputs(self, sid: str) -> dict[str, str]:
+    def __getstate__(self) -> dict:  # sent to a worker process: the encoder is built there
+        return {**self.__dict__, "_encoder": None}
+
+    def paths(self, sid: str) -> dict[str, str]:
         return {
             "seg": os.path.join(self.dirs["seg"], f"{sid}_mask.png"),
             "seg_png": os.path.join(self.dirs["seg"], f"{sid}.png"),
@@ -236,131 +188,143 @@ class _Runner:
             "feat": os.path.join(self.dirs["features"], f"{sid}.h5"),
         }
 
-    def final_output(self, sid: str) -> str:
-        t = self.cfg.task
-        return self.outputs(sid)["feat" if t in ("feat", "all") else t]
+    def _stages(self) -> tuple[str, ...]:
+        return {"seg": ("seg",), "coords": ("seg", "coords")}.get(self.cfg.task, ("seg", "coords", "feat"))
+
+    def outputs(self, item: Item) -> list[str]:
+        p = self.paths(item.key)
+        return [p[s] for s in self._stages()]
+
+    def slide_mpp(self, path: str) -> float | None:
+        """The µm/px the slide is read at (override or the file's own); None when unknown."""
+        if path not in self._slide_mpp:
+            from pathology.slide import Slide
+
+            try:
+                with Slide(path, mpp=self.cfg.slide_mpp) as slide:
+                    self._slide_mpp[path] = float(slide.mpp)
+            except Exception:  # noqa: BLE001 - an unreadable slide fails (and is reported) when processed
+                self._slide_mpp[path] = None
+        return self._slide_mpp[path]
+
+    def settings(self, item: Item) -> dict[str, dict]:
+        from pathology.tissue import TissueConfig
+
+        cfg, p, stages = self.cfg, self.paths(item.key), self._stages()
+        s = {"seg": {"output": "tissue_mask", "slide_mpp": self.slide_mpp(item.path),
+                     "tissue": dataclasses.asdict(TissueConfig())}}
+        s["coords"] = {**s["seg"], "output": "coords", "mpp": float(cfg.mpp), "patch_size": int(cfg.patch_size),
+                       "min_tissue": float(cfg.min_tissue)}
+        if "feat" in stages:
+            if self._encoder_settings is None:
+                self._encoder_settings = _encoder_settings(cfg)
+            s["feat"] = {**s["coords"], "output": "features", "encoder": self._encoder_settings}
+        return {p[k]: s[k] for k in stages}
+
+    def stored_settings(self, path: str) -> dict | None:
+        try:
+            if path.endswith(".png"):
+                from PIL import Image
+
+                with Image.open(path) as im:
+                    text = im.text.get("settings")  # type: ignore[attr-defined]
+            else:
+                import h5py
+
+                with h5py.File(path, "r") as f:
+                    text = f.attrs.get("settings")
+            return json.loads(text) if text else None
+        except (OSError, ValueError):
+            return None
+
+    def setup(self) -> None:
+        """Build the encoder once in a worker process (outside the per-slide time limit)."""
+        if "feat" in self._stages():
+            self.encoder()
 
     def encoder(self):
         if self._encoder is None:
-            from pathology.encoders import build_encoder
-
-            self._encoder = build_encoder(self.cfg.encoder, weights=self.cfg.weights, device=self.cfg.device)
+            self._encoder = _build_encoder(self.cfg)
         return self._encoder
 
-    def process(self, path: str) -> dict:
-        """Run the configured task (and its prerequisites) on one slide; returns a manifest row."""
+    def process(self, item: Item) -> dict:
+        """Run the configured task (and its prerequisites) on one slide; returns manifest fields."""
         from PIL import Image
 
-        from pathology.patching import grid_from_h5, overview_image, patch_grid, read_h5, save_png, write_h5
+        from pathology.patching import grid_from_h5, overview_image, patch_grid, read_h5, write_h5
         from pathology.slide import Slide
         from pathology.tissue import TissueMask, segment_tissue
 
-        cfg, sid = self.cfg, _slide_id(path)
-        out = self.outputs(sid)
-        row = {"slide_id": sid, "path": path, "task": cfg.task}
-        t0 = time.perf_counter()
+        cfg, sid, path = self.cfg, item.key, item.path
+        out = self.paths(sid)
+        row = {"task": cfg.task}
         with Slide(path, mpp=cfg.slide_mpp) as slide:
             _ = slide.mpp  # fail early and clearly when µm/px is unknown
+            wanted = self.settings(item)
+            settings = {s: wanted[out[s]] for s in self._stages()}
+            W, _h = slide.dimensions
             # seg
             if os.path.exists(out["seg"]):
                 mask = np.asarray(Image.open(out["seg"])) > 0
-                W, _h = slide.dimensions
                 tissue = TissueMask(mask=mask, downsample=W / mask.shape[1], thumbnail=None)  # type: ignore[arg-type]
             else:
                 tissue = segment_tissue(slide)
-                grid_preview = patch_grid(slide, tissue, mpp=cfg.mpp, patch_size=cfg.patch_size, min_tissue=cfg.min_tissue)
-                save_png(out["seg_png"], overview_image(tissue.thumbnail, tissue.downsample, mask=tissue.mask,
-                                                        coords=grid_preview.coords,
-                                                        patch_size_level0=grid_preview.patch_size_level0))
-                save_png(out["seg"], (tissue.mask.astype(np.uint8) * 255))
-            if cfg.task == "seg":
-                row.update(status="done", n_patches="", seconds=round(time.perf_counter() - t0, 2))
-                return row
-            # coords
-            if os.path.exists(out["coords"]):
+                _write_png(out["seg"], tissue.mask.astype(np.uint8) * 255, settings["seg"])
+            # coords (the overview shows the grid: it is redrawn whenever the grid is made)
+            if "coords" in settings and os.path.exists(out["coords"]):
                 grid = grid_from_h5(read_h5(out["coords"]))
             else:
                 grid = patch_grid(slide, tissue, mpp=cfg.mpp, patch_size=cfg.patch_size, min_tissue=cfg.min_tissue)
-                write_h5(out["coords"], grid, slide_id=sid)
+                thumb = tissue.thumbnail if tissue.thumbnail is not None else slide.thumbnail(max(tissue.mask.shape))
+                _write_png(out["seg_png"], overview_image(thumb, W / thumb.shape[1], mask=tissue.mask,
+                                                          coords=grid.coords,
+                                                          patch_size_level0=grid.patch_size_level0))
+                if "coords" in settings:
+                    write_h5(out["coords"], grid, slide_id=sid, **_settings_attrs(settings["coords"]))
             n = int(grid.coords.shape[0])
-            if cfg.task == "coords":
-                row.update(status="done" if n else "empty", n_patches=n, seconds=round(time.perf_counter() - t0, 2))
-                return row
+            if "feat" not in settings:
+                return {**row, "status": "done" if n or cfg.task == "seg" else "empty",
+                        "n_patches": "" if cfg.task == "seg" else n}
         # feat (the slide is reopened inside the workers)
         enc = self.encoder()
         from pathology.features import extract_features
 
         feats, pps = extract_features(path, grid, enc, batch_size=cfg.batch_size, workers=cfg.workers,
                                       mpp=cfg.slide_mpp, progress=cfg.progress)
-        write_h5(out["feat"], grid, feats, slide_id=sid, encoder=enc.name)
-        row.update(status="done" if n else "empty", n_patches=n, patches_per_s=round(pps, 1),
-                   seconds=round(time.perf_counter() - t0, 2))
-        return row
+        write_h5(out["feat"], grid, feats, slide_id=sid, encoder=enc.name, **_settings_attrs(settings["feat"]))
+        return {**row, "status": "done" if n else "empty", "n_patches": n, "patches_per_s": round(pps, 1)}
+
+
+def _settings_attrs(settings: dict) -> dict[str, str]:
+    return {"settings": json.dumps(canonical_settings(settings), sort_keys=True),
+            "settings_fingerprint": settings_fingerprint(settings)}
 
 
 def run_batch(cfg: BatchConfig) -> list[dict]:
-    """Process every slide of this shard; returns the manifest rows. Raises on the first failure unless skip_errors."""
+    """Process every slide of this shard; returns the manifest rows.
+
+    Raises :class:`core.jobs.SettingsMismatch` before any work when existing outputs were made with other settings
+    (unless ``cfg.overwrite``), and the first failure unless ``cfg.skip_errors``.
+    """
     os.makedirs(cfg.out, exist_ok=True)
-    slides = list_slides(cfg.slides)
-    i, n = cfg.shard
-    mine = slides[i::n]
-    runner = _Runner(cfg)
-    manifest_path = os.path.join(cfg.out, "manifest.csv" if n == 1 else f"manifest_{i}of{n}.csv")
-    _remove_dead_temps([manifest_path])  # a run killed while rewriting the manifest leaves its temp
-    rows = _read_manifest(manifest_path)
-    fail_log = os.path.join(cfg.out, "failures.log")
-    it = mine
-    if cfg.progress:
-        from tqdm import tqdm
-
-        it = tqdm(mine, desc=f"slides [{cfg.task}]", unit="slide")
-    first_error: BaseException | None = None
-    for path in it:
-        sid = _slide_id(path)
-        final = runner.final_output(sid)
-        lock = _Lock(os.path.join(runner.dirs["locks"], f"{sid}.{cfg.task}.lock"))
-        if os.path.exists(final):
-            lock.clear_if_stale()
-            prev = rows.get(sid, {})
-            if prev.get("status") not in ("done", "empty") or prev.get("task") != cfg.task:
-                rows[sid] = {"slide_id": sid, "path": path, "status": prev.get("status") if prev.get("status") in ("done", "empty") else "done",
-                             "task": cfg.task, "n_patches": prev.get("n_patches", "")}
-            continue
-        if not lock.acquire():
-            logger.info("%s is locked by another process; skipping", sid)
-            rows[sid] = {"slide_id": sid, "path": path, "status": "locked", "task": cfg.task}
-            _write_csv_atomic(manifest_path, list(rows.values()))
-            continue
-        try:
-            _remove_dead_temps(runner.outputs(sid).values())
-            rows[sid] = runner.process(path)
-        except Exception as e:  # noqa: BLE001 - every failure is recorded; re-raised unless skip_errors
-            msg = f"{type(e).__name__}: {e}"
-            logger.error("failed on %s: %s", path, msg)
-            with open(fail_log, "a") as f:
-                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {path}\n{traceback.format_exc()}\n")
-            rows[sid] = {"slide_id": sid, "path": path, "status": "failed", "task": cfg.task, "error": msg[:500]}
-            if not cfg.skip_errors:
-                first_error = e
-        finally:
-            lock.release()
-        _write_csv_atomic(manifest_path, list(rows.values()))
-        if first_error is not None:
-            raise first_error
-    _write_csv_atomic(manifest_path, list(rows.values()))
-    return list(rows.values())
+    items = [Item(key=_slide_id(p), path=p) for p in list_slides(cfg.slides)]
+    return list(run_job(_SlideJob(cfg), items, cfg.job_config()).values())
 
 
-def _parse_shard(s: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)/(\d+)", s.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"--shard must look like I/N (e.g. 0/4), got {s!r}")
-    return int(m.group(1)), int(m.group(2))
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--encoder-kwargs must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"--encoder-kwargs must be a JSON object like '{{\"img_size\": 224}}', "
+                                         f"got {text!r}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.batch", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slides", required=True, help="folder with slide files")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--task", choices=TASKS, default="all", help="what to compute (default all)")
@@ -370,26 +334,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slide-mpp", type=float, default=None, help="µm/px of level 0 for slides whose files lack it")
     p.add_argument("--encoder", default="default", help="patch encoder: default | timm:<name> | open_clip:<name>")
     p.add_argument("--weights", default=None, help="local weights file for the encoder")
-    p.add_argument("--shard", type=_parse_shard, default=(0, 1), help="I/N: process slides I, I+N, ... (0-based)")
-    p.add_argument("--skip-errors", action="store_true", help="record failed slides and continue")
+    p.add_argument("--encoder-kwargs", type=_json_object, default={}, metavar="JSON",
+                   help="constructor keywords of the encoder as a JSON object (e.g. '{\"img_size\": 224}'); stored "
+                        "with the features")
+    p.add_argument("--allow-partial-weights", action="store_true",
+                   help="load weights that fill only part of the encoder (missing keys are logged); default: refuse")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers reading tiles (default 0)")
     p.add_argument("--batch-size", type=int, default=64, help="patches per encoder batch")
     p.add_argument("--device", default=None, help="encoder device (default cuda if available else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_job_arguments(p, item="slide")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = BatchConfig(slides=args.slides, out=args.out, task=args.task, mpp=args.mpp, patch_size=args.patch_size,
-                      min_tissue=args.min_tissue, slide_mpp=args.slide_mpp, encoder=args.encoder, weights=args.weights,
-                      shard=args.shard, skip_errors=args.skip_errors, workers=args.workers,
-                      batch_size=args.batch_size, device=args.device, progress=not args.no_progress)
+    job = job_config_from_args(args, args.out)
     try:
+        cfg = BatchConfig(slides=args.slides, out=args.out, task=args.task, mpp=args.mpp, patch_size=args.patch_size,
+                          min_tissue=args.min_tissue, slide_mpp=args.slide_mpp, encoder=args.encoder,
+                          weights=args.weights, encoder_kwargs=args.encoder_kwargs,
+                          strict=not args.allow_partial_weights, shard=job.shard, skip_errors=job.skip_errors,
+                          overwrite=job.overwrite, time_limit=job.time_limit, stale_after=job.stale_after,
+                          workers=args.workers, batch_size=args.batch_size, device=args.device,
+                          progress=not args.no_progress)
         rows = run_batch(cfg)
     except Exception as e:  # noqa: BLE001
-        logger.error("stopped: %s (use --skip-errors to record failures and continue)", e)
+        logger.error("stopped: %s%s", e, "" if isinstance(e, SettingsMismatch)
+                     else " (use --skip-errors to record failures and continue)")
         return 1
     counts: dict[str, int] = {}
     for r in rows:

@@ -225,7 +225,17 @@ def test_lock_staleness_across_hosts_and_heartbeat(tmp_path):
     assert path.exists()
     taker.release()
 
-    path.write_text(json.dumps({**other, "host": socket.gethostname(), "pid": _dead_pid()}))
+    dead = _dead_pid()
+    killed_mid_acquire = path.parent / f".s.lock.{socket.gethostname()}.{dead}.0a1b.tmp"
+    live_acquiring = path.parent / f".s.lock.{socket.gethostname()}.{os.getppid()}.0a1c.tmp"
+    for f in (killed_mid_acquire, live_acquiring):
+        f.write_text("{}")
+    lock = FileLock(path)
+    assert lock.acquire()
+    assert not killed_mid_acquire.exists() and live_acquiring.exists()
+    lock.release()
+    live_acquiring.unlink()
+    path.write_text(json.dumps({**other, "host": socket.gethostname(), "pid": dead}))
     FileLock(path).clear_if_stale()  # this host, process gone
     assert not path.exists()
     path.write_text("{half")

@@ -331,6 +331,67 @@ def test_batch_shards_partition(dataset, tmp_path):
         BatchConfig(slides=str(src), out=str(tmp_path), shard=(2, 2))
 
 
+def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights, tmp_path):
+    """Settings are stored with every output; a rerun with another --mpp, --patch-size or --weights refuses
+    (naming the differences) instead of reusing, and --overwrite redoes only the outputs whose settings differ."""
+    import json
+
+    import h5py
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from core.jobs import SettingsMismatch, settings_fingerprint
+    from pathology.batch import main as batch_main
+
+    src, specs = dataset
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    sid = specs[0].name
+    os.symlink(os.path.join(src, sid + ".tiff"), slides / (sid + ".tiff"))
+    out = tmp_path / "out"
+    cfg = BatchConfig(slides=str(slides), out=str(out), mpp=1.0, patch_size=64, weights=tiny_weights,
+                      progress=False, device="cpu")
+    run_batch(cfg)
+    files = {"mask": out / "seg" / f"{sid}_mask.png", "coords": out / "patches" / f"{sid}.h5",
+             "feat": out / "features" / "default" / f"{sid}.h5"}
+    with h5py.File(files["feat"], "r") as f:
+        stored = json.loads(f.attrs["settings"])
+        fp = f.attrs["settings_fingerprint"]
+    assert stored["mpp"] == 1 and stored["patch_size"] == 64 and stored["output"] == "features"
+    assert stored["slide_mpp"] == pytest.approx(0.5) and "encoder" in stored
+    assert fp == settings_fingerprint(stored) == _rows(out / "manifest.csv")[sid]["settings"]
+    with h5py.File(files["coords"], "r") as f:
+        assert json.loads(f.attrs["settings"])["output"] == "coords"
+    assert json.loads(Image.open(files["mask"]).text["settings"])["output"] == "tissue_mask"
+    mtimes = {k: os.path.getmtime(p) for k, p in files.items()}
+
+    with pytest.raises(SettingsMismatch, match=r"mpp: 1 -> 2\b.*--overwrite"):
+        run_batch(BatchConfig(**{**cfg.__dict__, "mpp": 2.0}))
+    assert batch_main(["--slides", str(slides), "--out", str(out), "--mpp", "1.0", "--patch-size", "32",
+                       "--weights", tiny_weights, "--no-progress", "--device", "cpu"]) == 1
+    other = tmp_path / "other.safetensors"  # other weights of the same format
+    m = SmallPatchCNN(dim=16, widths=(8, 8, 8, 16, 16))
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(other),
+              metadata={"dim": "16", "input_size": "32", "widths": "8,8,8,16,16"})
+    with pytest.raises(SettingsMismatch, match=r"1 existing output\(s\).*encoder"):
+        run_batch(BatchConfig(**{**cfg.__dict__, "weights": str(other), "task": "feat"}))
+    assert {k: os.path.getmtime(p) for k, p in files.items()} == mtimes  # nothing was touched
+    assert _rows(out / "manifest.csv")[sid]["status"] == "mismatch"
+
+    run_batch(BatchConfig(**{**cfg.__dict__, "mpp": 2.0, "overwrite": True}))
+    assert os.path.getmtime(files["mask"]) == mtimes["mask"]  # the mask does not depend on --mpp: kept
+    d = read_h5(files["feat"])
+    assert d["attrs"]["mpp"] == 2.0 and json.loads(d["attrs"]["settings"])["mpp"] == 2
+    assert d["features"].shape[0] == d["coords"].shape[0] > 0
+    row = _rows(out / "manifest.csv")[sid]
+    assert row["status"] == "done" and row["settings"] == d["attrs"]["settings_fingerprint"] != fp
+
+    with pytest.raises(ValueError, match="encoder_kwargs"):
+        BatchConfig(slides=str(slides), out=str(out), encoder_kwargs={"f": object()})
+    with pytest.raises(SystemExit):
+        batch_main(["--slides", str(slides), "--out", str(out), "--encoder-kwargs", "[1]"])
+
+
 @pytest.mark.slow
 def test_batch_killed_and_rerun(dataset, tiny_weights, tmp_path):
     """A run killed after its first slide, rerun: finishes the rest, keeps the first, leaves no partial file."""
@@ -353,41 +414,11 @@ def test_batch_killed_and_rerun(dataset, tiny_weights, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert os.path.getmtime(first) == mtime
     rows = _rows(out / "manifest.csv")
-    assert all(rows[s.name]["status"] == "done" for s in specs)
+    assert all(rows[s.name]["status"] in ("done", "exists") for s in specs)  # exists: done before the kill
     for s in specs:
         d = read_h5(out / "features" / "default" / (s.name + ".h5"))
         assert d["features"].shape[0] == d["coords"].shape[0] > 0
     assert not [f for _, _, fs in os.walk(out) for f in fs if "tmp" in f or f.endswith(".lock")]
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def test_lock_left_by_dead_process(tmp_path):
-    """Locks: taken over when the owner is gone, kept while it lives, cleared next to a finished output."""
-    import json
-    import socket
-
-    from pathology.batch import _Lock
-
-    path = tmp_path / "s.all.lock"
-    dead = {"pid": _dead_pid(), "host": socket.gethostname(), "time": 0}
-    path.write_text(json.dumps(dead))
-    (tmp_path / f".s.all.lock.{dead['pid']}.tmp").write_text("{}")  # a temp of a writer killed mid-acquire
-    lock = _Lock(str(path))
-    assert lock.acquire() and json.loads(path.read_text())["pid"] == os.getpid()
-    assert sorted(os.listdir(tmp_path)) == ["s.all.lock"]
-    assert not _Lock(str(path)).acquire()  # held by a live process
-    _Lock(str(path)).clear_if_stale()
-    assert path.exists()
-    lock.release()
-    assert not path.exists()
-    path.write_text(json.dumps(dead))  # killed after writing its output, before unlocking
-    _Lock(str(path)).clear_if_stale()
-    assert not path.exists()
 
 
 def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
@@ -427,29 +458,3 @@ def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
     res = json.loads((out / f"{specs[0].name}.json").read_text())
     assert res["n_patches"] == a.n_patches and set(res["probabilities"]) == {"neg", "pos"}
     assert (out / f"{specs[0].name}_heatmap.png").exists() and (out / f"{specs[0].name}_overview.png").exists()
-
-
-def test_dead_writers_temp_files_are_cleared(tmp_path):
-    """Temp files of a killed writer are removed when a run takes the slide over; a live writer's are kept."""
-    from pathology.batch import _remove_dead_temps
-
-    final = tmp_path / "slide_001.h5"
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f".slide_001.h5.{dead.pid}.tmp"
-    stale_png = tmp_path / f".slide_001.h5.{dead.pid}.tmp.png"
-    live = tmp_path / f".slide_001.h5.{os.getppid()}.tmp"
-    other = tmp_path / f".slide_002.h5.{dead.pid}.tmp"
-    for f in (stale, stale_png, live, other):
-        f.write_bytes(b"partial")
-    _remove_dead_temps([str(final)])
-    assert not stale.exists() and not stale_png.exists()
-    assert live.exists() and other.exists()
-    # The manifest is rewritten through .<manifest>.<pid>.tmp; a kill during that write leaves the temp, which
-    # the next run clears before it reads the manifest (a live writer's temp stays).
-    manifest = tmp_path / "manifest.csv"
-    dead_m, live_m = tmp_path / f".manifest.csv.{dead.pid}.tmp", tmp_path / f".manifest.csv.{os.getppid()}.tmp"
-    for f in (dead_m, live_m):
-        f.write_text("slide_id\n")
-    _remove_dead_temps([str(manifest)])
-    assert not dead_m.exists() and live_m.exists()

@@ -1,45 +1,42 @@
 """Batch ingestion: one consolidated memory file per video, resumable, shardable.
 
-    python -m video.batch --videos DIR --out DIR [--shard I/N] [--skip-errors]
+    python -m video.batch --videos DIR --out DIR [--shard I/N] [--skip-errors] [--overwrite] [--time-limit S]
 
 For each video (sorted by name; shard ``I`` of ``N`` takes every ``N``-th starting at ``I``) it writes
-``OUT/<name>.safetensors`` holding the query embeddings of every chunk (``chunk_outputs`` (C, Q, D),
-``chunk_times`` (C,)) and, for the ∞-Video methods, each Q-former layer's memory (``layer<i>.coef``
-(N, D) basis coefficients and ``layer<i>.density`` (T,), the last attention density), with the reading
-settings in the metadata. Writes go to a temp file renamed into place, so a killed run leaves no partial
-file; a rerun skips every finished video. A ``.lock`` file (holding the process id) keeps two workers off
-the same video; a lock whose process is gone is taken over. ``manifest.csv`` (``manifest_<I>of<N>.csv``
-per shard) lists each video's status: ``done``, ``exists`` (done by an earlier run) or ``error``.
+``OUT/<file name>.safetensors`` (``a.mp4.safetensors``: ``a.mp4`` and ``a.mkv`` do not collide) holding the
+query embeddings of every chunk (``chunk_outputs`` (C, Q, D), ``chunk_times`` (C,)) and, for the ∞-Video methods,
+each Q-former layer's memory (``layer<i>.coef`` (N, D) basis coefficients and ``layer<i>.density`` (T,), the last
+attention density), with the reading settings in the metadata.
+
+Settings: each file's metadata holds ``settings`` (JSON) and ``settings_fingerprint``: every reading setting
+(method, chunk size, fps, memory settings, ...) and the model's identity (its config, frame encoder included, and
+a SHA-256 digest of its weights). A rerun whose settings differ from an existing file's refuses before any work
+and names the differences; ``--overwrite`` redoes those files, or choose a new ``--out``.
+
+Writes go to a temp file renamed into place, so a killed run leaves no partial file; a rerun skips every finished
+video. ``OUT/locks/<file name>.lock`` keeps two workers (on any host sharing the folder) off the same video.
+``--time-limit`` runs each video in a worker process killed past the limit (recorded as failed). ``manifest.csv``
+(``manifest_<I>of<N>.csv`` per shard) lists each video's status: ``done``, ``exists`` (done by an earlier run),
+``failed``, ``locked`` or ``mismatch``. The job machinery is :mod:`core.jobs`.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import dataclasses
+import hashlib
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, canonical_settings,
+                       job_config_from_args, parse_shard, run_job, settings_fingerprint)
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["list_videos", "parse_shard", "process_video", "run_batch", "build_parser", "main"]
-
-MANIFEST_FIELDS = ["video", "status", "output", "frames", "chunks", "seconds", "error"]
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``."""
-    try:
-        i, n = (int(v) for v in text.split("/"))
-    except ValueError:
-        raise ValueError(f"--shard must look like I/N (e.g. 0/4), got {text!r}") from None
-    if n < 1 or not 0 <= i < n:
-        raise ValueError(f"--shard I/N needs 0 <= I < N, got {text!r}")
-    return i, n
+__all__ = ["list_videos", "parse_shard", "model_settings", "process_video", "run_batch", "build_parser", "main"]
 
 
 def list_videos(folder, shard: tuple[int, int] = (0, 1)) -> list[Path]:
@@ -54,38 +51,22 @@ def list_videos(folder, shard: tuple[int, int] = (0, 1)) -> list[Path]:
     return files[i::n]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def model_settings(model) -> dict:
+    """The model's identity: its config (frame encoder included) and a SHA-256 digest of its weights."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    cfg = getattr(model, "config", None)
+    return {"config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None, "weights_sha256": h.hexdigest()}
 
 
-def _acquire(lock: Path) -> bool:
-    """Create ``lock`` holding our pid; take over a lock whose process is gone. False if another worker holds it."""
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                pid = int(lock.read_text().strip() or "0")
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and _pid_alive(pid):
-                return False
-            lock.unlink(missing_ok=True)  # stale: its process is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return True
-    return False
-
-
-def process_video(iv, path: Path, out_file: Path) -> dict:
-    """Ingest one video and write its memory file atomically; returns manifest fields."""
+def process_video(iv, path: Path, out_file: Path, *, settings: dict | None = None) -> dict:
+    """Ingest one video and write its memory file atomically (with ``settings`` in its metadata); returns manifest
+    fields."""
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
@@ -100,110 +81,107 @@ def process_video(iv, path: Path, out_file: Path) -> dict:
         "frames_read": str(mem.frames_read), "chunk_bounds": json.dumps(mem.chunk_bounds),
         "config": json.dumps(vars(iv.config)), "timings": json.dumps(mem.timings),
     }
-    fd, tmp = tempfile.mkstemp(dir=out_file.parent, prefix=f".{out_file.name}.")
-    os.close(fd)
-    try:
+    if settings is not None:
+        meta["settings"] = json.dumps(canonical_settings(settings), sort_keys=True)
+        meta["settings_fingerprint"] = settings_fingerprint(settings)
+    with atomic_write(out_file) as tmp:
         save_file(tensors, tmp, metadata=meta)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out_file)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return {"frames": mem.frames_read, "chunks": len(mem.chunk_times), "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _write_manifest(path: Path, rows: dict[str, dict]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=MANIFEST_FIELDS)
-        w.writeheader()
-        for name in sorted(rows):
-            w.writerow({k: rows[name].get(k, "") for k in MANIFEST_FIELDS})
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+class _VideoJob:
+    """The per-video work of a batch run (a :class:`core.jobs.Job`)."""
+
+    key_field = "video"
+    extra_fields = ("frames", "chunks")
+
+    def __init__(self, iv, out: Path):
+        self.iv, self.out = iv, Path(out)
+        self._settings: dict | None = None
+
+    def outputs(self, item: Item) -> list[str]:
+        return [str(self.out / f"{item.key}.safetensors")]
+
+    def run_settings(self) -> dict:
+        if self._settings is None:
+            self._settings = {"reader": vars(self.iv.config), "model": model_settings(self.iv.model)}
+        return self._settings
+
+    def settings(self, item: Item) -> dict[str, dict]:
+        return {self.outputs(item)[0]: self.run_settings()}
+
+    def stored_settings(self, path: str) -> dict | None:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                text = (f.metadata() or {}).get("settings")
+            return json.loads(text) if text else None
+        except Exception:  # noqa: BLE001 - an unreadable file holds no record: it is refused, or redone
+            return None
+
+    def process(self, item: Item) -> dict:
+        fields = process_video(self.iv, Path(item.path), Path(self.outputs(item)[0]), settings=self.run_settings())
+        return {k: v for k, v in fields.items() if k != "seconds"}
 
 
 def run_batch(videos, out, *, iv=None, shard: tuple[int, int] = (0, 1), skip_errors: bool = False,
+              overwrite: bool = False, time_limit: float | None = None, stale_after: float = 600.0,
               progress: bool = False) -> dict[str, dict]:
-    """Process every video of this shard; returns the manifest rows by video name."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = list_videos(videos, shard)
-    i, n = shard
-    manifest = out / ("manifest.csv" if n == 1 else f"manifest_{i}of{n}.csv")
-    rows: dict[str, dict] = {}
-    if manifest.exists():
-        with open(manifest, newline="") as f:
-            rows = {r["video"]: r for r in csv.DictReader(f)}
+    """Process every video of this shard; returns the manifest rows by video file name.
+
+    Raises :class:`core.jobs.SettingsMismatch` before any work when existing files were made with other settings
+    (unless ``overwrite``), and the first failure unless ``skip_errors``.
+    """
+    cfg = JobConfig(out=str(out), shard=shard, skip_errors=skip_errors, overwrite=overwrite, time_limit=time_limit,
+                    stale_after=stale_after, heartbeat=min(30.0, stale_after / 4), progress=progress, desc="videos")
+    return _run(videos, cfg, iv)
+
+
+def _run(videos, cfg: JobConfig, iv) -> dict[str, dict]:
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    items = [Item(key=p.name, path=str(p)) for p in list_videos(videos)]
     if iv is None:
         from video.infinite import InfiniteVideo
 
         iv = InfiniteVideo()
-    it = files
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(files, desc="videos", unit="video")
-    for path in it:
-        out_file = out / f"{path.stem}.safetensors"
-        if out_file.exists():
-            if rows.get(path.name, {}).get("status") != "done":
-                rows[path.name] = {**rows.get(path.name, {}), "video": path.name, "status": "exists",
-                                   "output": out_file.name, "error": ""}
-            continue
-        lock = out / f"{path.stem}.lock"
-        if not _acquire(lock):
-            logger.info("%s is being processed by another worker; skipping", path.name)
-            continue
-        try:
-            fields = process_video(iv, path, out_file)
-            rows[path.name] = {"video": path.name, "status": "done", "output": out_file.name, "error": "", **fields}
-        except Exception as e:
-            rows[path.name] = {"video": path.name, "status": "error", "output": "", "error": f"{type(e).__name__}: {e}"[:500]}
-            _write_manifest(manifest, rows)
-            if not skip_errors:
-                raise
-            logger.warning("failed on %s: %s", path.name, e)
-        finally:
-            lock.unlink(missing_ok=True)
-        _write_manifest(manifest, rows)
-    _write_manifest(manifest, rows)
-    return rows
+    return run_job(_VideoJob(iv, Path(cfg.out)), items, cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from video.infinite import METHODS
 
-    p = argparse.ArgumentParser(prog="python -m video.batch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m video.batch", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--videos", required=True, help="folder of video files")
     p.add_argument("--out", required=True, help="output folder (one .safetensors per video + manifest)")
-    p.add_argument("--shard", default="0/1", help="I/N: process every N-th video starting at I")
-    p.add_argument("--skip-errors", action="store_true", help="record a failing video in the manifest and go on")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
     p.add_argument("--method", default="infinite", choices=METHODS, help="how each video is read")
     p.add_argument("--chunk-size", type=int, default=32, help="frames per chunk")
     p.add_argument("--fps", type=float, default=None, help="read rate in frames/s (default: every frame)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_job_arguments(p, item="video")
     return p
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    try:
-        shard = parse_shard(args.shard)
-    except ValueError as e:
-        raise SystemExit(str(e))
     from video.infinite import InfiniteVideo, InfiniteVideoConfig
 
     iv = InfiniteVideo(args.weights, InfiniteVideoConfig(method=args.method, chunk_size=args.chunk_size, fps=args.fps),
                        device=args.device)
-    rows = run_batch(args.videos, args.out, iv=iv, shard=shard, skip_errors=args.skip_errors, progress=True)
-    counts = {}
+    try:
+        rows = _run(args.videos, job_config_from_args(args, args.out, desc="videos"), iv)
+    except Exception as e:  # noqa: BLE001
+        logger.error("stopped: %s%s", e, "" if isinstance(e, SettingsMismatch)
+                     else " (use --skip-errors to record failures and continue)")
+        return 1
+    counts: dict[str, int] = {}
     for r in rows.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     logger.info("finished: %s", counts)
-    return 1 if counts.get("error") else 0
+    return 1 if counts.get("failed") else 0
 
 
 if __name__ == "__main__":
