@@ -16,6 +16,11 @@ packages), so new shipped files need no registration here. Package-level text (i
 tags) comes from ``PACKAGE_TEXT``; a package missing there gets "not recorded" for the intended use, unless its
 JSON carries a ``model_card`` object with ``intended_use``, ``out_of_scope``, ``tags``, ``datasets`` or
 ``pipeline_tag``.
+
+Weights shipped as a folder (``weights/<name>/model.safetensors`` with its own JSON files, as ``apps.ncal.ship``
+writes them) are not generated here: their card is ``weights/<name>.md``, written by that app's ship script from
+its JSON; the tests check that it exists and follows the convention (``discover_weights(nested=True)``,
+``card_path``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ __all__ = [
     "PACKAGE_TEXT",
     "CardText",
     "discover_weights",
+    "card_path",
     "weights_summary",
     "render_card",
     "write_cards",
@@ -183,22 +189,39 @@ _METRIC_WORDS = (  # leaf-key fragments -> metric ids for the YAML header
 # --------------------------------------------------------------------------------------------- discovery
 
 
-def discover_weights(root: Path = REPO) -> list[Path]:
-    """Every shipped ``*.safetensors`` under a ``weights/`` folder of a Python package of ``root``, sorted.
+def discover_weights(root: Path = REPO, *, nested: bool = False) -> list[Path]:
+    """Every shipped ``*.safetensors`` in a ``weights/`` folder of a Python package of ``root``, sorted.
 
-    Looks one and two levels down (``tabular/weights/``, ``apps/ncal/weights/``); a folder counts as a package
-    when it holds ``__init__.py``. Hidden folders (``.venv``) are skipped.
+    Looks in ``<pkg>/weights/`` and ``<pkg>/<sub>/weights/`` (``tabular/weights/``, ``apps/ncal/weights/``); a
+    folder counts as a package when it holds ``__init__.py``. Hidden folders (``.venv``) are skipped. By default
+    only files directly in ``weights/`` (the layout this module generates cards for); with ``nested`` also
+    files in sub-folders of it (``weights/<name>/model.safetensors``, whose card is ``weights/<name>.md``).
     """
     root = Path(root)
-    found = []
-    for pattern in ("*/weights/*.safetensors", "*/*/weights/*.safetensors"):
+    found = set()
+    for pattern in ("*/weights/**/*.safetensors", "*/*/weights/**/*.safetensors"):
         for path in root.glob(pattern):
             rel = path.relative_to(root)
             if any(part.startswith(".") for part in rel.parts):
                 continue
-            if (path.parent.parent / "__init__.py").is_file():
-                found.append(path)
+            weights_dir = next(p for p in path.parents if p.name == "weights")
+            if not (weights_dir.parent / "__init__.py").is_file():
+                continue
+            if path.parent == weights_dir or nested:
+                found.add(path)
     return sorted(found)
+
+
+def card_path(weights: Path) -> Path:
+    """Where the card of ``weights`` lives: ``<stem>.md`` beside a file directly in ``weights/``,
+    ``weights/<name>.md`` for a file inside ``weights/<name>/...``."""
+    weights = Path(weights)
+    if weights.parent.name == "weights":
+        return weights.with_suffix(".md")
+    weights_dir = next((p for p in weights.parents if p.name == "weights"), None)
+    if weights_dir is None:
+        raise ValueError(f"{weights} is not inside a weights/ folder")
+    return weights_dir / (weights.relative_to(weights_dir).parts[0] + ".md")
 
 
 def weights_summary(path: Path) -> dict[str, Any]:

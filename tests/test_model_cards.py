@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from core.model_card import NOT_RECORDED, REPO, discover_weights, render_card, weights_summary, write_cards
+from core.model_card import NOT_RECORDED, REPO, card_path, discover_weights, render_card, weights_summary, write_cards
 
 SHIPPED = discover_weights(REPO)
+# weights shipped as a folder (weights/<name>/...): their app writes the card weights/<name>.md itself
+FOLDERS = sorted({card_path(p) for p in discover_weights(REPO, nested=True) if p not in SHIPPED})
 
 
 def _write_safetensors(path: Path, tensors: dict[str, tuple[list[int], str]]) -> None:
@@ -79,6 +81,48 @@ def test_every_json_field_is_in_the_card(weights):
         named = f"**{key}**" in text
         shown = isinstance(value, str) and " ".join(value.split())[:60] in " ".join(text.split())
         assert named or shown, f"{weights.name}: field {key!r} of the JSON does not appear in the card"
+
+
+def _check_convention(card: Path) -> None:
+    """A Hugging Face model card: YAML header with licence, library, tags, datasets; use, evaluation, limits."""
+    yaml = pytest.importorskip("yaml")
+    assert card.is_file(), f"{card.relative_to(REPO) if card.is_relative_to(REPO) else card} is missing"
+    text = card.read_text(encoding="utf-8")
+    m = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    assert m, f"{card.name}: the card must start with a YAML header"
+    header = yaml.safe_load(m.group(1))
+    assert str(header.get("license", "")).lower() == "mit", f"{card.name}: license must be mit"
+    for key in ("library_name", "tags", "datasets"):
+        assert header.get(key), f"{card.name}: YAML header lacks {key}"
+    headings = [h.lower() for h in re.findall(r"^## (.+)$", text, re.M)]
+    for section in ("intended use", "evaluation", "limitations"):
+        assert any(h.startswith(section) for h in headings), f"{card.name}: no '## {section}...' section"
+
+
+@pytest.mark.parametrize("card", FOLDERS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_folder_weights_have_a_card(card):
+    _check_convention(card)
+
+
+def test_folder_layout_is_found_and_carded(tmp_path):
+    app = _package(tmp_path, "apps/x")
+    _package(tmp_path, "apps")
+    w = app / "weights" / "tmwpl" / "model.safetensors"
+    _write_safetensors(w, {"w": ([2], "F32")})
+    flat = app / "weights" / "flat.safetensors"
+    _write_safetensors(flat, {"w": ([2], "F32")})
+    assert discover_weights(tmp_path) == [flat]
+    assert discover_weights(tmp_path, nested=True) == [flat, w]
+    assert card_path(w) == app / "weights" / "tmwpl.md" and card_path(flat) == app / "weights" / "flat.md"
+    card = card_path(w)
+    card.write_text("# no header\n")
+    with pytest.raises(AssertionError, match="YAML header"):
+        _check_convention(card)
+    card.write_text('---\nlicense: mit\nlibrary_name: x\ntags: [a]\ndatasets: [d]\n---\n\n## Intended use\n\n## Evaluation\n')
+    with pytest.raises(AssertionError, match="limitations"):
+        _check_convention(card)
+    card.write_text(card.read_text() + "\n## Limitations\n")
+    _check_convention(card)
 
 
 def test_missing_fields_read_not_recorded_and_no_number_is_made_up(tmp_path):
