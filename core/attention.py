@@ -229,6 +229,33 @@ def _sdpa_mask_shape(a: AttentionInputs) -> tuple[int, ...] | None:
     return tuple(torch.broadcast_shapes(*shapes)) if shapes else None
 
 
+def _sdpa_call(q, k, v, mask, *, is_causal: bool, scale: float, groups: int, per_query_mask: bool, cuda_rules: bool):
+    """SDPA with GQA heads mapped so that a fused CUDA kernel can run (``cuda_rules``; elsewhere ``enable_gqa``).
+
+    Only SDPA's flash kernel (fp16/bf16, no mask, equal head dims) maps GQA heads itself; for the
+    memory-efficient one (masks, fp32) the heads must match, or SDPA falls back to math and the O(S²) scores.
+    Without a per-query mask (no causal mask: decode, or not causal), the group folds into the query axis,
+    ``(B, H_kv·G, S_q, D) -> (B, H_kv, G·S_q, D)``: no copy of K/V. Otherwise K/V are expanded (memory O(S)).
+    """
+    flash_ok = mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] == v.shape[3]
+    if groups == 1 or not cuda_rules or flash_ok:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=groups > 1)  # fmt: skip
+    B, Hq, Sq, _ = q.shape
+    Hkv = k.shape[1]
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, Hq|1, Sq|1, Sk)
+    one_row = mask is None or (mask.shape[2] == 1 and (mask.shape[1] == 1 or Sq == 1))
+    if not per_query_mask and not is_causal and one_row:
+        q_fold = q.reshape(B, Hkv, groups * Sq, q.shape[3])  # (B, Hkv, G·Sq, D): head hk·G + g -> rows g·Sq + i
+        if mask is not None and mask.shape[1] != 1:  # per-head rows (B|1, Hq, 1, Sk), S_q = 1
+            mask = mask.reshape(mask.shape[0], Hkv, groups, mask.shape[-1])  # (B|1, Hkv, G·1, Sk)
+        out = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(B, Hq, Sq, v.shape[3])  # (B, Hkv, G·Sq, Dv) -> (B, Hq, Sq, Dv)
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
 def _sdpa(a: AttentionInputs) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with our mask semantics."""
     q, k, v = a.q, a.k, a.v
@@ -260,12 +287,8 @@ def _sdpa(a: AttentionInputs) -> torch.Tensor:
                 mask = mask.masked_fill(~keep, float("-inf"))
         elif keep is not None:
             mask = keep
-    enable_gqa = a.groups > 1
-    if enable_gqa and q.is_cuda and (mask is not None or q.dtype == torch.float32 or q.shape[3] != v.shape[3]):
-        # Only SDPA's flash kernel (fp16/bf16, no mask) maps GQA heads itself; the memory-efficient one needs
-        # K/V per query head (memory O(S), where SDPA's math fallback would build the O(S²) scores).
-        k, v, enable_gqa = _expand_kv(k, a.groups), _expand_kv(v, a.groups), False
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=a.scale, enable_gqa=enable_gqa)
+    out = _sdpa_call(q, k, v, mask, is_causal=is_causal, scale=a.scale, groups=a.groups, per_query_mask=causal,
+                     cuda_rules=q.is_cuda)  # fmt: skip
     if row_has_key is not None:
         out = torch.where(row_has_key, out, 0.0)
     if a.attn_bias is not None:
@@ -340,8 +363,8 @@ def sdpa_fused(*, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
 
     Flash: fp16/bf16, no mask (``is_causal`` is fine), equal head dims. Memory-efficient: fp16/bf16/fp32, any
     additive or bool mask, equal head dims. Both: head dims multiples of 8 up to ``SDPA_FUSED_MAX_HEAD_DIM``
-    (a conservative reading of PyTorch's ``sdp_utils`` constraints; ``sdpa`` expands GQA heads itself where
-    the flash kernel cannot run).
+    (a conservative reading of PyTorch's ``sdp_utils`` constraints; where the flash kernel cannot run, ``sdpa``
+    maps GQA heads itself: :func:`_sdpa_call`).
     """
     return (
         dtype in (torch.float16, torch.bfloat16, torch.float32)

@@ -394,6 +394,43 @@ def test_one_query_causal_sdpa_equals_reference():
         torch.testing.assert_close(attention(q, k, v, backend="sdpa", **kw), reference(q, k, v, **kw))
 
 
+@pytest.mark.parametrize(
+    "Sq, mask_kind, causal, folds",
+    [
+        (1, "padding", False, True),  # decode with a padding mask: the group folds into the query axis
+        (1, "head-bias", False, True),  # decode with a per-head bias row (1, Hq, 1, Sk)
+        (5, "padding", False, True),  # non-causal prefill with padding
+        (7, "none", True, False),  # causal (is_causal, fp32): K/V expanded
+        (5, "query-bias", False, False),  # a bias per query row: K/V expanded
+    ],
+)
+def test_sdpa_gqa_mapping_for_cuda_kernels_matches_reference(Sq, mask_kind, causal, folds, monkeypatch):
+    """On CUDA, fp32 or masked GQA calls cannot use SDPA's own GQA (flash only): the heads are folded into
+    the query axis (no K/V copy) where the mask does not vary per query, else K/V are expanded. Checked on
+    the CPU with the CUDA rules forced; the folded path must never expand K/V."""
+    B, Hq, Hkv, Sk, D = 2, 8, 2, 37, 16
+    q, k, v = torch.randn(B, Hq, Sq, D), torch.randn(B, Hkv, Sk, D), torch.randn(B, Hkv, Sk, D)
+    kpm, bias, mask = None, None, None
+    if mask_kind == "padding":
+        kpm = torch.rand(B, Sk) < 0.3
+        kpm[:, 0] = False
+        mask = ~kpm[:, None, None, :]
+    elif mask_kind == "head-bias":
+        bias = torch.randn(1, Hq, 1, Sk)
+        mask = bias
+    elif mask_kind == "query-bias":
+        bias = torch.randn(B, Hq, Sq, Sk)
+        mask = bias
+    if causal:  # square causal: SDPA's is_causal, no mask
+        k, v = k[:, :, :Sq], v[:, :, :Sq]
+    want = reference(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=bias)
+    if folds:
+        monkeypatch.setattr(attn_mod, "_expand_kv", lambda *a: pytest.fail("the folded path copied K/V"))
+    out = attn_mod._sdpa_call(q, k, v, mask, is_causal=causal, scale=D**-0.5, groups=Hq // Hkv,
+                              per_query_mask=causal, cuda_rules=True)  # fmt: skip
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_auto_falls_back_when_the_triton_kernel_declines(monkeypatch):
     """A ValueError from the kernel (a limit, a tile that does not fit the GPU) sends auto to the rule without
     Triton, with the same result."""
