@@ -138,7 +138,7 @@ class FeatureBank(nn.Module):
         self.size = int(size)
         self.register_buffer("h_MD", torch.zeros(size, dim))
         self.register_buffer("y_M", torch.zeros(size, dtype=torch.long))
-        self.register_buffer("count", torch.zeros((), dtype=torch.long))  # features pushed so far
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))  # features written so far (the last `size` of each push)
 
     @torch.no_grad()
     def push(self, h_ND: torch.Tensor, y_N: torch.Tensor) -> None:

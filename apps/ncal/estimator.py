@@ -131,7 +131,8 @@ class NCALClassifier(ClassifierMixin, BaseEstimator):
         return probs.numpy()[:, self.column_order_]
 
     def predict(self, X) -> np.ndarray:
-        return self.classes_[self.predict_proba(X).argmax(1)]
+        proba = self.predict_proba(X)  # checks fitting first
+        return self.classes_[proba.argmax(1)]
 
     def transform(self, X) -> np.ndarray:
         """The sentence features ``(N, D)`` the classifier reads (for collapse analysis or other models)."""

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                      "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
                                      "wall_s": wall, "gen": gen.get_state(), "torch_rng": torch.get_rng_state()})
         save_encoder(out, enc, tok, {"step": step, "wall_s": round(wall, 1), "texts": len(train),
-                                     "command": "python -m apps.ncal.pretrain " + " ".join(argv or [])})
+                                     "command": "python -m apps.ncal.pretrain " + " ".join(sys.argv[1:] if argv is None else argv)})
 
     t_call = time.time()
     bar = tqdm(total=total, initial=step, desc="mlm", dynamic_ncols=True)

@@ -151,6 +151,7 @@ Initialising NCAL classifiers (`python -m apps.ncal.train --encoder default`). N
 Masked-language modelling (15% of characters; 80/10/10 mask/random/keep) on the train text only of TMWPL and
 PMTD ({info.get('texts')} texts after holding out 2% for validation; PMTD turns with the previous turn and
 speakers). `{info.get('command')}` — {info.get('step')} steps, {info.get('wall_s')} s of training on a shared CPU.
+{('Note: ' + info['note'] + '.') if info.get('note') else ''}
 
 ## Evaluation
 Validation MLM loss (held-out 2% of the train texts): {vals[0]['val_loss'] if vals else 'n/a'} at step
