@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from core.jobs import SettingsMismatch, settings_fingerprint
 from video import batch
@@ -153,7 +154,10 @@ def test_rerun_with_other_settings_refuses_or_redoes_and_same_stems_do_not_colli
                                  device="cpu")
     with pytest.raises(SettingsMismatch, match=r"reader\.method"):
         batch.run_batch(src, out, iv=other_method)
-    weights = VideoQAModel(iv.model.config)  # same architecture, other weights
+    weights = VideoQAModel(iv.model.config)  # same architecture, other weights (one parameter moved)
+    weights.load_state_dict(iv.model.state_dict())
+    with torch.no_grad():
+        next(weights.parameters()).add_(0.01)
     with pytest.raises(SettingsMismatch, match=r"model\.weights_sha256"):
         batch.run_batch(src, out, iv=InfiniteVideo(weights.eval(), iv.config, device="cpu"))
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")} == mtimes  # nothing touched
