@@ -10,30 +10,28 @@ LayerNorm and a tied or untied output head.
 Layouts:
     tokens ``(B, S)`` int64; embeddings/hidden states ``(B, S, dim)``; logits ``(B, S, vocab)``.
     position ids ``(B, S)`` int64 (a ``(S,)`` tensor is broadcast over the batch).
-    cache keys/values per layer ``(B, H_kv, S_l, head_dim)`` (grouped-query layout), stored **after** RoPE;
-    cache position ids per layer ``(B, S_l)``; cache padding mask per layer ``(B, H_kv, S_l)`` bool.
-    memory ``(B, M, memory_dim)`` with position ids ``(B, M)`` (RoPE on the memory keys, text positions on
-    the queries).
+    cache: :class:`~core.kv_cache.KVCache` (re-exported here): per layer keys/values
+    ``(B, H_kv, S_l, head_dim)`` stored after RoPE, position ids ``(B, S_l)``, per-head padding mask
+    ``(B, H_kv, S_l)``; see :mod:`core.kv_cache` for the per-head pruning layout.
+    memory ``(B, M, memory_dim)`` with position ids ``(B, M)`` (RoPE on the memory keys, the tokens' own
+    positions on the queries).
 
 Mask semantics (as in :mod:`core.attention`: ``True`` = padded = never attended to):
     ``padding_mask`` ``(B, S)`` marks padded *input* tokens; they are stored in the cache as padded slots.
-    A new token attends to every unpadded cached slot plus, causally, to the new tokens up to itself
+    A new token attends to every visible cached slot plus, causally, to the new tokens up to itself
     (bottom-right aligned causal mask), so "prefill after a cache" equals one long prefill.
+    ``memory_padding_mask`` ``(B, M)`` marks padded memory tokens; ``memory_attn_bias`` (broadcastable to
+    ``(B, H, S, M)``) can hide memory tokens from chosen queries (e.g. images that come later in the text).
 
-Cache layout for per-head pruning (EMLoC and other per-KV-head policies): every layer keeps one token axis
-shared by its KV heads — the union of the tokens any head keeps — and a per-head padding mask hides, per KV
-head, the slots that head dropped. Position ids therefore stay per token ``(B, S_l)``; a head's visible
-token count is exactly its budget; memory is that of the union. Layers may have different lengths.
-When heads' masks differ, attention folds KV heads into the batch (``(B·H_kv, G, S, D)`` queries against
-``(B·H_kv, 1, S, D)`` keys with a ``(B·H_kv, S)`` key padding mask), so every backend serves it.
-
-Caches are immutable values: :meth:`Decoder.forward` returns a new :class:`KVCache` (the old one is left
-as it was), so a compressed prefix can be reused for many queries.
+Caches are immutable values: :meth:`Decoder.forward` returns a new cache (the old one is left as it was),
+so a compressed prefix can be reused for many queries.
 
 Attention probes: ``forward(..., attn_queries=idx)`` returns, per layer, the attention probabilities
 ``(B, H_q, Q, S_l + S)`` of the chosen new tokens over all keys of that layer (cache slots first, then the
 new tokens), computed with fp32 reference math for those ``Q`` queries only; the layer's output still comes
 from the configured backend. Padded or causally hidden keys get probability 0.
+
+Weights: :meth:`Decoder.save` / :meth:`Decoder.load` write/read safetensors with the config in the header.
 """
 
 from __future__ import annotations
@@ -42,14 +40,13 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from einops import rearrange
 from torch import nn
 
-from core.attention import attention
+from core.kv_cache import KVCache, LayerKV, cached_attention, probe_attention
 from core.layers import GatedCrossAttentionBlock, SelfAttentionBlock
 from core.mha import ACTIVATIONS, check_backend
 from core.rope import RotaryEmbedding
@@ -67,7 +64,7 @@ __all__ = [
     "probe_attention",
 ]
 
-CACHE_FORMAT = "longctx.kv_cache.v1"
+MODEL_FORMAT = "longctx.decoder.v1"
 
 
 @dataclass(kw_only=True)
@@ -121,252 +118,6 @@ class DecoderConfig:
     def cross_layers(self) -> list[int]:
         """Indices of the layers preceded by a gated cross-attention block."""
         return [] if self.cross_every == 0 else list(range(0, self.depth, self.cross_every))
-
-
-@dataclass
-class LayerKV:
-    """One layer's cache.
-
-    Attributes:
-        k: keys after RoPE ``(B, H_kv, S, head_dim)``.
-        v: values ``(B, H_kv, S, head_dim)``.
-        pos: position id of the token in each slot ``(B, S)`` int64.
-        mask: bool ``(B, H_kv, S)``, True = slot hidden from that KV head (padded or pruned); None = all visible.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    pos: torch.Tensor
-    mask: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.k.shape[2]
-
-    def visible(self) -> torch.Tensor:
-        """Bool ``(B, H_kv, S)``: True where the slot is visible to the head."""
-        if self.mask is None:
-            return torch.ones(self.k.shape[:3], dtype=torch.bool, device=self.k.device)
-        return ~self.mask
-
-    def kept_counts(self) -> torch.Tensor:
-        """Visible tokens per batch item and KV head, int64 ``(B, H_kv)``."""
-        return self.visible().sum(-1)
-
-
-def _normalize_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if mask is None or not bool(mask.any()) else mask
-
-
-@dataclass
-class KVCache:
-    """Per-layer keys/values with their tokens' position ids; an immutable value (methods return new caches).
-
-    Attributes:
-        layers: one :class:`LayerKV` per decoder layer (lengths may differ between layers after pruning).
-        next_pos: ``(B,)`` int64, the position id a continuation starts at by default: one past the largest
-            position ever appended (pruning does not lower it).
-    """
-
-    layers: list[LayerKV]
-    next_pos: torch.Tensor
-
-    @property
-    def batch_size(self) -> int:
-        return self.next_pos.shape[0]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def lengths(self) -> list[int]:
-        """Slots per layer (the union over KV heads)."""
-        return [len(layer) for layer in self.layers]
-
-    def kept_counts(self) -> list[torch.Tensor]:
-        """Visible tokens per layer, each ``(B, H_kv)``."""
-        return [layer.kept_counts() for layer in self.layers]
-
-    def to(self, device: torch.device | str) -> KVCache:
-        return KVCache(
-            layers=[
-                LayerKV(l.k.to(device), l.v.to(device), l.pos.to(device), None if l.mask is None else l.mask.to(device))
-                for l in self.layers
-            ],
-            next_pos=self.next_pos.to(device),
-        )
-
-    def select(self, indices: list[torch.Tensor | None]) -> KVCache:
-        """Keep chosen slots per layer (and per KV head); returns a new cache.
-
-        Args:
-            indices: one entry per layer: None (keep the layer whole), slot indices shared by all heads
-                ``(K,)`` or ``(B, K)``, or per KV head ``(B, H_kv, K)``. Indices refer to the layer's current
-                slots; duplicates within a head are not allowed. Choosing an already padded slot leaves it
-                padded. Per-head indices keep the union of the heads' slots (in slot order, so original
-                order is preserved) and mask, per head, the slots it did not choose; a batch item with a
-                smaller union is padded at the end.
-        """
-        if len(indices) != self.num_layers:
-            raise ValueError(f"select needs one index entry per layer ({self.num_layers}), got {len(indices)}")
-        return KVCache(
-            layers=[l if idx is None else _select_layer(l, idx) for l, idx in zip(self.layers, indices)],
-            next_pos=self.next_pos.clone(),
-        )
-
-    def save(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> Path:
-        """Write the cache to ``path`` (safetensors), atomically (temp file in the same folder, then rename).
-
-        ``metadata``: extra string pairs stored in the file header (e.g. the model's config as JSON).
-        """
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        tensors: dict[str, torch.Tensor] = {"next_pos": self.next_pos.contiguous().cpu()}
-        for i, l in enumerate(self.layers):
-            tensors[f"layers.{i}.k"] = l.k.contiguous().cpu()
-            tensors[f"layers.{i}.v"] = l.v.contiguous().cpu()
-            tensors[f"layers.{i}.pos"] = l.pos.contiguous().cpu()
-            if l.mask is not None:
-                tensors[f"layers.{i}.mask"] = l.mask.contiguous().cpu()
-        meta = {"format": CACHE_FORMAT, "num_layers": str(self.num_layers), **(metadata or {})}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu") -> KVCache:
-        """Read a cache written by :meth:`save`."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no KV cache file at {path}")
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != CACHE_FORMAT:
-                raise ValueError(f"{path} is not a KV cache file (format {meta.get('format')!r}, expected {CACHE_FORMAT!r})")
-            n = int(meta["num_layers"])
-            names = set(f.keys())
-            layers = [
-                LayerKV(
-                    f.get_tensor(f"layers.{i}.k"),
-                    f.get_tensor(f"layers.{i}.v"),
-                    f.get_tensor(f"layers.{i}.pos"),
-                    f.get_tensor(f"layers.{i}.mask") if f"layers.{i}.mask" in names else None,
-                )
-                for i in range(n)
-            ]
-            return cls(layers=layers, next_pos=f.get_tensor("next_pos"))
-
-    @staticmethod
-    def load_metadata(path: str | os.PathLike) -> dict[str, str]:
-        """The header metadata of a saved cache."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return dict(f.metadata() or {})
-
-
-def _select_layer(l: LayerKV, idx: torch.Tensor) -> LayerKV:
-    B, H, S, _ = l.k.shape
-    idx = torch.as_tensor(idx, device=l.k.device).long()
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= S):
-        raise ValueError(f"slot indices must lie in [0, {S}), got min {int(idx.min())}, max {int(idx.max())}")
-    if idx.dim() == 1:
-        idx = idx[None].expand(B, -1)
-    if idx.dim() == 2:  # shared by all heads: (B, K)
-        if idx.shape[0] != B:
-            raise ValueError(f"shared slot indices must be (K,) or (B={B}, K), got {tuple(idx.shape)}")
-        gk = idx[:, None, :, None].expand(B, H, -1, l.k.shape[3])
-        mask = None if l.mask is None else l.mask.gather(2, idx[:, None, :].expand(B, H, -1))
-        return LayerKV(l.k.gather(2, gk), l.v.gather(2, gk), l.pos.gather(1, idx), _normalize_mask(mask))
-    if idx.dim() != 3 or idx.shape[:2] != (B, H):
-        raise ValueError(f"per-head slot indices must be (B={B}, H_kv={H}, K), got {tuple(idx.shape)}")
-    chosen_BHS = torch.zeros(B, H, S, dtype=torch.bool, device=idx.device)
-    chosen_BHS.scatter_(2, idx, True)
-    if int(chosen_BHS.sum()) != idx.numel():
-        raise ValueError("per-head slot indices must not repeat a slot within a head")
-    chosen_BHS &= l.visible()
-    union_BS = chosen_BHS.any(1)
-    U = int(union_BS.sum(-1).max()) if S else 0
-    # slots of the union first, in slot order (stable sort of "not in union"), then filler slots
-    order_BS = torch.sort((~union_BS).to(torch.int8), dim=-1, stable=True).indices
-    keep_BU = order_BS[:, :U]
-    gk = keep_BU[:, None, :, None].expand(B, H, U, l.k.shape[3])
-    mask = ~chosen_BHS.gather(2, keep_BU[:, None, :].expand(B, H, U))  # filler slots are not chosen: padded
-    return LayerKV(l.k.gather(2, gk), l.v.gather(2, gk), l.pos.gather(1, keep_BU), _normalize_mask(mask))
-
-
-def cached_attention(
-    q_BHSD: torch.Tensor,
-    k_BHSD: torch.Tensor,
-    v_BHSD: torch.Tensor,
-    mask_BHS: torch.Tensor | None,
-    *,
-    backend: str = "auto",
-    **options,
-) -> torch.Tensor:
-    """Causal attention of ``S_q`` new queries over a layer's keys (cache slots, then the new tokens).
-
-    Args:
-        q_BHSD: ``(B, H_q, S_q, D)`` queries of the new tokens.
-        k_BHSD, v_BHSD: ``(B, H_kv, S_k, D)``; the last ``S_q`` slots are the new tokens.
-        mask_BHS: bool ``(B, H_kv, S_k)``, True = hidden from that KV head; None = all visible.
-        backend, options: passed to :func:`core.attention.attention`.
-
-    Returns:
-        ``(B, H_q, S_q, D)``. Bottom-right causal: query ``i`` sees every visible cached slot and new
-        tokens ``0..i``.
-    """
-    if mask_BHS is None:
-        return attention(q_BHSD, k_BHSD, v_BHSD, causal=True, backend=backend, **options)
-    if bool((mask_BHS == mask_BHS[:, :1]).all()):  # same mask for every head
-        return attention(q_BHSD, k_BHSD, v_BHSD, causal=True, key_padding_mask=mask_BHS[:, 0], backend=backend, **options)
-    B, Hkv = k_BHSD.shape[:2]
-    q = rearrange(q_BHSD, "b (h g) s d -> (b h) g s d", h=Hkv)  # (B*H_kv, G, S_q, D)
-    k = rearrange(k_BHSD, "b h s d -> (b h) 1 s d")  # (B*H_kv, 1, S_k, D)
-    v = rearrange(v_BHSD, "b h s d -> (b h) 1 s d")
-    kpm = rearrange(mask_BHS, "b h s -> (b h) s")  # (B*H_kv, S_k)
-    out = attention(q, k, v, causal=True, key_padding_mask=kpm, backend=backend, **options)
-    return rearrange(out, "(b h) g s d -> b (h g) s d", b=B)  # (B, H_q, S_q, D)
-
-
-def probe_attention(
-    q_BHQD: torch.Tensor, query_index: torch.Tensor, k_BHSD: torch.Tensor, mask_BHS: torch.Tensor | None, s_new: int
-) -> torch.Tensor:
-    """fp32 attention probabilities of chosen new-token queries (reference math, same masks as
-    :func:`cached_attention`).
-
-    Args:
-        q_BHQD: ``(B, H_q, Q, D)`` queries of the chosen tokens.
-        query_index: ``(Q,)`` index of each chosen query among the ``s_new`` new tokens.
-        k_BHSD: ``(B, H_kv, S_k, D)`` keys (cache slots then new tokens).
-        mask_BHS: bool ``(B, H_kv, S_k)`` or None, True = hidden.
-        s_new: number of new tokens (the last ``s_new`` key slots).
-
-    Returns:
-        ``(B, H_q, Q, S_k)`` probabilities; each row sums to 1 over its visible keys (0 elsewhere).
-    """
-    B, Hq, Q, D = q_BHQD.shape
-    Hkv, Sk = k_BHSD.shape[1], k_BHSD.shape[2]
-    k = k_BHSD.float().repeat_interleave(Hq // Hkv, dim=1)
-    scores_BHQS = torch.matmul(q_BHQD.float(), k.transpose(-1, -2)) / D**0.5
-    limit_Q = (Sk - s_new) + query_index.to(k.device)  # last key index each query may see
-    hide = torch.arange(Sk, device=k.device)[None, :] > limit_Q[:, None]  # (Q, S_k)
-    hide = hide[None, None]
-    if mask_BHS is not None:
-        hide = hide | mask_BHS.repeat_interleave(Hq // Hkv, dim=1)[:, :, None, :]
-    scores_BHQS = scores_BHQS.masked_fill(hide, float("-inf"))
-    probs = torch.softmax(scores_BHQS, dim=-1)
-    return torch.nan_to_num(probs, nan=0.0)
 
 
 @dataclass
@@ -480,6 +231,7 @@ class Decoder(nn.Module):
         memory_BMD: torch.Tensor | None = None,
         memory_position_ids: torch.Tensor | None = None,
         memory_padding_mask: torch.Tensor | None = None,
+        memory_attn_bias: torch.Tensor | None = None,
         attn_queries: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
         return_hidden: bool = False,
@@ -499,6 +251,8 @@ class Decoder(nn.Module):
             memory_position_ids: ``(M,)`` or ``(B, M)`` RoPE positions of the memory keys (default
                 ``0..M-1``); the queries use the tokens' own positions.
             memory_padding_mask: bool ``(B, M)``, True = padded memory token.
+            memory_attn_bias: additive bias broadcastable to ``(B, H, S, M)`` for the cross-attention
+                (``-inf`` hides a memory token from a query; a query that sees no memory gets no update).
             attn_queries: ``(Q,)`` indices among the ``S`` new tokens whose attention probabilities to
                 return (see module docs).
             logits_index: ``(Q,)`` indices among the new tokens for which to compute logits (default all).
@@ -546,7 +300,8 @@ class Decoder(nn.Module):
         for i, block in enumerate(self.layers):
             if memory_BMD is not None and str(i) in self.cross:
                 x_BSD = self.cross[str(i)](
-                    x_BSD, memory_BMD, context_padding_mask=memory_padding_mask, q_rope=(cos, sin), k_rope=mem_rope
+                    x_BSD, memory_BMD, context_padding_mask=memory_padding_mask, attn_bias=memory_attn_bias,
+                    q_rope=(cos, sin), k_rope=mem_rope,
                 )
             past = None if cache is None else cache.layers[i]
             x_BSD, layer, probs = self._layer(block, x_BSD, (cos, sin), pos_BS, new_mask, past, attn_queries)
@@ -661,6 +416,44 @@ class Decoder(nn.Module):
         return GenerationOutput(tokens=torch.stack(tokens, dim=1), lengths=lengths, cache=out.cache)
 
     def config_json(self) -> str:
-        """The config as JSON (e.g. for :meth:`KVCache.save` metadata)."""
-        d = {k: v for k, v in vars(self.config).items() if k != "head_dim"}
+        """The config as JSON (e.g. for :meth:`KVCache.save` metadata); ``DecoderConfig(**json.loads(...))``
+        rebuilds it."""
+        d = {k: v for k, v in asdict(self.config).items() if k != "head_dim"}
         return json.dumps(d, sort_keys=True)
+
+    def save(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> Path:
+        """Weights as safetensors with the config in the header (tied weights stored once), written atomically."""
+        from safetensors.torch import save_model
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_model(self, tmp, metadata={"format": MODEL_FORMAT, "config": self.config_json(), **(metadata or {})})
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", backend: str | None = None) -> Decoder:
+        """A decoder saved by :meth:`save` (strict keys), in eval mode; ``backend`` overrides the saved one."""
+        from safetensors import safe_open
+        from safetensors.torch import load_model
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no decoder weights at {path}")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != MODEL_FORMAT:
+            raise ValueError(f"{path} is not a decoder file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})")
+        cfg = json.loads(meta["config"])
+        if backend is not None:
+            cfg["backend"] = backend
+        model = cls(DecoderConfig(**cfg), device=device)
+        load_model(model, str(path), strict=True, device=str(device))
+        return model.eval()

@@ -171,7 +171,7 @@ def _topk_slots(score_BHS: torch.Tensor, visible_BHS: torch.Tensor, k: int) -> t
     return torch.topk(s, k, dim=-1).indices.sort(dim=-1).values
 
 
-def _check_budget(budget, cache: KVCache) -> int:
+def _check_budget(budget) -> int:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be a positive int (slots kept per layer and KV head), got {budget!r}")
     return budget
@@ -208,7 +208,7 @@ def policy_full(cache: KVCache, budget: int | None = None, obs: Observation | No
 
 def policy_random(cache: KVCache, budget: int, obs: Observation | None = None, *, generator: torch.Generator | None = None) -> Indices:
     """``budget`` uniformly random slots per layer and batch item, shared by the heads."""
-    budget = _check_budget(budget, cache)
+    budget = _check_budget(budget)
 
     def score(i, vis):
         r = torch.rand(vis.shape[0], 1, vis.shape[2], generator=generator, device=generator.device if generator else "cpu")
@@ -219,7 +219,7 @@ def policy_random(cache: KVCache, budget: int, obs: Observation | None = None, *
 
 def policy_streaming(cache: KVCache, budget: int, obs: Observation | None = None, *, num_sinks: int = 4) -> Indices:
     """The first ``num_sinks`` slots (attention sinks) plus the most recent ``budget - num_sinks`` slots."""
-    budget = _check_budget(budget, cache)
+    budget = _check_budget(budget)
     if not 0 <= num_sinks <= budget:
         raise ValueError(f"num_sinks ({num_sinks}) must lie in [0, budget={budget}]")
 
@@ -233,7 +233,7 @@ def policy_streaming(cache: KVCache, budget: int, obs: Observation | None = None
 
 def policy_h2o(cache: KVCache, budget: int, obs: Observation | None = None, *, recent_ratio: float = 0.5) -> Indices:
     """Heavy hitters (accumulated attention received, per KV head) plus the most recent slots."""
-    budget = _check_budget(budget, cache)
+    budget = _check_budget(budget)
     atts = _need(obs, "attentions", "h2o")
     if not 0.0 <= recent_ratio <= 1.0:
         raise ValueError(f"recent_ratio must lie in [0, 1], got {recent_ratio}")
@@ -270,7 +270,7 @@ def policy_snapkv(
     cache: KVCache, budget: int, obs: Observation | None = None, *, kernel_size: int = 7, pooling: str = "max"
 ) -> Indices:
     """SnapKV: keep the observation window and the slots it votes for, per KV head."""
-    budget = _check_budget(budget, cache)
+    budget = _check_budget(budget)
     atts = _need(obs, "attentions", "snapkv")
     w = _window(obs, "snapkv")
     if w > budget:
@@ -299,7 +299,7 @@ def policy_pyramidkv(
     cache: KVCache, budget: int, obs: Observation | None = None, *, beta: int = 20, kernel_size: int = 7, pooling: str = "max"
 ) -> Indices:
     """PyramidKV: SnapKV scoring with per-layer budgets from :func:`pyramid_budgets`."""
-    budget = _check_budget(budget, cache)
+    budget = _check_budget(budget)
     atts = _need(obs, "attentions", "pyramidkv")
     w = _window(obs, "pyramidkv")
     if w > budget:
@@ -319,7 +319,7 @@ def policy_pyramidkv(
 def policy_fastv(cache: KVCache, budget: int, obs: Observation | None = None, *, k_layer: int = 2) -> Indices:
     """FastV: from layer ``k_layer`` on keep text slots and the most attended image slots (attention at layer
     ``k_layer - 1``, averaged over probe queries and heads, shared by the heads)."""
-    budget = _check_budget(budget, cache)
+    budget = _check_budget(budget)
     atts = _need(obs, "attentions", "fastv")
     image = _need(obs, "image_mask", "fastv")
     if not 1 <= k_layer <= cache.num_layers:

@@ -353,3 +353,61 @@ def test_generate_after_cache_and_with_embeds():
     assert torch.equal(after, whole)
     emb = model.generate(inputs_embeds=model.embed(x), max_new_tokens=4).tokens
     assert torch.equal(emb, whole)
+
+
+@torch.no_grad()
+def test_memory_attn_bias_hides_memory_tokens():
+    model = make_model(cross_every=1, memory_dim=24)
+    for blk in model.cross.values():
+        blk.attn_gate.fill_(0.8)
+        blk.ff_gate.fill_(0.5)
+    x = ids(S=6)
+    mem = torch.randn(2, 5, 24)
+    mpos = torch.tensor([3, 3, 4, 9, 9])
+    bias = torch.zeros(1, 1, 1, 5)
+    bias[..., [1, 3]] = float("-inf")
+    keep = torch.tensor([0, 2, 4])
+    hidden = model(x, memory_BMD=mem, memory_position_ids=mpos, memory_attn_bias=bias).logits
+    dropped = model(x, memory_BMD=mem[:, keep], memory_position_ids=mpos[keep]).logits
+    torch.testing.assert_close(hidden, dropped, atol=1e-5, rtol=1e-5)
+    assert (hidden - model(x, memory_BMD=mem, memory_position_ids=mpos).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "chunked"])
+def test_gradients_flow_to_gates_and_embeddings(backend):
+    model = make_model(cross_every=2, memory_dim=24).train()
+    model.backend = backend
+    for blk in model.cross.values():
+        with torch.no_grad():
+            blk.attn_gate.fill_(0.1)
+    x = ids(S=8)
+    logits = model(x[:, :-1], memory_BMD=torch.randn(2, 4, 24), use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 61), x[:, 1:].reshape(-1))
+    loss.backward()
+    assert model.embed.weight.grad is not None and model.embed.weight.grad.abs().sum() > 0
+    for blk in model.cross.values():
+        assert blk.attn_gate.grad is not None and blk.attn_gate.grad.abs() > 0
+        assert blk.attn.k_proj.weight.grad.abs().sum() > 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tie", [True, False])
+def test_decoder_save_load(tmp_path, tie):
+    model = make_model(tie_embeddings=tie, cross_every=2)
+    path = model.save(tmp_path / "m" / "decoder.safetensors")
+    loaded = Decoder.load(path, backend="reference")
+    assert loaded.config.tie_embeddings is tie and loaded.backend == "reference"
+    assert (loaded.lm_head.weight is loaded.embed.weight) is tie
+    x = ids()
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    with pytest.raises(ValueError, match="not a decoder file"):
+        Decoder.load(_foreign_file(tmp_path))
+
+
+def _foreign_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    return path
