@@ -372,7 +372,10 @@ class Decoder(nn.Module):
         (``cache.next_pos``). Greedy (argmax) unless ``do_sample``: then softmax of ``logits / temperature``
         over the ``top_k`` largest logits (all if None), drawn with ``generator`` (seeded for
         reproducibility). A row stops after emitting a token of ``stop_token_ids``; generation ends when
-        every row stopped or ``max_new_tokens`` were made. ``memory_*`` are passed at every step.
+        every row stopped or ``max_new_tokens`` were made. ``memory_*`` are passed at every step (the
+        memory's keys/values are recomputed each step). Batched prompts of different lengths must be
+        left-padded (``padding_mask`` True on the left, positions starting at 0 after the padding): the
+        first new token comes from the prompt's last column.
         """
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
