@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--child", choices=["numerics", "int64", "dispatch"], help=argparse.SUPPRESS)
     p.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
+    p.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # a child's code on the CPU interpreter
     return p
 
 
@@ -291,7 +292,9 @@ def _run_child(args) -> int:
     try:
         if args.child == "numerics":
             shard, n = (int(x) for x in args.shard.split("/"))
-            CHILD_STEPS["numerics"](record, shard=shard, n_shards=n)
+            CHILD_STEPS["numerics"](record, shard=shard, n_shards=n, dry=args.dry_run)
+        elif args.child == "int64":
+            CHILD_STEPS["int64"](record, dry=args.dry_run)
         else:
             CHILD_STEPS[args.child](record)
     except Exception as e:  # recorded; the parent reads the part file

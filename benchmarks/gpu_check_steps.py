@@ -33,6 +33,15 @@ NUMERICS_SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
     "GQA 8:1": (2, 8, 1, 1023, 1023, False),
     "padded row": (2, 4, 4, 1023, 1023, True),
 }
+#: ``--dry-run`` (the CPU under ``TRITON_INTERPRET=1``, fp16 and D = 64 only): the same code on tiny shapes.
+DRY_SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
+    "odd S": (2, 2, 2, 37, 37, False),
+    "S_q < S_k": (2, 2, 2, 13, 45, False),
+    "S_q > S_k": (2, 2, 2, 45, 13, False),
+    "S_q = 1": (2, 2, 2, 1, 45, False),
+    "GQA 8:1": (1, 8, 1, 37, 37, False),
+    "padded row": (2, 2, 2, 37, 37, True),
+}
 #: Step 4: B*H*S*D = 9 * 2**28 elements (4.5 GiB per bf16 tensor); batch 256 is the first whose base offset
 #: passes 2**31, batch 287 the last. Causal, so the forward costs half of 4*B*H*S*S*D FLOPs.
 INT64_SHAPE = (288, 32, 2048, 128)
@@ -104,29 +113,34 @@ def numerics_cases(shard: int = 0, n_shards: int = 1) -> list[tuple[str, int, bo
     return [c for c in cases if (c[0], c[1]) in mine]
 
 
-def step_numerics(record: PartRecord, *, shard: int = 0, n_shards: int = 1) -> None:
-    """Step 3: the kernels at their production tiles against fp32 math, forward and backward, NaN checks."""
+def step_numerics(record: PartRecord, *, shard: int = 0, n_shards: int = 1, dry: bool = False) -> None:
+    """Step 3: the kernels at their production tiles against fp32 math, forward and backward, NaN checks.
+    ``dry``: tiny shapes, fp16 and D = 64 only, on the CPU (Triton's interpreter): a check of this code."""
     import torch
 
     from kernels.block_sparse import block_sparse_attention
     from kernels.flash_attention import flash_attention, is_interpreted
 
     record["interpreted"] = is_interpreted()
+    device, shapes = ("cpu", DRY_SHAPES) if dry else ("cuda", NUMERICS_SHAPES)
     torch.manual_seed(shard)
-    for dname, d, causal, name in numerics_cases(shard, n_shards):
+    cases = numerics_cases(shard, n_shards)
+    if dry:  # every shape once, whatever the shard
+        cases = [c for c in numerics_cases() if c[0] == "fp16" and c[1] == 64]
+    for dname, d, causal, name in cases:
         dtype = getattr(torch, DTYPES[dname])
         row: dict[str, Any] = {"dtype": dname, "D": d, "causal": causal, "case": name, "tiles": _tiles(d, dtype)}
         t0 = time.perf_counter()
         try:
             if name == "block-sparse":
-                B, Hq, Hkv, S, bs, kb = 2, 8, 2, 1000, 64, 4
-                q = torch.randn(B, Hq, S, d, device="cuda", dtype=dtype)
-                k, v = (torch.randn(B, Hkv, S, d, device="cuda", dtype=dtype) for _ in range(2))
+                B, Hq, Hkv, S, bs, kb = (1, 2, 1, 50, 16, 2) if dry else (2, 8, 2, 1000, 64, 4)
+                q = torch.randn(B, Hq, S, d, device=device, dtype=dtype)
+                k, v = (torch.randn(B, Hkv, S, d, device=device, dtype=dtype) for _ in range(2))
                 nq = math.ceil(S / bs)
-                idx = torch.rand(B, Hq, nq, nq, device="cuda").topk(kb, dim=-1).indices.sort(dim=-1).values
-                blocks = torch.zeros(B, Hq, nq, nq, dtype=torch.bool, device="cuda").scatter_(-1, idx, True)
+                idx = torch.rand(B, Hq, nq, nq, device=device).topk(kb, dim=-1).indices.sort(dim=-1).values
+                blocks = torch.zeros(B, Hq, nq, nq, dtype=torch.bool, device=device).scatter_(-1, idx, True)
                 keep = blocks.repeat_interleave(bs, 2).repeat_interleave(bs, 3)[:, :, :S, :S]
-                do = torch.randn(B, Hq, S, d, device="cuda", dtype=dtype)
+                do = torch.randn(B, Hq, S, d, device=device, dtype=dtype)
                 row["shape"] = f"{B}x{Hq}/{Hkv}x{S}x{S} block {bs}, {kb} of {nq} blocks"
 
                 def kernel(a, b, c):
@@ -134,13 +148,13 @@ def step_numerics(record: PartRecord, *, shard: int = 0, n_shards: int = 1) -> N
 
                 kpm = None
             else:
-                B, Hq, Hkv, Sq, Sk, pad = NUMERICS_SHAPES[name]
-                q = torch.randn(B, Hq, Sq, d, device="cuda", dtype=dtype)
-                k, v = (torch.randn(B, Hkv, Sk, d, device="cuda", dtype=dtype) for _ in range(2))
-                do = torch.randn(B, Hq, Sq, d, device="cuda", dtype=dtype)
+                B, Hq, Hkv, Sq, Sk, pad = shapes[name]
+                q = torch.randn(B, Hq, Sq, d, device=device, dtype=dtype)
+                k, v = (torch.randn(B, Hkv, Sk, d, device=device, dtype=dtype) for _ in range(2))
+                do = torch.randn(B, Hq, Sq, d, device=device, dtype=dtype)
                 kpm = None
                 if pad:
-                    kpm = torch.rand(B, Sk, device="cuda") < 0.2
+                    kpm = torch.rand(B, Sk, device=device) < 0.2
                     kpm[0] = True
                 keep = None
                 row["shape"] = f"{B}x{Hq}/{Hkv}x{Sq}x{Sk}"
@@ -165,32 +179,35 @@ def step_numerics(record: PartRecord, *, shard: int = 0, n_shards: int = 1) -> N
 # ---------------------------------------------------------------------------------------------- step 4
 
 
-def step_int64(record: PartRecord) -> None:
+def step_int64(record: PartRecord, *, dry: bool = False) -> None:
     """Step 4: dense and block-sparse kernels on tensors past 2**31 elements; batches 0, 256 (the first past
-    2**31 in base offset) and the last checked against fp32 math, forward and backward."""
+    2**31 in base offset) and the last checked against fp32 math, forward and backward. ``dry``: the same
+    code on a tiny fp16 shape on the CPU (Triton's interpreter; nothing passes 2**31 there)."""
     import torch
 
     from kernels.block_sparse import block_sparse_attention
     from kernels.flash_attention import flash_attention
 
-    B, H, S, D = INT64_SHAPE
-    dtype = torch.bfloat16
-    record.update(shape=list(INT64_SHAPE), numel=B * H * S * D, dtype="bf16", causal=True)
+    device = "cpu" if dry else "cuda"
+    B, H, S, D = (3, 2, 64, 16) if dry else INT64_SHAPE
+    batches = (0, 1, 2) if dry else INT64_BATCHES
+    dtype = torch.float16 if dry else torch.bfloat16
+    record.update(shape=[B, H, S, D], numel=B * H * S * D, dtype=str(dtype).split(".")[-1], causal=True, dry=dry)
     record["last_batch_base_offset"] = (B - 1) * H * S * D
     torch.manual_seed(0)
     try:
-        q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(4))
+        q, k, v, do = (torch.randn(B, H, S, D, device=device, dtype=dtype) for _ in range(4))
     except torch.cuda.OutOfMemoryError as e:
         record.update(ok=False, error=f"out of memory allocating 4 x {B * H * S * D * 2 / 2**30:.1f} GiB: {e}")
         record.save()
         return
-    bs = 128
+    bs = 16 if dry else 128
     nq = S // bs
     # Each query block: its diagonal block and 3 random earlier ones (ids ascending, -1 where there are fewer).
-    r = torch.rand(B, H, nq, nq, device="cuda").masked_fill(~torch.ones(nq, nq, dtype=torch.bool, device="cuda").tril(-1), -1)
+    r = torch.rand(B, H, nq, nq, device=device).masked_fill(~torch.ones(nq, nq, dtype=torch.bool, device=device).tril(-1), -1)
     earlier = r.topk(3, dim=-1).indices
     earlier = torch.where(r.gather(-1, earlier) >= 0, earlier, nq)  # fewer than 3 earlier blocks: nq, then -1
-    diag = torch.arange(nq, device="cuda").expand(B, H, nq)[..., None]
+    diag = torch.arange(nq, device=device).expand(B, H, nq)[..., None]
     idx = torch.cat([earlier, diag], -1).sort(dim=-1).values
     idx = torch.where(idx >= nq, -1, idx)
 
@@ -204,15 +221,17 @@ def step_int64(record: PartRecord) -> None:
         row: dict[str, Any] = {"kernel": name}
         t0 = time.perf_counter()
         try:
-            torch.cuda.reset_peak_memory_stats()
+            if not dry:
+                torch.cuda.reset_peak_memory_stats()
             leaves = [t.requires_grad_(True) for t in (q, k, v)]
             out = fn(*leaves)
             grads = torch.autograd.grad(out, leaves, do)
-            torch.cuda.synchronize()
+            if not dry:
+                torch.cuda.synchronize()
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             row["kernel_seconds"] = round(time.perf_counter() - t0, 2)
-            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             row["batches"] = []
-            for b in INT64_BATCHES:
+            for b in batches:
                 sl = slice(b, b + 1)
                 keep = None
                 if name == "block_sparse":
@@ -232,7 +251,8 @@ def step_int64(record: PartRecord) -> None:
             row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
         for t in (q, k, v):
             t.requires_grad_(False)
-        torch.cuda.empty_cache()
+        if not dry:
+            torch.cuda.empty_cache()
         row["seconds"] = round(time.perf_counter() - t0, 2)
         record["cases"].append(row)
         record.save()

@@ -108,3 +108,32 @@ def test_targets_from_measured_rows():
     assert len(t["table"]) == 1 and t["table"][0]["bwd ratio"] == pytest.approx(0.7)
     slow = evaluate_targets([{**dense[0], "triton_vs_sdpa_flash": 0.5}], sparse[:1])
     assert slow["fwd_met"] is False and slow["bwd_met"] is None and slow["sparse_met"] is False
+
+
+@pytest.mark.slow
+def test_gpu_step_code_runs_on_the_cpu_interpreter(tmp_path):
+    """Steps 3 and 4 only run where a GPU is lent, rarely: their code runs here on tiny fp16 shapes in Triton's
+    interpreter (--dry-run), so a Python error there cannot wait for the GPU. Both children run at once."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for step in ("numerics", "int64"):
+        part = tmp_path / f"{step}.json"
+        cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", step, "--part", str(part), "--dry-run"]
+        procs[step] = (part, subprocess.Popen(cmd, cwd=gpu_check.ROOT, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    for step, (part, proc) in procs.items():
+        log, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, log[-3000:]
+        rec = json.loads(part.read_text())
+        assert rec["cases"] and all(c["ok"] for c in rec["cases"]), json.dumps(rec, indent=1)[:3000]
+    numerics = json.loads((tmp_path / "numerics.json").read_text())
+    assert {c["case"] for c in numerics["cases"]} == {*NUMERICS_SHAPES, "block-sparse"} and numerics["interpreted"]
+    padded = [c for c in numerics["cases"] if c["case"] == "padded row"]
+    assert padded and all(c["padded_row_zero"] for c in padded)
+    int64 = json.loads((tmp_path / "int64.json").read_text())
+    assert [c["kernel"] for c in int64["cases"]] == ["flash", "block_sparse"]
+    assert all(len(c["batches"]) == 3 for c in int64["cases"]) and int64["ok"]
