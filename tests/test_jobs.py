@@ -247,6 +247,24 @@ def test_lock_staleness_across_hosts_and_heartbeat(tmp_path):
     assert not [f for f in os.listdir(path.parent) if f.startswith(".")]  # no temp or moved-aside file left
 
 
+def test_a_lock_taken_between_judging_and_breaking_is_put_back(tmp_path, monkeypatch):
+    """Two takers judge the same stale lock; the second must not remove the lock the first one just created."""
+    path = tmp_path / "s.lock"
+    fresh = {"host": "another-host", "pid": 1, "start": 0, "heartbeat": 0, "token": "fresh"}
+    path.write_text(json.dumps(fresh))
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    real_read = FileLock.read
+
+    def outdated(self, p=None):  # the content judged stale, read just before another taker replaced it
+        return {**fresh, "token": "old"} if p is None else real_read(self, p)
+
+    monkeypatch.setattr(FileLock, "read", outdated)
+    assert not FileLock(path, stale_after=60)._break_if_stale()
+    monkeypatch.undo()
+    assert json.loads(path.read_text())["token"] == "fresh" and os.listdir(tmp_path) == ["s.lock"]
+
+
 # ---------------------------------------------------------------------------------------------- time limit
 
 
