@@ -596,3 +596,37 @@ def test_cuda_chunked_gradients_match_reference():
                              True, grad_out.cuda())
     for w, g in zip([want, *want_grads], [got, *got_grads]):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode", "decode-gqa-padding", "fp32-causal", "bf16-bias-row"])
+def test_cuda_auto_runs_sdpa_where_the_rule_says(kind, monkeypatch):
+    """On CUDA: decode, fp32 and biased inputs run sdpa under auto (spied), match the reference, and SDPA's
+    flash / memory-efficient kernels accept the call (SDPA limited to them raises if not)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ran = []
+    real = BACKENDS["sdpa"]
+    monkeypatch.setitem(BACKENDS, "sdpa", lambda a: ran.append("sdpa") or real(a))
+    B, Hq, Hkv, Sq, Sk, D, dtype, kw = {
+        "decode": (4, 8, 8, 1, 3000, 128, torch.bfloat16, {"causal": True}),
+        "decode-gqa-padding": (4, 8, 2, 1, 3000, 64, torch.float16, {"causal": True, "pad": True}),
+        "fp32-causal": (1, 4, 4, 1024, 1024, 64, torch.float32, {"causal": True}),
+        "bf16-bias-row": (2, 4, 4, 300, 300, 64, torch.bfloat16, {"bias": True}),
+    }[kind]
+    q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype) for _ in range(2))
+    kpm = (torch.rand(B, Sk, device="cuda") < 0.3) if kw.get("pad") else None
+    bias = torch.randn(1, Hq, 1, Sk, device="cuda", dtype=dtype) if kw.get("bias") else None
+    args = dict(causal=kw.get("causal", False), key_padding_mask=kpm, attn_bias=bias)
+    a = prepare_inputs(q, k, v, **args)
+    if kind != "fp32-causal":  # the small fp32 case fits the dense budget anyway; its facts say fused
+        assert choose_backend(a) == "sdpa"
+    assert attn_mod.dispatch_facts(a)["sdpa_fused"]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out = attention(q, k, v, **args)
+    assert ran == ["sdpa"]
+    want = reference(q.double(), k.double(), v.double(), key_padding_mask=kpm,
+                     attn_bias=None if bias is None else bias.double(), causal=args["causal"])  # fmt: skip
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
