@@ -1,9 +1,21 @@
-"""Patch feature extraction: tiles are read by DataLoader workers while the encoder computes."""
+"""Patch features: extraction (tiles read by DataLoader workers while the encoder computes) and reading
+feature files written by this project, CLAM or TRIDENT.
+
+Feature-file layouts read by :func:`read_feature_file` (one HDF5 file per slide):
+
+- this project and TRIDENT: ``features`` (N, D), ``coords`` (N, 2) level-0 (x, y) with the attribute
+  ``patch_size_level0`` (TRIDENT also writes ``overlap``; with an overlap the grid step is inferred);
+- CLAM (``h5_files/<slide_id>.h5``): ``features`` (N, D) and ``coords`` (N, 2) without attributes. The grid
+  step is then inferred from the coordinates (the greatest common divisor of the gaps between distinct x
+  and y values), or taken from ``patch_size_level0=`` (the training CLI's ``--patch-size-level0``).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,7 +27,7 @@ from pathology.slide import Slide
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PatchDataset", "extract_features"]
+__all__ = ["PatchDataset", "extract_features", "read_feature_file", "infer_grid_step", "FeatureFile"]
 
 
 class PatchDataset(Dataset):
@@ -66,3 +78,70 @@ def extract_features(path: str, grid: PatchGrid, encoder: PatchEncoder, *, batch
     dt = time.perf_counter() - t0
     feats = np.concatenate(out, 0).astype(np.float32)
     return feats, n / max(dt, 1e-9)
+
+
+@dataclass
+class FeatureFile:
+    """One slide's features as read from disk."""
+
+    features: np.ndarray  # (N, D) float32
+    coords: np.ndarray  # (N, 2) int64 level-0 (x, y) of each patch's top-left corner
+    patch_size_level0: float  # grid step in level-0 pixels
+    step_source: str  # "attribute", "flag" or "inferred"
+
+
+def infer_grid_step(coords_N2: np.ndarray) -> int:
+    """The grid step of patch coordinates: gcd of the positive gaps between distinct x and between distinct y.
+
+    Raises:
+        ValueError: fewer than two distinct x or y values (a single patch or a single row has no step).
+    """
+    c = np.rint(np.asarray(coords_N2, dtype=np.float64)).astype(np.int64)
+    if c.ndim != 2 or c.shape[1] != 2:
+        raise ValueError(f"coords must be (N, 2), got shape {c.shape}")
+    gaps = np.concatenate([np.diff(np.unique(c[:, 0])), np.diff(np.unique(c[:, 1]))])
+    gaps = gaps[gaps > 0]
+    if len(gaps) == 0:
+        raise ValueError(f"cannot infer the grid step from {len(c)} patch(es) on one row and column; "
+                         "give it (--patch-size-level0)")
+    return int(np.gcd.reduce(gaps))
+
+
+def read_feature_file(path: str | os.PathLike, *, patch_size_level0: float | None = None) -> FeatureFile:
+    """Read a per-slide feature file in this project's, TRIDENT's or CLAM's layout (see the module docstring).
+
+    Args:
+        path: the ``.h5`` file.
+        patch_size_level0: grid step for files without a ``patch_size_level0`` attribute (CLAM); when
+            ``None`` it is inferred from the coordinates.
+
+    Raises:
+        ValueError: no ``features``, wrong shapes, or rows of ``features`` and ``coords`` that differ.
+    """
+    from pathology.patching import read_h5
+
+    path = os.fspath(path)
+    d = read_h5(path)
+    feats = d["features"]
+    if feats is None:
+        raise ValueError(f"{path!r} has coords but no 'features' (run the batch CLI with --task feat)")
+    coords = d["coords"]
+    if feats.ndim == 3 and feats.shape[0] == 1:  # some writers keep a batch axis: (1, N, D)
+        feats = feats[0]
+    if coords.ndim == 3 and coords.shape[0] == 1:
+        coords = coords[0]
+    if feats.ndim != 2 or coords.ndim != 2 or coords.shape[1] != 2:
+        raise ValueError(f"{path!r}: expected features (N, D) and coords (N, 2), got {feats.shape} and {coords.shape}")
+    if feats.shape[0] != coords.shape[0]:
+        raise ValueError(f"{path!r}: {feats.shape[0]} feature rows but {coords.shape[0]} coords")
+    attrs = d["attrs"]
+    overlap = float(attrs.get("overlap", 0) or 0)
+    if "patch_size_level0" in attrs and overlap == 0:
+        step, source = float(attrs["patch_size_level0"]), "attribute"
+    elif patch_size_level0 is not None:
+        step, source = float(patch_size_level0), "flag"
+    elif len(coords) == 0:
+        step, source = 0.0, "inferred"
+    else:
+        step, source = float(infer_grid_step(coords)), "inferred"
+    return FeatureFile(np.asarray(feats, np.float32), np.rint(coords).astype(np.int64), step, source)

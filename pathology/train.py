@@ -1,15 +1,24 @@
-"""Train slide models with k-fold cross-validation on patch-feature HDF5 files.
+"""Train slide models with patient-level cross-validation on patch-feature HDF5 files.
 
 ``python -m pathology.train --features DIR --labels CSV --model querent|abmil|transmil|dense|mean
---task cls|survival --folds 5 [--target lesion] --out DIR``
+--task cls|survival [--folds 5 | --splits DIR] [--target label] [--patient-col patient_id] --out DIR``
 
-Writes ``<out>/metrics_<model>_<target>.json`` (per fold and mean/std: AUC and balanced accuracy, or
-C-index) and one ``safetensors`` model per fold plus its config JSON.
+Feature files may be this project's, TRIDENT's or CLAM's (``coords`` without attributes: the grid step is
+inferred from the coordinates, or given with ``--patch-size-level0``). Labels may be integers or class
+names. Writes into ``--out``:
+
+- ``metrics_<model>_<target>.json``: per fold (AUC and balanced accuracy, or C-index; training summary
+  with the per-epoch training/validation loss) and over folds (mean, std, min, max; pooled out-of-fold);
+  the class names, model and training settings;
+- ``oof_<model>_<target>.csv``: the out-of-fold prediction of every slide;
+- ``curves_<model>_<target>.png``: training and validation loss per epoch of every fold;
+- ``<model>_fold<k>.safetensors`` per fold and ``<model>_config.json`` (model settings and class names).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import logging
@@ -20,25 +29,41 @@ import torch
 
 from pathology.mil import MODEL_NAMES
 from pathology.querent import QuerentConfig
-from pathology.training import TrainConfig, cross_validate, load_bags
+from pathology.training import TrainConfig, cross_validate, load_bags, read_splits, save_training_curves
 
 logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m pathology.train", description=__doc__.split("\n")[0])
-    p.add_argument("--features", required=True, help="folder of <slide_id>.h5 files with coords and features")
+    p.add_argument("--features", required=True,
+                   help="folder of <slide_id>.h5 files with coords and features (a CLAM folder with h5_files/ works)")
     p.add_argument("--labels", required=True, help="CSV with a slide_id column and label columns")
     p.add_argument("--model", choices=MODEL_NAMES, default="querent")
     p.add_argument("--task", choices=("cls", "survival"), default="cls")
-    p.add_argument("--target", default="label", help="label column for --task cls (default 'label')")
+    p.add_argument("--target", default="label", help="label column for --task cls (integers or class names)")
     p.add_argument("--time-col", default="time", help="survival time column")
     p.add_argument("--event-col", default="event", help="survival event column (1 = observed)")
-    p.add_argument("--folds", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--batch-slides", type=int, default=1, help="slides per step (survival: at least 8)")
-    p.add_argument("--max-patches", type=int, default=8192, help="patches sampled per slide per step (0 = all)")
+    p.add_argument("--patient-col", default="patient_id",
+                   help="column grouping a patient's slides into one fold (absent: each slide is its own patient)")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds (ignored with --splits)")
+    p.add_argument("--splits", default=None,
+                   help="CLAM splits: a splits_<k>.csv file or a folder of them (columns train, val, test)")
+    p.add_argument("--patch-size-level0", type=float, default=None,
+                   help="grid step in level-0 pixels for feature files without that attribute (default: inferred)")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="most epochs (early stopping usually ends sooner)")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--batch-slides", type=int, default=d.batch_slides, help="slides per step (survival: at least 8)")
+    p.add_argument("--max-patches", type=int, default=d.max_patches, help="patches sampled per slide per step (0 = all)")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="share of each fold's training patients held out for early stopping (0 = none)")
+    p.add_argument("--patience", type=int, default=d.patience, help="epochs without a better validation loss")
+    p.add_argument("--min-epochs", type=int, default=d.min_epochs, help="never stop before this epoch")
+    p.add_argument("--no-standardize", action="store_true", help="train on raw features (not z-scored)")
+    p.add_argument("--class-weights", choices=("balanced", "none"), default="balanced",
+                   help="cross-entropy class weights (balanced: inverse class frequency)")
     p.add_argument("--dim", type=int, default=128, help="model width")
     p.add_argument("--depth", type=int, default=2, help="layers (Querent and dense)")
     p.add_argument("--heads", type=int, default=4)
@@ -53,34 +78,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _write_json(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path + ".tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     bags = load_bags(args.features, args.labels, task=args.task, target=args.target, time_col=args.time_col,
-                     event_col=args.event_col)
+                     event_col=args.event_col, patient_col=args.patient_col, patch_size_level0=args.patch_size_level0)
     n_classes = 1 if args.task == "survival" else max(2, max(b.label for b in bags) + 1)
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=args.dim, depth=args.depth, num_heads=args.heads,
                          region_size=args.region_size, topk=args.topk, dropout=args.dropout, num_classes=n_classes,
                          task=args.task)
-    tcfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_slides=args.batch_slides,
-                       max_patches=args.max_patches or None, seed=args.seed, device=args.device)
+    tcfg = TrainConfig(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_slides=args.batch_slides,
+                       max_patches=args.max_patches or None, standardize=not args.no_standardize,
+                       class_weights=args.class_weights == "balanced", val_fraction=args.val_fraction,
+                       patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=args.device)
+    splits = read_splits(args.splits) if args.splits else None
     os.makedirs(args.out, exist_ok=True)
     res = cross_validate(args.model, mcfg, bags, tcfg, folds=args.folds, progress=not args.no_progress,
-                         save_dir=args.out)
-    res["model_config"] = dataclasses.asdict(mcfg)
-    res["train_config"] = dataclasses.asdict(tcfg)
-    res["target"] = args.target if args.task == "cls" else "survival"
-    tag = res["target"]
-    path = os.path.join(args.out, f"metrics_{args.model}_{tag}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(res, f, indent=2)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(args.out, f"{args.model}_config.json.tmp"), "w") as f:
-        json.dump(dataclasses.asdict(mcfg), f, indent=2)
-    os.replace(os.path.join(args.out, f"{args.model}_config.json.tmp"), os.path.join(args.out, f"{args.model}_config.json"))
-    logger.info("%s %s: %s -> %s", args.model, tag, res["summary"], path)
+                         save_dir=args.out, splits=splits)
+    tag = args.target if args.task == "cls" else "survival"
+    oof = res.pop("oof")
+    res.update(model_config=dataclasses.asdict(mcfg), train_config=dataclasses.asdict(tcfg), target=tag,
+               splits=args.splits, n_slides=len(bags), n_patients=len({b.patient_id for b in bags}))
+    base = f"{args.model}_{tag}"
+    path = os.path.join(args.out, f"metrics_{base}.json")
+    _write_json(path, res)
+    _write_csv(os.path.join(args.out, f"oof_{base}.csv"), oof)
+    save_training_curves(res["folds"], os.path.join(args.out, f"curves_{base}.png"),
+                         title=f"{args.model} on {tag}: loss per epoch (dashed: validation; dotted: best epoch)")
+    _write_json(os.path.join(args.out, f"{args.model}_config.json"), {**dataclasses.asdict(mcfg), "classes": res["classes"]})
+    shown = {k: f"{v['mean']:.3f} ± {v['std']:.3f} (min {v['min']:.3f}, max {v['max']:.3f})"
+             for k, v in res["summary"].items() if k != "pooled"}
+    logger.info("%s %s: %s; pooled out-of-fold %s -> %s", args.model, tag, shown, res["summary"]["pooled"], path)
     return 0
 
 

@@ -1,17 +1,26 @@
 """Training and cross-validation of slide models on patch-feature bags (one HDF5 file per slide).
 
-Classification: cross-entropy per slide; metrics AUC (one-vs-rest macro for >2 classes) and balanced
-accuracy. Survival: Cox partial likelihood over the slides of a step (Breslow ties); metric Harrell's
-C-index.
+Classification: cross-entropy per slide (class-weighted by default); metrics AUC (one-vs-rest macro
+for >2 classes) and balanced accuracy. Survival: Cox partial likelihood over the slides of a step
+(Breslow ties); metric Harrell's C-index.
+
+The default schedule is CLAM's: up to 200 epochs, early stopping on the loss of a validation split
+held out from the training patients (patience 20, never before epoch 20), the best epoch's weights
+kept. Features are standardised with the training patches' per-dimension mean and standard
+deviation; afterwards the standardisation is folded into the model's first linear layer, so the
+returned model takes raw features.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import math
 import os
+import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,8 +32,9 @@ from pathology.querent import QuerentConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bag", "load_bags", "TrainConfig", "cox_loss", "concordance_index", "train_model", "evaluate",
-           "cross_validate", "predict_bag"]
+__all__ = ["Bag", "load_bags", "class_names", "TrainConfig", "cox_loss", "concordance_index", "feature_stats",
+           "fold_standardization", "train_model", "evaluate", "predict_outputs", "patient_folds",
+           "validation_split", "read_splits", "cross_validate", "save_training_curves", "predict_bag"]
 
 
 @dataclass
@@ -34,21 +44,62 @@ class Bag:
     slide_id: str
     features: torch.Tensor  # (N, D) float32
     coords: torch.Tensor  # (N, 2) int64 level-0 (x, y)
-    patch_size_level0: float
-    label: int = 0  # class (classification)
+    patch_size_level0: float  # grid step in level-0 pixels
+    label: int = 0  # class index (classification)
     time: float = 0.0  # survival time
     event: int = 0  # 1 = event observed
+    patient_id: str = ""  # slides of one patient stay in one fold ("" = the slide is its own patient)
+    label_name: str = ""  # the label as written in the labels file
+
+    def __post_init__(self) -> None:
+        self.patient_id = self.patient_id or self.slide_id
+        self.label_name = self.label_name or str(self.label)
+
+
+def _encode_labels(values: list[str]) -> tuple[list[int], list[str]]:
+    """Integer labels and class names: numeric labels keep their value, strings are numbered in sorted order."""
+    try:
+        nums = [float(v) for v in values]
+    except ValueError:
+        names = sorted(set(values))
+        return [names.index(v) for v in values], names
+    if any(n != int(n) or n < 0 for n in nums):
+        bad = next(v for v, n in zip(values, nums) if n != int(n) or n < 0)
+        raise ValueError(f"class label {bad!r} is neither a non-negative integer nor a name")
+    ints = [int(n) for n in nums]
+    return ints, [str(i) for i in range(max(ints) + 1)]
+
+
+def _features_folder(features_dir: str) -> str:
+    """CLAM writes ``<dir>/h5_files/*.h5``: accept the parent folder too."""
+    sub = os.path.join(features_dir, "h5_files")
+    if os.path.isdir(sub) and not any(f.endswith(".h5") for f in os.listdir(features_dir)):
+        return sub
+    return features_dir
 
 
 def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: str = "label",
-              time_col: str = "time", event_col: str = "event", id_col: str = "slide_id") -> list[Bag]:
-    """Bags for every labelled slide that has ``<features_dir>/<slide_id>.h5``; empty bags are skipped (logged)."""
-    from pathology.patching import read_h5
+              time_col: str = "time", event_col: str = "event", id_col: str = "slide_id",
+              patient_col: str = "patient_id", patch_size_level0: float | None = None) -> list[Bag]:
+    """Bags for every labelled slide that has ``<features_dir>/<slide_id>.h5``.
+
+    Feature files may be in this project's, TRIDENT's or CLAM's layout (see :mod:`pathology.features`);
+    a CLAM folder with ``h5_files/`` inside is accepted as it is. Class labels may be integers or names
+    (names are numbered in sorted order; :func:`class_names` gives them back). A ``patient_col``
+    column, when present, groups a patient's slides. Slides without features, without a label or
+    without patches are skipped with a warning.
+    """
+    from pathology.features import read_feature_file
 
     if not os.path.isdir(features_dir):
         raise FileNotFoundError(f"features folder not found: {features_dir!r}")
     if not os.path.isfile(labels_csv):
         raise FileNotFoundError(f"labels file not found: {labels_csv!r}")
+    if task not in ("cls", "survival"):
+        raise ValueError(f"task {task!r} is not one of 'cls', 'survival'")
+    if patch_size_level0 is not None and not patch_size_level0 > 0:
+        raise ValueError(f"patch_size_level0 ({patch_size_level0}) must be > 0")
+    folder = _features_folder(features_dir)
     with open(labels_csv, newline="") as f:
         rows = list(csv.DictReader(f))
     if not rows:
@@ -57,28 +108,50 @@ def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: 
     missing = [c for c in need if c not in rows[0]]
     if missing:
         raise ValueError(f"{labels_csv!r} lacks column(s) {missing}; it has {list(rows[0])}")
-    bags = []
-    for r in rows:
-        path = os.path.join(features_dir, f"{r[id_col]}.h5")
+    if patient_col not in rows[0]:
+        logger.info("%s has no %r column: each slide is its own patient", labels_csv, patient_col)
+    if task == "cls":
+        unlabelled = [r[id_col] for r in rows if not (r[target] or "").strip()]
+        if unlabelled:
+            logger.warning("%d slide(s) without a %r label skipped (e.g. %s)", len(unlabelled), target, unlabelled[:3])
+        rows = [r for r in rows if (r[target] or "").strip()]
+        labels, names = _encode_labels([r[target].strip() for r in rows])
+    else:
+        labels, names = [0] * len(rows), []
+    bags, inferred = [], []
+    for r, y in zip(rows, labels):
+        path = os.path.join(folder, f"{r[id_col]}.h5")
         if not os.path.exists(path):
             logger.warning("no features for %s (%s); skipped", r[id_col], path)
             continue
-        d = read_h5(path)
-        if d["features"] is None:
-            raise ValueError(f"{path!r} has coords but no 'features' (run the batch CLI with --task feat)")
-        if len(d["coords"]) == 0:
+        ff = read_feature_file(path, patch_size_level0=patch_size_level0)
+        if len(ff.coords) == 0:
             logger.warning("%s has no patches (no tissue); skipped", r[id_col])
             continue
+        if ff.step_source == "inferred":
+            inferred.append((r[id_col], ff.patch_size_level0))
         bags.append(Bag(
-            slide_id=r[id_col], features=torch.from_numpy(d["features"]).float(),
-            coords=torch.from_numpy(d["coords"]).long(), patch_size_level0=float(d["attrs"]["patch_size_level0"]),
-            label=int(float(r[target])) if task == "cls" else 0,
+            slide_id=r[id_col], features=torch.from_numpy(ff.features), coords=torch.from_numpy(ff.coords),
+            patch_size_level0=ff.patch_size_level0, label=y if task == "cls" else 0,
             time=float(r[time_col]) if task == "survival" else 0.0,
             event=int(float(r[event_col])) if task == "survival" else 0,
+            patient_id=(r.get(patient_col) or "").strip(), label_name=names[y] if task == "cls" else "",
         ))
+    if inferred:
+        steps = Counter(s for _, s in inferred)
+        logger.warning("%d of %d feature files have no 'patch_size_level0' attribute (CLAM layout): the grid step "
+                       "was inferred from their coordinates (%s; e.g. %s: %g px); pass --patch-size-level0 to set it",
+                       len(inferred), len(bags), ", ".join(f"{s:g} px x{n}" for s, n in steps.most_common(3)),
+                       inferred[0][0], inferred[0][1])
     if not bags:
-        raise ValueError(f"no slide of {labels_csv!r} has features in {features_dir!r}")
+        raise ValueError(f"no slide of {labels_csv!r} has features in {folder!r}")
     return bags
+
+
+def class_names(bags: list[Bag]) -> list[str]:
+    """Names of classes ``0..max(label)`` as found in the bags (``str(i)`` for a class no bag has)."""
+    seen = {b.label: b.label_name for b in bags}
+    return [seen.get(i, str(i)) for i in range(max(seen) + 1)]
 
 
 def cox_loss(risk: torch.Tensor, time: torch.Tensor, event: torch.Tensor) -> torch.Tensor:
@@ -107,14 +180,20 @@ def concordance_index(time: np.ndarray, risk: np.ndarray, event: np.ndarray) -> 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Optimisation settings shared by every model."""
+    """Optimisation settings shared by every model (defaults: CLAM's schedule, see the module docstring)."""
 
-    epochs: int = 20  # passes over the training slides
-    lr: float = 2e-4  # AdamW peak learning rate (cosine decay)
+    epochs: int = 200  # most passes over the training slides; early stopping usually ends sooner
+    lr: float = 2e-4  # AdamW peak learning rate (cosine decay over `epochs`)
     weight_decay: float = 1e-2  # AdamW weight decay
     batch_slides: int = 1  # slides per optimizer step (survival uses >= 8 so the Cox loss has risk sets)
     max_patches: int | None = 8192  # random subset of patches per slide per training step (None = all)
-    seed: int = 0  # seeds model init, shuffling and patch sampling
+    standardize: bool = True  # z-score features with the training patches' mean/std (raw features vary in scale)
+    class_weights: bool = True  # weight the cross-entropy by inverse class frequency (imbalanced cohorts)
+    val_fraction: float = 0.2  # share of training patients held out for early stopping (cross_validate)
+    patience: int = 20  # epochs without a lower validation loss before stopping (CLAM: 20)
+    min_delta: float = 1e-3  # a validation loss must drop by more than this to reset the patience
+    min_epochs: int = 20  # never stop before this epoch (small validation splits are noisy early on)
+    seed: int = 0  # seeds model init, shuffling, patch sampling and the validation split
     device: str = "cpu"  # torch device
 
     def __post_init__(self) -> None:
@@ -122,6 +201,57 @@ class TrainConfig:
             raise ValueError(f"epochs ({self.epochs}) and batch_slides ({self.batch_slides}) must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"lr ({self.lr}) must be > 0")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction ({self.val_fraction}) must be in [0, 1)")
+        if self.patience < 1 or self.min_epochs < 0 or self.min_delta < 0:
+            raise ValueError(f"patience ({self.patience}) must be >= 1, min_epochs ({self.min_epochs}) and "
+                             f"min_delta ({self.min_delta}) >= 0")
+
+
+def feature_stats(bags: list[Bag]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and standard deviation over all patches of ``bags`` (float64 sums, no concatenation).
+
+    Dimensions that are (nearly) constant get std 1 so they are only centred.
+    """
+    d = bags[0].features.shape[1]
+    s, s2, n = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 0
+    for b in bags:
+        f = b.features.to(torch.float64)
+        s += f.sum(0)
+        s2 += (f * f).sum(0)
+        n += f.shape[0]
+    mean = s / n
+    std = (s2 / n - mean * mean).clamp_min(0).sqrt()
+    std = torch.where(std > 1e-6 * max(float(std.max()), 1e-12), std, torch.ones_like(std))
+    return mean.float(), std.float()
+
+
+def _first_linear(model: nn.Module) -> nn.Linear:
+    emb = getattr(model, "embed", None)
+    layer = emb[0] if isinstance(emb, nn.Sequential) and len(emb) else emb
+    if not isinstance(layer, nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no 'embed' linear layer to fold the standardisation into")
+    return layer
+
+
+@torch.no_grad()
+def fold_standardization(model: nn.Module, mean_D: torch.Tensor, std_D: torch.Tensor) -> nn.Module:
+    """Fold ``(x - mean) / std`` into the model's first linear layer (``model.embed[0]``), in place.
+
+    ``W (x - m) / s + b = (W / s) x + (b - W (m / s))``: afterwards the model on raw features gives what
+    it gave on standardised ones.
+    """
+    lin = _first_linear(model)
+    w = lin.weight.double()  # (dim, D)
+    m, s = mean_D.to(w), std_D.to(w)
+    b = lin.bias.double() if lin.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+    new_b = b - w @ (m / s)
+    lin.weight.copy_((w / s).to(lin.weight.dtype))
+    if lin.bias is None:
+        lin.bias = nn.Parameter(new_b.to(lin.weight.dtype))
+    else:
+        lin.bias.copy_(new_b.to(lin.bias.dtype))
+    return model
 
 
 def _subsample(bag: Bag, max_patches: int | None, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,27 +262,70 @@ def _subsample(bag: Bag, max_patches: int | None, g: torch.Generator) -> tuple[t
     return bag.features[idx], bag.coords[idx]
 
 
-def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: TrainConfig,
-                progress: bool = False) -> tuple[nn.Module, dict]:
-    """Train a fresh model ``name`` on ``bags``; returns the model (eval mode) and a summary dict."""
+def _class_weight(bags: list[Bag], n_classes: int) -> torch.Tensor:
+    counts = torch.bincount(torch.tensor([b.label for b in bags]), minlength=n_classes).double()
+    present = counts > 0
+    w = torch.ones(n_classes, dtype=torch.float64)
+    w[present] = counts.sum() / (present.sum() * counts[present])  # n / (C · n_c), as scikit-learn's "balanced"
+    return w.float()
+
+
+def _loss(logits: torch.Tensor, batch: list[Bag], survival: bool, weight: torch.Tensor | None) -> torch.Tensor:
+    dev = logits.device
+    if survival:
+        return cox_loss(logits[:, 0], torch.tensor([b.time for b in batch], device=dev),
+                        torch.tensor([b.event for b in batch], device=dev))
+    return nn.functional.cross_entropy(logits, torch.tensor([b.label for b in batch], device=dev),
+                                       weight=None if weight is None else weight.to(dev))
+
+
+def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: TrainConfig, progress: bool = False,
+                val_bags: list[Bag] | None = None) -> tuple[nn.Module, dict]:
+    """Train a fresh model ``name`` on ``bags``.
+
+    With ``val_bags`` the validation loss is computed after every epoch; training stops after
+    ``cfg.patience`` epochs without improvement (not before ``cfg.min_epochs``) and the best epoch's
+    weights are returned. Without them all ``cfg.epochs`` run.
+
+    Returns:
+        The model (eval mode, taking raw features) and a summary: ``steps``, ``epochs_run``,
+        ``best_epoch``, ``stopped_early``, ``train_seconds``, ``final_loss`` (mean training loss of the
+        last epoch), ``best_val_loss`` and ``history`` (per epoch: ``epoch``, ``train_loss``,
+        ``val_loss`` or ``None``, ``lr``).
+    """
+    if not bags:
+        raise ValueError("no training bags")
     torch.manual_seed(cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     dev = torch.device(cfg.device)
     model = build_model(name, model_cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     survival = model_cfg.task == "survival"
+    weight = _class_weight(bags, model_cfg.num_classes) if cfg.class_weights and not survival else None
+    if cfg.standardize:
+        mean, std = feature_stats(bags)
+        mean, std = mean.to(dev), std.to(dev)
     bs = max(cfg.batch_slides, 8) if survival else cfg.batch_slides
     steps_per_epoch = math.ceil(len(bags) / bs)
     total = cfg.epochs * steps_per_epoch
-    step, t0, losses = 0, time.perf_counter(), []
+
+    def prep(f: torch.Tensor) -> torch.Tensor:
+        f = f.to(dev)
+        return (f - mean) / std if cfg.standardize else f
+
+    step, t0, history = 0, time.perf_counter(), []
+    best = (float("inf"), 0, None)  # (val loss, epoch, state): the weights returned
+    ref, ref_epoch = float("inf"), 0  # the patience counts epochs since the loss last fell by > min_delta
     it = range(cfg.epochs)
     if progress:
         from tqdm import tqdm
 
         it = tqdm(it, desc=f"train {name}", unit="epoch", leave=False)
-    model.train()
-    for _ in it:
+    stopped = False
+    for epoch in it:
+        model.train()
         order = torch.randperm(len(bags), generator=g).tolist()
+        losses = []
         for s0 in range(0, len(order), bs):
             batch = [bags[i] for i in order[s0 : s0 + bs]]
             lr = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total)))
@@ -161,22 +334,40 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
             outs = []
             for b in batch:
                 f, c = _subsample(b, cfg.max_patches, g)
-                outs.append(model(f.to(dev), c.to(dev), patch_size_level0=b.patch_size_level0).logits)
-            logits = torch.cat(outs, 0)  # (b, C)
-            if survival:
-                loss = cox_loss(logits[:, 0], torch.tensor([b.time for b in batch], device=dev),
-                                torch.tensor([b.event for b in batch], device=dev))
-            else:
-                loss = nn.functional.cross_entropy(logits, torch.tensor([b.label for b in batch], device=dev))
+                outs.append(model(prep(f), c.to(dev), patch_size_level0=b.patch_size_level0).logits)
+            loss = _loss(torch.cat(outs, 0), batch, survival, weight)  # logits (b, C)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(float(loss.detach()))
             step += 1
+        rec = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "val_loss": None, "lr": lr}
+        if val_bags:
+            model.eval()
+            with torch.no_grad():
+                logits = torch.cat([model(prep(b.features), b.coords.to(dev), patch_size_level0=b.patch_size_level0).logits
+                                    for b in val_bags], 0)
+                rec["val_loss"] = float(_loss(logits, val_bags, survival, weight))
+            if rec["val_loss"] < best[0]:
+                best = (rec["val_loss"], epoch + 1, copy.deepcopy(model.state_dict()))
+            if rec["val_loss"] < ref - cfg.min_delta:
+                ref, ref_epoch = rec["val_loss"], epoch + 1
+        history.append(rec)
+        if progress:
+            it.set_postfix(loss=f"{rec['train_loss']:.3f}", val=f"{rec['val_loss']:.3f}" if val_bags else "-")
+        if val_bags and epoch + 1 >= cfg.min_epochs and epoch + 1 - ref_epoch >= cfg.patience:
+            stopped = True
+            break
+    if best[2] is not None:
+        model.load_state_dict(best[2])
+    if cfg.standardize:
+        fold_standardization(model, mean, std)
     model.eval()
-    return model, {"steps": step, "train_seconds": round(time.perf_counter() - t0, 2),
-                   "final_loss": float(np.mean(losses[-steps_per_epoch:])) if losses else float("nan")}
+    return model, {"steps": step, "epochs_run": len(history), "best_epoch": best[1] if val_bags else len(history),
+                   "stopped_early": stopped, "train_seconds": round(time.perf_counter() - t0, 2),
+                   "final_loss": history[-1]["train_loss"],
+                   "best_val_loss": best[0] if val_bags else None, "history": history}
 
 
 @torch.no_grad()
@@ -187,9 +378,12 @@ def predict_bag(model: nn.Module, bag: Bag, device: str = "cpu"):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, bags: list[Bag], task: str, device: str = "cpu") -> dict:
-    """AUC + balanced accuracy (cls) or C-index (survival) on ``bags``."""
-    outs = torch.cat([predict_bag(model, b, device).logits.float().cpu() for b in bags], 0)
+def predict_outputs(model: nn.Module, bags: list[Bag], device: str = "cpu") -> torch.Tensor:
+    """Logits (classification) or risk in column 0 (survival) for every bag: (n_bags, C) float32 on the CPU."""
+    return torch.cat([predict_bag(model, b, device).logits.float().cpu() for b in bags], 0)
+
+
+def _metrics(outs: torch.Tensor, bags: list[Bag], task: str) -> dict:
     if task == "survival":
         return {"c_index": concordance_index(np.array([b.time for b in bags]), outs[:, 0].numpy(),
                                              np.array([b.event for b in bags]))}
@@ -208,24 +402,169 @@ def evaluate(model: nn.Module, bags: list[Bag], task: str, device: str = "cpu") 
     return res
 
 
-def cross_validate(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: TrainConfig, *, folds: int = 5,
-                   progress: bool = False, save_dir: str | None = None) -> dict:
-    """``folds``-fold CV (stratified on the label, or on the event for survival); metrics per fold and mean/std."""
-    from sklearn.model_selection import StratifiedKFold
+def evaluate(model: nn.Module, bags: list[Bag], task: str, device: str = "cpu") -> dict:
+    """AUC + balanced accuracy (cls) or C-index (survival) on ``bags``."""
+    return _metrics(predict_outputs(model, bags, device), bags, task)
+
+
+# ------------------------------------------------------------------------------------------------ splits
+
+
+def _strata(bags: list[Bag], task: str) -> dict[str, int]:
+    """Each patient's stratum: its most common label (cls) or whether any of its slides has an event."""
+    per: dict[str, list[int]] = {}
+    for b in bags:
+        per.setdefault(b.patient_id, []).append(b.event if task == "survival" else b.label)
+    return {p: (max(v) if task == "survival" else Counter(v).most_common(1)[0][0]) for p, v in per.items()}
+
+
+def patient_folds(bags: list[Bag], folds: int, *, task: str = "cls", seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``folds`` (train, test) index lists, stratified on the label (event for survival), a patient's slides in one fold."""
+    from sklearn.model_selection import StratifiedGroupKFold
 
     if folds < 2:
         raise ValueError(f"folds ({folds}) must be >= 2")
-    strat = np.array([b.event if model_cfg.task == "survival" else b.label for b in bags])
-    if np.bincount(strat).min() < folds:
-        raise ValueError(f"folds ({folds}) exceeds the size of the smallest class ({np.bincount(strat).min()} slides)")
-    skf = StratifiedKFold(n_splits=folds, shuffle=True, random_state=cfg.seed)
-    per_fold = []
-    for k, (tr, te) in enumerate(skf.split(np.zeros(len(bags)), strat)):
-        model, info = train_model(name, model_cfg, [bags[i] for i in tr], cfg, progress=progress)
-        m = evaluate(model, [bags[i] for i in te], model_cfg.task, cfg.device)
-        m.update(info, fold=k, n_train=len(tr), n_test=len(te))
+    strata = _strata(bags, task)
+    smallest = min(Counter(strata.values()).values())
+    if len(set(strata.values())) > 1 and smallest < folds:
+        raise ValueError(f"folds ({folds}) exceeds the number of patients in the smallest class ({smallest})")
+    if len(strata) < folds:
+        raise ValueError(f"folds ({folds}) exceeds the number of patients ({len(strata)})")
+    y = np.array([strata[b.patient_id] for b in bags])
+    groups = np.array([b.patient_id for b in bags])
+    sgkf = StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed)
+    return [(tr.tolist(), te.tolist()) for tr, te in sgkf.split(np.zeros(len(bags)), y, groups)]
+
+
+def validation_split(bags: list[Bag], idx: list[int], fraction: float, *, task: str = "cls",
+                     seed: int = 0) -> tuple[list[int], list[int]]:
+    """Hold out ``fraction`` of the patients of ``bags[idx]`` per stratum (at least one of a stratum with >= 3).
+
+    Returns ``(train_idx, val_idx)``; ``val_idx`` is empty when the strata are too small.
+    """
+    if fraction <= 0:
+        return list(idx), []
+    strata = _strata([bags[i] for i in idx], task)
+    rng = np.random.default_rng(seed)
+    val_patients: set[str] = set()
+    for s in sorted(set(strata.values())):
+        pats = sorted(p for p, v in strata.items() if v == s)
+        k = int(round(fraction * len(pats)))
+        k = 1 if k == 0 and len(pats) >= 3 else min(k, len(pats) - 1)
+        val_patients.update(rng.permutation(pats)[:k].tolist())
+    if len(set(strata.values())) > 1 and len({strata[p] for p in val_patients}) < len(set(strata.values())):
+        val_patients = set()  # a validation split without every class measures the wrong loss
+    return [i for i in idx if bags[i].patient_id not in val_patients], [i for i in idx if bags[i].patient_id in val_patients]
+
+
+def read_splits(path: str) -> list[dict[str, list[str]]]:
+    """Folds from CLAM's ``splits_<k>.csv`` layout: columns ``train``, ``val``, ``test`` of slide ids.
+
+    ``path`` is one such file or a folder holding ``splits_0.csv``, ``splits_1.csv``, ... (CLAM's
+    ``splits_<k>_bool.csv`` / ``_descriptor.csv`` beside them are ignored). Empty cells pad the columns.
+    """
+    if os.path.isdir(path):
+        found = sorted(((int(m.group(1)), f) for f in os.listdir(path) if (m := re.fullmatch(r"splits_(\d+)\.csv", f))))
+        if not found:
+            raise FileNotFoundError(f"no splits_<k>.csv in {path!r}")
+        files = [os.path.join(path, f) for _, f in found]
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"splits file or folder not found: {path!r}")
+    out = []
+    for fp in files:
+        with open(fp, newline="") as f:
+            rows = list(csv.DictReader(f))
+        cols = rows[0].keys() if rows else []
+        if not {"train", "test"} <= set(cols):
+            raise ValueError(f"{fp!r} needs columns 'train' and 'test' (CLAM splits layout); it has {list(cols)}")
+        out.append({c: [r[c].strip() for r in rows if (r.get(c) or "").strip()] for c in ("train", "val", "test")})
+    return out
+
+
+def _folds_from_splits(bags: list[Bag], splits: list[dict[str, list[str]]]) -> list[tuple[list[int], list[int], list[int]]]:
+    where = {b.slide_id: i for i, b in enumerate(bags)}
+    unknown = sorted({s for sp in splits for c in sp.values() for s in c} - set(where))
+    if unknown:
+        logger.warning("%d slide id(s) of the splits have no features or label (e.g. %s); ignored", len(unknown), unknown[:3])
+    folds = []
+    for k, sp in enumerate(splits):
+        ix = {c: [where[s] for s in sp[c] if s in where] for c in ("train", "val", "test")}
+        pats = {c: {bags[i].patient_id for i in ix[c]} for c in ix}
+        for a, b in (("train", "test"), ("val", "test"), ("train", "val")):
+            leak = sorted(pats[a] & pats[b])
+            if leak:
+                raise ValueError(f"split {k}: patient(s) {leak[:3]} have slides in both {a} and {b}")
+        if not ix["train"] or not ix["test"]:
+            raise ValueError(f"split {k} has no train or no test slide with features")
+        folds.append((ix["train"], ix["val"], ix["test"]))
+    return folds
+
+
+# ------------------------------------------------------------------------------------------ cross-validation
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    a = np.array(values, dtype=np.float64)
+    ok = a[~np.isnan(a)]
+    if not len(ok):
+        return {"mean": float("nan"), "std": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"mean": float(ok.mean()), "std": float(ok.std()), "min": float(ok.min()), "max": float(ok.max()),
+            "n": int(len(ok))}
+
+
+def cross_validate(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: TrainConfig, *, folds: int = 5,
+                   progress: bool = False, save_dir: str | None = None,
+                   splits: list[dict[str, list[str]]] | None = None) -> dict:
+    """Cross-validation at the patient level, out-of-fold predictions for every slide, metrics with fold spread.
+
+    Folds come from ``splits`` (:func:`read_splits`) or from :func:`patient_folds`. Each fold's
+    training patients give up ``cfg.val_fraction`` of them for early stopping (a split's own ``val``
+    column is used when it has one).
+
+    Returns:
+        ``model``, ``task``, ``classes``, ``folds`` (per fold: metrics, training summary with its
+        per-epoch ``history``, sizes), ``summary`` (per metric ``mean``/``std``/``min``/``max``/``n``
+        over folds, and ``pooled`` metrics of all out-of-fold predictions) and ``oof`` (one row per
+        test slide and fold: ``slide_id``, ``patient_id``, ``fold``, label or time/event, and
+        ``prob_<class>`` or ``risk``).
+    """
+    task = model_cfg.task
+    names = class_names(bags) if task == "cls" else []
+    if splits is not None:
+        plan = _folds_from_splits(bags, splits)
+    else:
+        plan = [(tr, [], te) for tr, te in patient_folds(bags, folds, task=task, seed=cfg.seed)]
+    per_fold, oof, oof_out, oof_bags = [], [], [], []
+    for k, (tr, va, te) in enumerate(plan):
+        if not va:
+            tr, va = validation_split(bags, tr, cfg.val_fraction, task=task, seed=cfg.seed + k)
+            if not va and cfg.val_fraction > 0:
+                logger.warning("fold %d: too few patients per class for a validation split; training %d epochs without "
+                               "early stopping", k, cfg.epochs)
+        model, info = train_model(name, model_cfg, [bags[i] for i in tr], cfg, progress=progress,
+                                  val_bags=[bags[i] for i in va] or None)
+        test = [bags[i] for i in te]
+        outs = predict_outputs(model, test, cfg.device)
+        m = _metrics(outs, test, task)
+        m.update(info, fold=k, n_train=len(tr), n_val=len(va), n_test=len(te))
         per_fold.append(m)
-        logger.info("%s fold %d: %s", name, k, {a: b for a, b in m.items() if isinstance(b, float)})
+        logger.info("%s fold %d: %s (best epoch %d of %d)", name, k,
+                    {a: round(b, 4) for a, b in m.items() if isinstance(b, float) and a in ("auc", "balanced_accuracy",
+                                                                                            "c_index")},
+                    info["best_epoch"], info["epochs_run"])
+        prob = torch.softmax(outs, -1).numpy() if task == "cls" else None
+        for j, b in enumerate(test):
+            row = {"slide_id": b.slide_id, "patient_id": b.patient_id, "fold": k}
+            if task == "cls":
+                row.update(label=b.label, label_name=b.label_name, predicted=names[int(prob[j].argmax())])
+                row.update({f"prob_{c}": float(prob[j, i]) for i, c in enumerate(names)})
+            else:
+                row.update(time=b.time, event=b.event, risk=float(outs[j, 0]))
+            oof.append(row)
+        oof_out.append(outs)
+        oof_bags += test
         if save_dir:
             from safetensors.torch import save_file
 
@@ -233,7 +572,36 @@ def cross_validate(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Tr
             p = os.path.join(save_dir, f"{name}_fold{k}.safetensors")
             save_file({a: b.detach().cpu().contiguous() for a, b in model.state_dict().items()}, p + ".tmp")
             os.replace(p + ".tmp", p)
-    keys = [k for k in per_fold[0] if k in ("auc", "balanced_accuracy", "c_index")]
-    summary = {k: {"mean": float(np.nanmean([f[k] for f in per_fold])), "std": float(np.nanstd([f[k] for f in per_fold]))}
-               for k in keys}
-    return {"model": name, "task": model_cfg.task, "folds": per_fold, "summary": summary}
+    keys = [k for k in ("auc", "balanced_accuracy", "c_index") if k in per_fold[0]]
+    summary = {k: _spread([f[k] for f in per_fold]) for k in keys}
+    summary["pooled"] = _metrics(torch.cat(oof_out, 0), oof_bags, task)
+    return {"model": name, "task": task, "classes": names, "folds": per_fold, "summary": summary, "oof": oof}
+
+
+def save_training_curves(folds: list[dict], path: str, *, title: str = "") -> str:
+    """PNG of the training and validation loss per epoch of every fold (the best epoch marked); atomic write."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for f in folds:
+        h, c = f["history"], colors[f["fold"] % len(colors)]
+        ep = [r["epoch"] for r in h]
+        ax.plot(ep, [r["train_loss"] for r in h], color=c, lw=1.2, label=f"fold {f['fold']} train")
+        if any(r["val_loss"] is not None for r in h):
+            ax.plot(ep, [r["val_loss"] for r in h], color=c, lw=1.2, ls="--", label=f"fold {f['fold']} val")
+            ax.axvline(f["best_epoch"], color=c, lw=0.6, ls=":")
+    ax.axhline(math.log(2), color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    ax.set_title(title or "training curves (dotted verticals: best validation epoch; grey: ln 2)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = path + ".tmp"
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
