@@ -353,7 +353,7 @@ def dense_rows(args, seq_lens: list[int], tokens: int, peers: dict, result: dict
             if row.get("triton_tflops") and row.get(f"{peer}_tflops"):
                 row[f"triton_vs_{peer}"] = row["triton_tflops"] / row[f"{peer}_tflops"]
         del q, k, v
-        result["dense"] = rows
+        result["dense"] = [r for r in rows if r]
         write_json_atomic(args.out, result)  # partial results survive an interrupted sweep
     return rows
 
