@@ -170,12 +170,11 @@ def settings_diff(stored: dict | None, wanted: dict) -> list[str]:
             for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)]
 
 
-def file_identity(path: str | os.PathLike | None) -> dict | None:
-    """Identity of a file for settings: absolute path, size and modification time (None for no file)."""
-    if path is None:
-        return None
-    st = os.stat(path)
-    return {"path": os.path.abspath(os.fspath(path)), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+def file_identity(path: str | os.PathLike) -> dict:
+    """Identity of a file's content for settings: size and SHA-256 of all its bytes (not its path or time, so a
+    copied or moved file keeps it). Reads the whole file: call it once per run."""
+    with open(path, "rb") as f:
+        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
 
 # -------------------------------------------------------------------------------------------- atomic writes

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -122,30 +121,22 @@ def _slide_id(path: str) -> str:
 
 
 def _encoder_settings(cfg: BatchConfig) -> dict:
-    """The encoder's identity (name, weights, constructor keywords), stored with the features."""
-    from pathology import encoders
+    """The encoder's identity, stored with the features: :func:`pathology.encoders.encoder_settings` with the
+    weights file named by its content (size and SHA-256 of the whole file), so a copied or moved file matches and
+    a changed one does not, wherever its bytes changed."""
+    from pathology.encoders import encoder_settings
 
-    fn = getattr(encoders, "encoder_settings", None)
-    if fn is not None:
-        return fn(cfg.encoder, cfg.weights, cfg.encoder_kwargs or None)
-    weights = cfg.weights
-    if weights is None and cfg.encoder in ("default", "longctx-small"):
-        weights = encoders.DEFAULT_WEIGHTS
-    return {"name": cfg.encoder, "weights": file_identity(weights) if weights and os.path.isfile(weights) else weights,
-            "kwargs": cfg.encoder_kwargs}
+    s = encoder_settings(cfg.encoder, cfg.weights, cfg.encoder_kwargs or None)
+    if isinstance(s.get("weights"), dict) and s["weights"].get("path"):
+        s = {**s, "weights": file_identity(s["weights"]["path"])}
+    return s
 
 
 def _build_encoder(cfg: BatchConfig):
     from pathology.encoders import build_encoder
 
-    kw = {"weights": cfg.weights, "device": cfg.device}
-    accepted = inspect.signature(build_encoder).parameters
-    for name, value, default in (("encoder_kwargs", cfg.encoder_kwargs or None, None), ("strict", cfg.strict, True)):
-        if name in accepted:
-            kw[name] = value
-        elif value != default:
-            raise ValueError(f"{name}={value!r} is not supported by this version of pathology.encoders.build_encoder")
-    return build_encoder(cfg.encoder, **kw)
+    return build_encoder(cfg.encoder, weights=cfg.weights, device=cfg.device, encoder_kwargs=cfg.encoder_kwargs or None,
+                         strict=cfg.strict)
 
 
 def _write_png(path: str, img: np.ndarray, settings: dict | None = None) -> None:

@@ -105,6 +105,19 @@ def test_fingerprint_is_stable_and_names_differences():
         settings_fingerprint({"x": object()})
 
 
+def test_file_identity_follows_content_not_place(tmp_path):
+    a = tmp_path / "w.bin"
+    a.write_bytes(os.urandom(3 << 20))
+    b = tmp_path / "sub" / "w_copy.bin"
+    b.parent.mkdir()
+    b.write_bytes(a.read_bytes())
+    assert jobs.file_identity(a) == jobs.file_identity(b) and jobs.file_identity(a)["size"] == 3 << 20
+    data = bytearray(a.read_bytes())
+    data[-1] ^= 1  # a change past the first megabytes
+    b.write_bytes(bytes(data))
+    assert jobs.file_identity(b) != jobs.file_identity(a)
+
+
 # ------------------------------------------------------------------------------------------------ runner
 
 

@@ -373,9 +373,18 @@ def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights
     m = SmallPatchCNN(dim=16, widths=(8, 8, 8, 16, 16))
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(other),
               metadata={"dim": "16", "input_size": "32", "widths": "8,8,8,16,16"})
-    with pytest.raises(SettingsMismatch, match=r"1 existing output\(s\).*encoder"):
+    with pytest.raises(SettingsMismatch, match=r"1 existing output\(s\).*encoder\.weights\.sha256"):
         run_batch(BatchConfig(**{**cfg.__dict__, "weights": str(other), "task": "feat"}))
+    import shutil
+
+    copy = tmp_path / "copied" / "tiny.safetensors"  # the same weights elsewhere: same content, same settings
+    copy.parent.mkdir()
+    shutil.copy(tiny_weights, copy)
+    run_batch(BatchConfig(**{**cfg.__dict__, "weights": str(copy)}))
     assert {k: os.path.getmtime(p) for k, p in files.items()} == mtimes  # nothing was touched
+    assert _rows(out / "manifest.csv")[sid]["status"] == "exists"
+    with pytest.raises(SettingsMismatch):
+        run_batch(BatchConfig(**{**cfg.__dict__, "mpp": 2.0}))
     assert _rows(out / "manifest.csv")[sid]["status"] == "mismatch"
 
     run_batch(BatchConfig(**{**cfg.__dict__, "mpp": 2.0, "overwrite": True}))
@@ -390,6 +399,31 @@ def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights
         BatchConfig(slides=str(slides), out=str(out), encoder_kwargs={"f": object()})
     with pytest.raises(SystemExit):
         batch_main(["--slides", str(slides), "--out", str(out), "--encoder-kwargs", "[1]"])
+
+
+def test_batch_partial_weights_need_the_flag(dataset, tiny_weights, tmp_path):
+    """Weights that fill only part of the encoder: refused by default, loaded with --allow-partial-weights."""
+    from safetensors.torch import load_file, save_file
+
+    from pathology.batch import main as batch_main
+
+    src, specs = dataset
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    os.symlink(os.path.join(src, specs[1].name + ".tiff"), slides / (specs[1].name + ".tiff"))
+    sd = load_file(tiny_weights)
+    dropped = sorted(k for k in sd if k.endswith("bias"))[-1]
+    partial = tmp_path / "partial.safetensors"
+    save_file({k: v for k, v in sd.items() if k != dropped}, str(partial),
+              metadata={"dim": "16", "input_size": "32", "widths": "8,8,8,16,16"})
+    out = tmp_path / "out"
+    args = ["--slides", str(slides), "--out", str(out), "--mpp", "1.0", "--patch-size", "64", "--weights",
+            str(partial), "--no-progress", "--device", "cpu"]
+    assert batch_main(args) == 1
+    row = _rows(out / "manifest.csv")[specs[1].name]
+    assert row["status"] == "failed" and dropped in row["error"]
+    assert batch_main(args + ["--allow-partial-weights"]) == 0
+    assert read_h5(out / "features" / "default" / (specs[1].name + ".h5"))["features"].shape[1] == 16
 
 
 @pytest.mark.slow
