@@ -598,6 +598,7 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
 
         it_iter = tqdm(mine, desc=cfg.desc, unit="item")
     first_error: BaseException | None = None
+    pending: dict[str, dict] = {}  # rows of items found finished, written with the next manifest update
     try:
         for it in it_iter:
             outs = job.outputs(it)
@@ -610,16 +611,17 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
                 fp = settings_fingerprint(wanted[final])
                 old = prev.get(it.key, {})
                 if not (old.get("status") in FINISHED and old.get("settings") == fp):
-                    manifest.update({it.key: row(it, "exists", settings=fp)})
+                    pending[it.key] = row(it, "exists", settings=fp)  # written with the next change
                 continue
             if not lock.acquire():
                 logger.info("%s is locked by another process; skipping", it.key)
-                manifest.update({it.key: row(it, "locked")})
+                manifest.update({**pending, it.key: row(it, "locked")})
+                pending.clear()
                 continue
             try:
                 wanted, bad = _mismatches(job, it, wanted_by_key.get(it.key))  # another worker may have written
                 if os.path.exists(final) and final not in bad:
-                    manifest.update({it.key: row(it, "exists", settings=settings_fingerprint(wanted[final]))})
+                    pending[it.key] = row(it, "exists", settings=settings_fingerprint(wanted[final]))
                     continue
                 if bad and not cfg.overwrite:
                     raise _refusal(bad, 1)
@@ -649,13 +651,14 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
                     first_error = e
             finally:
                 lock.release()
-            manifest.update({it.key: new})
+            manifest.update({**pending, it.key: new})
+            pending.clear()
             if first_error is not None:
                 raise first_error
     finally:
         if worker is not None:
             worker.close()
-    return manifest.update({})
+    return manifest.update(pending)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
