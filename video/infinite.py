@@ -41,7 +41,7 @@ import torch
 
 from core.continuous import ContinuousMemory, ContinuousMemoryConfig
 from video.io import VideoStream
-from video.model import AGGREGATES, BOUNDED_AGGREGATES, VideoQAModel, question_tensor
+from video.model import AGGREGATES, VideoQAModel, question_tensor
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES, Question
 
 logger = logging.getLogger(__name__)
