@@ -1,0 +1,265 @@
+"""pathology.training / pathology.train: a schedule that trains small cohorts, patient-level folds, CLAM splits,
+CLAM and TRIDENT feature files, string labels, out-of-fold predictions, curves."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pathology.mil import build_model
+from pathology.querent import QuerentConfig
+from pathology.training import (Bag, TrainConfig, _class_weight, cross_validate, evaluate, feature_stats,
+                                fold_standardization, load_bags, patient_folds, read_splits, train_model,
+                                validation_split)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+LN2 = math.log(2)
+
+
+def planted_cohort(n: int, *, lo: int = 150, hi: int = 400, d: int = 32, seed: int = 0, frac: float = 0.03,
+                   scale: float = 0.05, patients: int | None = None) -> list[Bag]:
+    """Bags of ``lo..hi`` patches of ``d``-dim features; odd slides carry one strong planted cluster (label 1).
+
+    Background patches come from four "tissue" clusters; the planted cluster is as far from them as they
+    are from each other, in ``frac`` of a positive slide's patches. Features are scaled by ``scale`` (raw
+    encoder features are often small and off-centre), which is what the old default schedule could not handle.
+    """
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0, 2, (4, d)) + 3.0
+    planted = rng.normal(0, 2, d) + 3.0
+    bags = []
+    for i in range(n):
+        N, y = int(rng.integers(lo, hi + 1)), i % 2
+        f = centers[rng.integers(0, 4, N)] + rng.normal(0, 1.5, (N, d))
+        if y:
+            idx = rng.choice(N, max(1, int(frac * N)), replace=False)
+            f[idx] = planted + rng.normal(0, 1.5, (len(idx), d))
+        side = math.ceil(math.sqrt(N))
+        g = np.arange(N)
+        coords = np.stack([g % side, g // side], 1) * 256 + 512
+        pid = f"p{i // 2 if patients is None else i % patients}"
+        bags.append(Bag(f"s{i}", torch.tensor(f * scale, dtype=torch.float32), torch.tensor(coords), 256.0,
+                        label=y, patient_id=pid if patients else "", label_name=["normal", "tumor"][y]))
+    return bags
+
+
+def test_old_schedule_undertrains_and_the_new_defaults_train():
+    bags = planted_cohort(18)
+    train, test = bags[:10], bags[10:]
+    cfg = QuerentConfig(in_dim=32, dim=64, num_classes=2)
+    # the schedule before: lr 2e-4, one slide per step, 20 epochs, cosine, raw features -> stuck at ln 2
+    _, old = train_model("abmil", cfg, train, TrainConfig(epochs=20, lr=2e-4, standardize=False, class_weights=False))
+    assert abs(old["final_loss"] - LN2) < 0.02, old["final_loss"]
+    # the same 20 epochs with the new defaults (standardised features, lr 1e-3, class weights)
+    model, new = train_model("abmil", cfg, train, TrainConfig(epochs=20))
+    assert new["final_loss"] < 0.2 * LN2, new["final_loss"]
+    assert evaluate(model, test, "cls")["auc"] >= 0.95
+    assert [r["epoch"] for r in new["history"]] == list(range(1, 21))
+    assert new["history"][-1]["train_loss"] < new["history"][0]["train_loss"]
+
+
+def test_default_schedule_with_early_stopping_trains_the_planted_cluster():
+    bags = planted_cohort(20)
+    cfg = QuerentConfig(in_dim=32, dim=64, num_classes=2)
+    tr, va = validation_split(bags, list(range(14)), TrainConfig().val_fraction)
+    assert va and not {bags[i].slide_id for i in tr} & {bags[i].slide_id for i in va}
+    model, info = train_model("abmil", cfg, [bags[i] for i in tr], TrainConfig(), val_bags=[bags[i] for i in va])
+    assert info["final_loss"] < 0.1 * LN2 and info["best_val_loss"] < 0.1 * LN2
+    assert info["epochs_run"] < 200 and info["stopped_early"]  # early stopping ended it
+    assert info["best_epoch"] == 1 + int(np.argmin([r["val_loss"] for r in info["history"]]))
+    assert evaluate(model, bags[14:], "cls")["auc"] >= 0.95
+
+
+def test_early_stopping_keeps_the_best_epoch():
+    bags = planted_cohort(10, lo=40, hi=60, seed=3)
+    cfg = QuerentConfig(in_dim=32, dim=16, num_classes=2)
+    # a learning rate so large that the validation loss gets worse: stop after `patience` epochs, keep the best
+    tc = TrainConfig(epochs=60, lr=0.5, patience=3, min_epochs=1, min_delta=0.0, seed=1)
+    model, info = train_model("mean", cfg, bags[:6], tc, val_bags=bags[6:])
+    losses = [r["val_loss"] for r in info["history"]]
+    best = int(np.argmin(losses))
+    assert info["best_epoch"] == best + 1 and info["epochs_run"] <= 60
+    if info["stopped_early"]:
+        assert info["epochs_run"] - info["best_epoch"] >= 3
+    # the returned weights are the best epoch's: their validation loss is the best one
+    with torch.no_grad():
+        logits = torch.cat([model(b.features, b.coords, patch_size_level0=256.0).logits for b in bags[6:]])
+    w = _class_weight(bags[:6], 2)
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor([b.label for b in bags[6:]]), weight=w)
+    assert float(loss) == pytest.approx(losses[best], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["abmil", "transmil", "querent"])
+def test_standardisation_folds_into_the_first_layer(name):
+    bags = planted_cohort(2, lo=30, hi=50, d=8)
+    mean, std = feature_stats(bags)
+    cat = torch.cat([b.features for b in bags]).double()
+    torch.testing.assert_close(mean.double(), cat.mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(std.double(), cat.std(0, unbiased=False), rtol=1e-4, atol=1e-6)
+    torch.manual_seed(0)
+    m = build_model(name, QuerentConfig(in_dim=8, dim=16, num_heads=2, region_size=2, topk=2, dropout=0.0)).eval()
+    b = bags[0]
+    with torch.no_grad():
+        ref = m((b.features - mean) / std, b.coords, patch_size_level0=256.0).logits
+        fold_standardization(m, mean, std)
+        out = m(b.features, b.coords, patch_size_level0=256.0).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_class_weights_balance_the_classes():
+    bags = [Bag(f"s{i}", torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.long), 1.0, label=int(i < 2)) for i in range(8)]
+    w = _class_weight(bags, 3)  # 6 of class 0, 2 of class 1, none of class 2
+    torch.testing.assert_close(w, torch.tensor([8 / (2 * 6), 8 / (2 * 2), 1.0]))
+
+
+def test_patient_level_folds_and_validation_split():
+    bags = planted_cohort(30, lo=10, hi=12, patients=10)  # 3 slides per patient
+    folds = patient_folds(bags, 3, seed=0)
+    seen = []
+    for tr, te in folds:
+        assert not {bags[i].patient_id for i in tr} & {bags[i].patient_id for i in te}
+        seen += te
+        sub, va = validation_split(bags, tr, 0.25, seed=1)
+        assert va and not {bags[i].patient_id for i in sub} & {bags[i].patient_id for i in va}
+        assert sorted(sub + va) == sorted(tr) and {bags[i].label for i in va} == {0, 1}
+    assert sorted(seen) == list(range(30))
+    with pytest.raises(ValueError, match="smallest class"):
+        patient_folds(bags[:4], 3)
+    assert validation_split(bags, list(range(4)), 0.2) == (list(range(4)), [])  # too few patients: no split
+
+
+def _write_h5(path, feats, coords, attrs=None):
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        dc = f.create_dataset("coords", data=coords)
+        for k, v in (attrs or {}).items():
+            dc.attrs[k] = v
+        f.create_dataset("features", data=feats)
+
+
+def test_clam_and_trident_feature_layouts(tmp_path, caplog):
+    from pathology.features import infer_grid_step, read_feature_file
+
+    bags = planted_cohort(6, lo=20, hi=30, d=8)
+    clam, trident = tmp_path / "clam", tmp_path / "trident"
+    (clam / "h5_files").mkdir(parents=True)
+    trident.mkdir()
+    rows = ["slide_id,label"]
+    for b in bags:
+        c = (b.coords.numpy() - 512) * 2  # a 512-px grid, some cells empty (not every gap is one step)
+        c = c[np.r_[0, 2:len(c)]]
+        f = b.features.numpy()[np.r_[0, 2:len(c) + 1]]
+        _write_h5(clam / "h5_files" / f"{b.slide_id}.h5", f, c)  # CLAM: coords without attributes
+        _write_h5(trident / f"{b.slide_id}.h5", f, c, {"patch_size": 256, "patch_size_level0": 512, "overlap": 0,
+                                                          "level0_magnification": 40, "target_magnification": 20})
+        rows.append(f"{b.slide_id},{b.label_name}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING, logger="pathology.training"):
+        got = load_bags(str(clam), str(tmp_path / "labels.csv"))
+    assert [b.patch_size_level0 for b in got] == [512.0] * 6
+    assert "6 of 6 feature files have no 'patch_size_level0'" in caplog.text and "--patch-size-level0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pathology.training"):
+        tri = load_bags(str(trident), str(tmp_path / "labels.csv"))
+    assert [b.patch_size_level0 for b in tri] == [512.0] * 6 and "patch_size_level0" not in caplog.text
+    assert all(torch.equal(a.features, b.features) and torch.equal(a.coords, b.coords) for a, b in zip(got, tri))
+    # string labels mapped in sorted order
+    assert [b.label for b in got] == [0, 1] * 3 and [b.label_name for b in got] == ["normal", "tumor"] * 3
+    assert [b.patch_size_level0 for b in load_bags(str(clam), str(tmp_path / "labels.csv"), patch_size_level0=300)] == [300.0] * 6
+    # an overlapping TRIDENT grid: the attribute is the patch size, not the step, so the step is inferred
+    _write_h5(tmp_path / "ov.h5", np.zeros((4, 8), np.float32), np.array([[0, 0], [384, 0], [0, 384], [768, 768]]),
+              {"patch_size_level0": 512, "overlap": 64})
+    assert read_feature_file(tmp_path / "ov.h5").patch_size_level0 == 384
+    _write_h5(tmp_path / "one.h5", np.zeros((1, 8), np.float32), np.array([[0, 0]]))
+    with pytest.raises(ValueError, match="--patch-size-level0"):
+        read_feature_file(tmp_path / "one.h5")
+    assert infer_grid_step(np.array([[0, 0], [768, 256], [1280, 512]])) == 256
+    _write_h5(tmp_path / "bad.h5", np.zeros((3, 8), np.float32), np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="3 feature rows but 2 coords"):
+        read_feature_file(tmp_path / "bad.h5")
+
+
+def test_clam_splits_files(tmp_path):
+    bags = planted_cohort(12, lo=10, hi=14, d=8)
+    ids = [b.slide_id for b in bags]
+
+    def write(path, train, val, test):
+        n = max(len(train), len(val), len(test))
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["", "train", "val", "test"])
+            for i in range(n):
+                w.writerow([i] + [c[i] if i < len(c) else "" for c in (train, val, test)])
+
+    write(tmp_path / "splits_0.csv", ids[:8], ids[8:10], ids[10:])
+    write(tmp_path / "splits_1.csv", ids[4:], [], ids[:4] + ["missing_slide"])
+    (tmp_path / "splits_0_bool.csv").write_text("junk\n")
+    sp = read_splits(str(tmp_path))
+    assert len(sp) == 2 and sp[0]["val"] == ids[8:10] and sp[1]["val"] == [] and len(sp[1]["test"]) == 5
+    cfg = QuerentConfig(in_dim=8, dim=16, num_classes=2, dropout=0.0)
+    res = cross_validate("mean", cfg, bags, TrainConfig(epochs=3, min_epochs=1), splits=sp)
+    assert [(f["n_train"], f["n_val"], f["n_test"]) for f in res["folds"]] == [(8, 2, 2), (6, 2, 4)]  # no val column: 1 patient per class held out
+    assert sorted(r["slide_id"] for r in res["oof"] if r["fold"] == 1) == ids[:4]
+    leak = [b for b in bags]
+    for b in leak[:2]:
+        b.patient_id = "same"  # s0 (train of split 0) and s1 ... and s10 (test of split 0) share a patient
+    bags[10].patient_id = "same"
+    with pytest.raises(ValueError, match="patient.*'same'.*both train and test"):
+        cross_validate("mean", cfg, bags, TrainConfig(epochs=1), splits=sp)
+    with pytest.raises(ValueError, match="columns 'train' and 'test'"):
+        (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+        read_splits(str(tmp_path / "x.csv"))
+
+
+def test_train_cli_on_clam_files_with_string_labels(tmp_path):
+    from pathology.train import main
+
+    bags = planted_cohort(16, lo=30, hi=60, d=16, patients=8)  # 2 slides per patient
+    (tmp_path / "feats" / "h5_files").mkdir(parents=True)
+    rows = ["slide_id,patient_id,diagnosis"]
+    for b in bags:
+        _write_h5(tmp_path / "feats" / "h5_files" / f"{b.slide_id}.h5", b.features.numpy(), b.coords.numpy())
+        rows.append(f"{b.slide_id},{b.patient_id},{b.label_name}")
+    rows.append("s_nofeat,p99,tumor")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    rc = main(["--features", str(tmp_path / "feats"), "--labels", str(tmp_path / "labels.csv"), "--target", "diagnosis",
+               "--model", "querent", "--folds", "2", "--epochs", "4", "--min-epochs", "1", "--dim", "16", "--heads", "2",
+               "--region-size", "2", "--topk", "2", "--out", str(out), "--no-progress", "--device", "cpu"])
+    assert rc == 0
+    res = json.loads((out / "metrics_querent_diagnosis.json").read_text())
+    assert res["classes"] == ["normal", "tumor"] and res["n_patients"] == 8 and res["n_slides"] == 16
+    for k in ("auc", "balanced_accuracy"):
+        s = res["summary"][k]
+        assert s["n"] == 2 and s["min"] <= s["mean"] <= s["max"] and s["std"] >= 0
+    assert set(res["summary"]["pooled"]) == {"auc", "balanced_accuracy"}
+    for f in res["folds"]:
+        assert 1 <= len(f["history"]) <= 4 and all(set(r) == {"epoch", "train_loss", "val_loss", "lr"} for r in f["history"])
+    with open(out / "oof_querent_diagnosis.csv") as fh:
+        oof = list(csv.DictReader(fh))
+    assert sorted(r["slide_id"] for r in oof) == sorted(b.slide_id for b in bags)  # every slide once
+    pats = {}
+    for r in oof:
+        pats.setdefault(r["patient_id"], set()).add(r["fold"])
+        assert abs(float(r["prob_normal"]) + float(r["prob_tumor"]) - 1) < 1e-5 and r["label_name"] in ("normal", "tumor")
+    assert all(len(v) == 1 for v in pats.values())  # a patient's slides in one fold
+    assert (out / "curves_querent_diagnosis.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "querent_config.json").read_text())["classes"] == ["normal", "tumor"]
+
+
+def test_survival_cross_validation_reports_c_index_spread(tmp_path):
+    rng = np.random.default_rng(0)
+    bags = planted_cohort(16, lo=10, hi=20, d=8)
+    for b in bags:
+        b.time, b.event = float(rng.exponential(5 if b.label else 20)), int(rng.random() < 0.8)
+    cfg = QuerentConfig(in_dim=8, dim=16, num_classes=1, task="survival", dropout=0.0)
+    res = cross_validate("abmil", cfg, bags, TrainConfig(epochs=3, min_epochs=1), folds=2)
+    assert set(res["summary"]) == {"c_index", "pooled"} and res["summary"]["c_index"]["n"] == 2
+    assert len(res["oof"]) == 16 and all("risk" in r and "time" in r for r in res["oof"])
