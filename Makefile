@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 7860
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench install install-dev clean
+.PHONY: demo test bench gpu-check install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ test: $(VENV)/.stamp-dev
 BENCH_ARGS ?=
 bench: $(VENV)/.stamp-dev
 	$(PY) -m benchmarks.run_cpu $(BENCH_ARGS)
+
+# On a machine with a CUDA GPU: the one prepared validation run (kernels, dispatch, benchmark; <= 8 minutes).
+GPU_CHECK_OUT ?= benchmarks/results/gpu_check
+gpu-check: $(VENV)/.stamp-dev
+	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
