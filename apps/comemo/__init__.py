@@ -1,0 +1,12 @@
+"""CoMemo: a vision-language model with two image paths (context tokens and gated cross-attention memory)
+and RoPE-DHR positions for tiled high-resolution images.
+
+Modules: :mod:`apps.comemo.tiling` (InternVL's dynamic tiling), :mod:`apps.comemo.tokenizer`
+(``tokenizer.json`` with image special tokens), :mod:`apps.comemo.synthetic` (procedural multi-image tasks),
+:mod:`apps.comemo.model` (vision encoder, pixel shuffle, projector, the four variants),
+:mod:`apps.comemo.train` (staged training CLI). Importing this package does no work.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
