@@ -5,14 +5,14 @@ from __future__ import annotations
 import builtins
 import logging
 
+import open_clip  # timm and open_clip_torch are dependencies (the backbones extra): tests run, never skip
 import pytest
+import timm
 import torch
 from safetensors.torch import save_file
 
 from core.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights, resolve_timm_kwargs
 
-timm = pytest.importorskip("timm")
-open_clip = pytest.importorskip("open_clip")
 
 VIT_KW = {"img_size": 32, "depth": 2}  # a tiny ViT-Ti/16: 2 blocks on 32 px (4 patches)
 # A hand-made tiny open_clip config (ViT-S-32 renamed to a 2-block, 64-wide tower on 32 px).

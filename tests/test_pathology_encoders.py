@@ -7,13 +7,13 @@ import json
 
 import numpy as np
 import pytest
+import timm  # a dependency of the pathology extra (backbones): the tests run, never skip
 import torch
 from safetensors.torch import save_file
 
 from core.backbones import resolve_timm_kwargs
 from pathology.encoders import PRESETS, build_encoder, encoder_settings
 
-timm = pytest.importorskip("timm")
 
 # Each preset's architecture at a size a test can build: same constructor arguments, fewer/narrower blocks.
 SMALL = {

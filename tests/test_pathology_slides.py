@@ -249,7 +249,7 @@ def test_encoder_registry(tiny_weights, tmp_path):
 
 
 def test_timm_encoder_loads_local_weights(tmp_path):
-    timm = pytest.importorskip("timm")
+    import timm  # a dependency of the pathology extra: a missing install fails, not skips
     m = timm.create_model("resnet18", pretrained=False, num_classes=0)
     torch.save(m.state_dict(), tmp_path / "r18.pt")
     enc = build_encoder("timm:resnet18", weights=tmp_path / "r18.pt", device="cpu")
