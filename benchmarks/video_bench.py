@@ -228,7 +228,7 @@ def run(args) -> dict:
                     continue
                 path = dataset(data, length, 1, args.seed + (7_777_777 if args.dev else 0))[0]["path"]
                 argv = [sys.executable, "-m", "benchmarks.video_bench", "--peak-case", m, path,
-                        "--chunk-size", str(args.chunk_size), "--num-basis", str(args.num_basis)]
+                        "--chunk-size", str(args.chunk_size), "--num-basis", str(args.num_basis), "--alpha", str(args.alpha)]
                 if args.weights:
                     argv += ["--weights", args.weights]
                 out = run_isolated(argv, timeout_s=args.case_timeout)
@@ -247,7 +247,7 @@ def _peak_case(method: str, path: str, args) -> None:
 
     torch.set_num_threads(1)
     cfg = InfiniteVideoConfig(method=method, chunk_size=args.chunk_size, num_basis=args.num_basis,
-                              num_frames=args.num_basis)
+                              num_frames=args.num_basis, alpha=args.alpha)
     iv = InfiniteVideo(args.weights, cfg, device="cpu")
     peak = PeakRSS()
     peak.start()
