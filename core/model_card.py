@@ -116,9 +116,8 @@ PACKAGE_TEXT: dict[str, CardText] = {
     ),
     "video": CardText(
         intended_use=(
-            "Default model of `video` (∞-Video): answers the closed set of questions about this project's synthetic "
-            "videos in the batch CLI, the benchmarks and the hub's ∞-Video tab, over any video length with the "
-            "continuous long-term memory."
+            "A model of `video` (∞-Video): answers the closed set of questions about this project's synthetic videos, "
+            "over any video length with the continuous long-term memory."
         ),
         out_of_scope=(
             "Real videos and open-ended questions: the model was trained on small synthetic clips with a fixed set "
@@ -127,6 +126,13 @@ PACKAGE_TEXT: dict[str, CardText] = {
         tags=["video-question-answering", "q-former", "continuous-memory", "synthetic-data"],
         datasets=["synthetic clips (video.synthetic)"],
         limitations=["Trained and validated on synthetic clips only."],
+    ),
+    "video/videoqa_tiny": CardText(
+        intended_use=(
+            "Default model of `video` (∞-Video): answers the closed set of questions about this project's synthetic "
+            "videos in the batch CLI, the benchmarks and the hub's ∞-Video tab, over any video length with the "
+            "continuous long-term memory."
+        ),
     ),
     "rl": CardText(
         intended_use="Offline-RL experiments of `rl` (Decision Mixer) on the named MuJoCo environment.",
@@ -165,7 +171,7 @@ _TRAIN = (
     "commands", "algorithm", "env", "algo", "train_config", "train", "steps", "step", "trained_steps", "batch",
     "batch_size", "tables_seen", "pretrained_max_features", "processes", "threads", "hardware", "wall_time_s",
     "train_seconds", "train_wall_s", "finished", "status", "input", "output_dim", "class_names", "patch_mpp",
-    "patch_size", "min_tissue", "encoder",
+    "patch_size", "min_tissue", "encoder", "recipe", "init_from", "aggregate", "memory_in_loop", "readout_note",
 )
 _EVAL = (
     "metrics", "held_out_metrics", "held_out_slides", "validation", "validation_on_held_out_prior", "benchmark",
@@ -409,6 +415,9 @@ def _card_text(package: str, stem: str, record: dict[str, Any]) -> CardText:
         if extra.datasets:
             text.datasets = list(extra.datasets)
         text.limitations += extra.limitations
+    for name in ("intended_use", "out_of_scope"):  # the JSON's own words win over the package's
+        if isinstance(record.get(name), str) and record[name].strip():
+            setattr(text, name, record[name])
     own = record.get("model_card")
     if isinstance(own, dict):
         for name in ("intended_use", "out_of_scope", "pipeline_tag"):
@@ -480,7 +489,7 @@ def render_card(weights: Path, *, root: Path = REPO) -> str:
     info = weights_summary(weights)
     # dm_hopper-style records keep their card fields one level down; lift them (names stay visible in the card).
     nested = record.get("card") if isinstance(record.get("card"), dict) else {}
-    used: set[str] = set()
+    used: set[str] = {k for k in ("intended_use", "out_of_scope") if isinstance(record.get(k), str) and record[k].strip()}
 
     evaluation = {k: v for k, v in record.items() if k in _EVAL}
     for k in ("evaluate_result", "evaluations", "last_train_metrics"):

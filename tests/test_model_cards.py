@@ -165,6 +165,12 @@ def test_json_fields_are_rendered_and_not_met_targets_reach_the_limits(tmp_path)
     assert "Target not met (`benchmark.targets[1]`): target B: NOT met (below on wine)" in text.split("## Limitations")[1]
     assert "## Other recorded fields" in text and "**odd_field**" in text
     assert "tabular-classification" in text, "the package's own tags apply"
+    assert "## Intended use\n\nDefault checkpoint of `tabular.TabICLClassifier`" in text
+    record["intended_use"] = "Only for the scaling benchmark."
+    w.with_suffix(".json").write_text(json.dumps(record))
+    text = render_card(w, root=tmp_path)
+    assert "## Intended use\n\nOnly for the scaling benchmark." in text, "the JSON's own intended_use wins"
+    assert "**intended_use**" not in text, "and is not repeated among the other fields"
     for metric in ("accuracy", "roc_auc"):
         assert f'- "{metric}"' in text.split("---")[1]
 
