@@ -1,0 +1,286 @@
+"""CoMemo model: tiles -> small ViT -> pixel shuffle -> MLP projector -> image tokens for a causal decoder.
+
+The image tokens reach the decoder (:class:`core.decoder.Decoder`) by one or two paths, chosen by
+``CoMemoConfig.variant`` (all variants share every size):
+
+========== ============================ ============================================================
+variant    context path (tokens in LM)   memory path (gated cross-attention before every k-th layer)
+========== ============================ ============================================================
+lvlm-1d    yes, plain 1-D positions      no   (the LLaVA / InternVL baseline)
+lvlm-dhr   yes, RoPE-DHR positions       no
+flamingo   no (a ``<image>`` marker)     yes, keys at the marker's position
+comemo     yes, RoPE-DHR positions       yes, keys at their RoPE-DHR ids
+========== ============================ ============================================================
+
+Image tokens of one image, in sequence order: its ``rows*cols`` tiles (row-major, ``T*T`` tokens each,
+row-major inside a tile), then the thumbnail (``T*T`` tokens, ``G = T``). A single-tile image has no
+thumbnail: its one tile shows the whole image and takes the thumbnail's ids. RoPE-DHR ids come from
+:func:`core.rope.rope_dhr_position_ids` (an image uses ``T*T`` ids whatever its tile count); the memory
+path's queries are the text tokens only (image slots get no cross-attention update, via
+``memory_attn_bias``), with their own positions.
+
+Layouts: tiles ``(N, 3, tile, tile)`` float (normalised by :func:`normalise_tiles`); ViT output
+``(N, P, vision_dim)`` with ``P = (tile/patch)**2``; after the shuffle ``(N, T*T, vision_dim*s*s)`` with
+``T = tile/patch/s``; projected image tokens ``(N*T*T, dim)`` flat over the batch's images.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from einops import rearrange
+from torch import nn
+from torch.nn import functional as F
+
+from core.decoder import Decoder, DecoderConfig
+from core.layers import SelfAttentionBlock
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VARIANTS", "VisionConfig", "CoMemoConfig", "VisionEncoder", "pixel_shuffle", "Projector",
+           "CoMemoModel", "normalise_tiles"]
+
+VARIANTS = ("lvlm-1d", "lvlm-dhr", "flamingo", "comemo")
+CONTEXT_VARIANTS = ("lvlm-1d", "lvlm-dhr", "comemo")
+MEMORY_VARIANTS = ("flamingo", "comemo")
+DHR_VARIANTS = ("lvlm-dhr", "comemo")
+MODEL_FORMAT = "longctx.comemo.v1"
+
+
+@dataclass(kw_only=True)
+class VisionConfig:
+    """The small ViT that encodes each tile, and the pixel shuffle after it."""
+
+    encoder: str = "vit"  # "vit" (built here); timm:/open_clip: encoders are not wired in yet
+    tile: int = 32  # tile side in pixels (InternVL: 448; tiny here for the CPU)
+    patch: int = 4  # ViT patch side in pixels -> (tile/patch)^2 patch tokens per tile
+    dim: int = 96  # ViT width
+    depth: int = 2  # ViT blocks
+    num_heads: int = 4  # ViT heads
+    shuffle: int = 2  # pixel-shuffle factor s: s*s neighbouring patch tokens fold into one token
+    tokens_per_side: int = field(init=False)  # derived: T = tile / patch / shuffle (tokens per tile side)
+
+    def __post_init__(self) -> None:
+        if self.encoder != "vit":
+            raise ValueError(f"unknown vision encoder {self.encoder!r}; only 'vit' is available so far")
+        for name in ("tile", "patch", "dim", "depth", "num_heads", "shuffle"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v > 0):
+                raise ValueError(f"vision {name} must be a positive int, got {v!r}")
+        if self.tile % (self.patch * self.shuffle):
+            raise ValueError(f"tile ({self.tile}) must be a multiple of patch * shuffle ({self.patch * self.shuffle})")
+        if self.dim % self.num_heads:
+            raise ValueError(f"vision num_heads ({self.num_heads}) must divide vision dim ({self.dim})")
+        self.tokens_per_side = self.tile // self.patch // self.shuffle
+
+
+@dataclass(kw_only=True)
+class CoMemoConfig:
+    """A CoMemo model: variant, decoder sizes, vision encoder and input limits."""
+
+    variant: str = "comemo"  # one of VARIANTS (see module docs)
+    vocab_size: int = 320  # tokenizer size
+    dim: int = 128  # decoder width
+    depth: int = 4  # decoder layers
+    num_heads: int = 4  # decoder heads
+    mlp_ratio: float = 4.0  # decoder MLP width / dim
+    cross_every: int = 2  # memory path: gated cross-attention before layers 0, k, 2k, ... (paper: 4 of 24+)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    min_tiles: int = 1  # tiling: fewest tiles per image
+    max_tiles: int = 6  # tiling: most tiles per image (InternVL: 12; 6 covers the detail task's grids)
+    max_images: int = 64  # most images in one prompt
+    max_context: int = 4096  # most tokens in the decoder sequence (prompt + answer)
+    max_pixels: int = 1_048_576  # largest accepted image (width * height) before tiling
+    backend: str = "auto"  # attention backend (core.attention)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vision, dict):
+            self.vision = VisionConfig(**{k: v for k, v in self.vision.items() if k != "tokens_per_side"})
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; choose one of {list(VARIANTS)}")
+        for name in ("max_images", "max_context", "max_pixels", "min_tiles", "max_tiles"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v > 0):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.min_tiles > self.max_tiles:
+            raise ValueError(f"min_tiles ({self.min_tiles}) must be <= max_tiles ({self.max_tiles})")
+        if self.uses_memory and not (isinstance(self.cross_every, int) and self.cross_every > 0):
+            raise ValueError(f"variant {self.variant!r} needs cross_every > 0, got {self.cross_every!r}")
+
+    @property
+    def uses_context(self) -> bool:
+        return self.variant in CONTEXT_VARIANTS
+
+    @property
+    def uses_memory(self) -> bool:
+        return self.variant in MEMORY_VARIANTS
+
+    @property
+    def uses_dhr(self) -> bool:
+        return self.variant in DHR_VARIANTS
+
+    def decoder_config(self) -> DecoderConfig:
+        return DecoderConfig(
+            vocab_size=self.vocab_size, dim=self.dim, depth=self.depth, num_heads=self.num_heads,
+            mlp_ratio=self.mlp_ratio, cross_every=self.cross_every if self.uses_memory else 0, memory_dim=self.dim,
+            cross_gate_init=0.0, backend=self.backend,
+        )
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["vision"].pop("tokens_per_side")
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CoMemoConfig:
+        return cls(**json.loads(text))
+
+
+def normalise_tiles(tiles_NHWC: torch.Tensor) -> torch.Tensor:
+    """uint8 ``(N, H, W, 3)`` -> float ``(N, 3, H, W)`` scaled to about [-2, 2]."""
+    return (tiles_NHWC.permute(0, 3, 1, 2).float() / 255.0 - 0.5) / 0.25
+
+
+class VisionEncoder(nn.Module):
+    """Small ViT: patch embedding, learned positions, pre-norm blocks (no class token)."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n = (cfg.tile // cfg.patch) ** 2
+        self.patch_embed = nn.Conv2d(3, cfg.dim, cfg.patch, stride=cfg.patch)
+        self.pos = nn.Parameter(torch.randn(n, cfg.dim) * 0.02)  # (P, vision_dim)
+        self.blocks = nn.ModuleList(SelfAttentionBlock(cfg.dim, cfg.num_heads) for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.dim)
+
+    def forward(self, tiles_N3HW: torch.Tensor) -> torch.Tensor:
+        """``(N, 3, tile, tile)`` -> ``(N, P, vision_dim)`` patch tokens, row-major."""
+        x = self.patch_embed(tiles_N3HW)  # (N, C, h, w)
+        x = rearrange(x, "n c h w -> n (h w) c") + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def pixel_shuffle(x_NPC: torch.Tensor, s: int) -> torch.Tensor:
+    """InternVL's token reduction: ``(N, h*w, C)`` -> ``(N, (h/s)*(w/s), C*s*s)``, tokens row-major.
+
+    Each output token concatenates the ``s x s`` block of input tokens it covers (row-major inside the block).
+    """
+    N, P, C = x_NPC.shape
+    h = int(round(P ** 0.5))
+    if h * h != P or h % s:
+        raise ValueError(f"pixel_shuffle needs a square token grid divisible by {s}, got {P} tokens")
+    return rearrange(x_NPC, "n (h s1 w s2) c -> n (h w) (s1 s2 c)", h=h // s, s1=s, s2=s)
+
+
+class Projector(nn.Module):
+    """InternVL's MLP projector: LayerNorm -> Linear -> GELU -> Linear into the decoder width."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(in_dim)
+        self.fc1 = nn.Linear(in_dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class CoMemoModel(nn.Module):
+    """Vision encoder + pixel shuffle + projector + decoder (with cross blocks for memory variants).
+
+    Inputs come from :func:`apps.comemo.batch.build_batch`; see the module docs for the paths.
+    """
+
+    def __init__(self, cfg: CoMemoConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        v = cfg.vision
+        self.vision = VisionEncoder(v)
+        self.projector = Projector(v.dim * v.shuffle ** 2, cfg.dim)
+        self.decoder = Decoder(cfg.decoder_config())
+
+    def image_tokens(self, tiles_N3HW: torch.Tensor) -> torch.Tensor:
+        """``(N, 3, tile, tile)`` -> ``(N * T*T, dim)`` projected tokens, tiles in order, tokens row-major."""
+        if tiles_N3HW.shape[0] == 0:
+            return tiles_N3HW.new_zeros(0, self.cfg.dim)
+        feats = pixel_shuffle(self.vision(tiles_N3HW), self.cfg.vision.shuffle)  # (N, T*T, C*s*s)
+        return self.projector(feats).flatten(0, 1)  # (N*T*T, dim)
+
+    def decoder_inputs(self, batch) -> dict:
+        """Keyword arguments of :meth:`Decoder.forward` for a :class:`~apps.comemo.batch.Batch`."""
+        img_TD = self.image_tokens(batch.tiles)  # (total image tokens, dim)
+        x_BSD = self.decoder.embed(batch.input_ids)
+        slot = batch.image_slot
+        if self.cfg.uses_context and bool((slot >= 0).any()):
+            x_BSD = x_BSD.masked_scatter((slot >= 0)[..., None], img_TD[slot[slot >= 0]])
+        kw = {"inputs_embeds": x_BSD, "position_ids": batch.position_ids, "padding_mask": batch.padding_mask}
+        if self.cfg.uses_memory and batch.memory_index is not None and batch.memory_index.shape[1] > 0:
+            kw["memory_BMD"] = img_TD[batch.memory_index.clamp(min=0)]  # (B, M, dim)
+            kw["memory_position_ids"] = batch.memory_position_ids
+            kw["memory_padding_mask"] = batch.memory_index < 0
+            if bool((slot >= 0).any()):  # image slots are not queries of the memory path
+                bias = torch.zeros(slot.shape, dtype=x_BSD.dtype, device=x_BSD.device)
+                kw["memory_attn_bias"] = bias.masked_fill(slot >= 0, float("-inf"))[:, None, :, None]
+        return kw
+
+    def forward(self, batch, *, attn_queries=None):
+        """Decoder output (logits ``(B, S, vocab)``) for a batch."""
+        return self.decoder(**self.decoder_inputs(batch), use_cache=False, attn_queries=attn_queries)
+
+    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Mean next-token cross-entropy over the labelled tokens; also token accuracy."""
+        logits = self(batch).logits[:, :-1]
+        labels = batch.labels[:, 1:]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+        keep = labels != -100
+        acc = (logits.argmax(-1)[keep] == labels[keep]).float().mean() if bool(keep.any()) else torch.tensor(0.0)
+        return loss, {"loss": float(loss.detach()), "token_acc": float(acc)}
+
+    def gates(self) -> dict[str, float]:
+        """tanh of every cross-attention gate (0 for variants without a memory path)."""
+        out = {}
+        for name, block in self.decoder.cross.items():
+            out[f"layer{name}.attn"] = float(torch.tanh(block.attn_gate.detach()))
+            out[f"layer{name}.ff"] = float(torch.tanh(block.ff_gate.detach()))
+        return out
+
+    def save(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> Path:
+        """Weights as safetensors with the config in the header, written atomically."""
+        from safetensors.torch import save_model
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_model(self, tmp, metadata={"format": MODEL_FORMAT, "config": self.cfg.to_json(), **(metadata or {})})
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu") -> CoMemoModel:
+        from safetensors import safe_open
+        from safetensors.torch import load_model
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no CoMemo weights at {path}")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != MODEL_FORMAT:
+            raise ValueError(f"{path} is not a CoMemo weights file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})")
+        model = cls(CoMemoConfig.from_json(meta["config"])).to(device)
+        load_model(model, str(path), strict=True, device=str(device))
+        return model.eval()
