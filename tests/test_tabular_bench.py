@@ -1,42 +1,152 @@
-"""benchmarks.tabular_bench: the targets it reports, and a one-split run with the fine-tuned variant."""
+"""benchmarks.tabular_bench: aggregates against hand computation, the single-class flag, resuming and the settings
+guard, on two tiny tables with cheap models; the tuning budget of benchmarks.tabular_peers."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from benchmarks.tabular_bench import _targets, main, models
+from benchmarks import tabular_peers
+from benchmarks.tabular_bench import aggregate, main, per_table, score, targets
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _row(dataset, model, acc, rows=100):
-    return {"dataset": dataset, "model": model, "accuracy": acc, "rows": rows}
+def _rec(table, model, acc, split=0, single=False):
+    return {"table": table, "model": model, "split": split, "accuracy": acc, "balanced_accuracy": acc,
+            "roc_auc": acc, "log_loss": 1 - acc, "single_class": single, "seconds": 0.1}
 
 
-def test_targets_are_reported_for_each_tabicl_variant():
-    rows = [_row("a", "TabICL", 0.90), _row("a", "TabICL-ft", 0.95), _row("a", "LogisticRegression", 0.93),
-            _row("a", "HistGradientBoosting", 0.92),
-            _row("b", "TabICL", 0.80, 5000), _row("b", "TabICL-ft", 0.80, 5000),
-            _row("b", "LogisticRegression", 0.9, 5000), _row("b", "HistGradientBoosting", 0.70, 5000)]
-    t = _targets(rows)
-    base, ft = t["by_model"]["TabICL"], t["by_model"]["TabICL-ft"]
-    assert base["mean_vs_hgb"]["tabicl"] == pytest.approx(0.85) and base["mean_vs_hgb"]["met"]
-    assert not base["small_vs_lr"]["met"] and ft["small_vs_lr"]["met"]  # "b" has 5,000 rows: not a small table
-    assert ft["small_vs_lr"]["per_dataset"] == {"a": {"tabicl": 0.95, "lr": 0.93}}
-    assert t["mean_vs_hgb"] == base["mean_vs_hgb"] and t["small_vs_lr"] == base["small_vs_lr"]  # top level: TabICL
-    assert any("TabICL-ft >= LogisticRegression" in line and line.endswith("met") for line in t["lines"])
-    assert "TabICL-ft" not in _targets([r for r in rows if r["model"] != "TabICL-ft"])["by_model"]
+def test_aggregates_match_hand_computation():
+    recs = [_rec("a", "A", 0.9), _rec("a", "A", 0.7, split=1), _rec("a", "B", 0.6), _rec("a", "B", 0.6, split=1),
+            _rec("a", "C", 0.7), _rec("a", "C", 0.7, split=1),
+            _rec("b", "A", 0.5), _rec("b", "B", 0.5), _rec("b", "C", 0.5, single=True)]
+    means = per_table(recs)
+    assert means["a", "A"]["accuracy"] == pytest.approx(0.8) and means["a", "A"]["splits"] == 2
+    assert means["b", "C"]["single_class_splits"] == 1
+    agg = aggregate(means, ["A", "B", "C"], ["a", "b"])
+    # table a: A 0.8 > C 0.7 > B 0.6 -> ranks 1, 3, 2; normalized 1, 0, 0.5. table b: a three-way tie -> rank 2, norm 1
+    assert agg["A"]["mean_rank"] == pytest.approx((1 + 2) / 2)
+    assert agg["B"]["mean_rank"] == pytest.approx((3 + 2) / 2)
+    assert agg["C"]["mean_rank"] == pytest.approx((2 + 2) / 2)
+    assert agg["A"]["normalized_accuracy"] == pytest.approx(1.0)
+    assert agg["B"]["normalized_accuracy"] == pytest.approx(0.5)
+    assert agg["C"]["normalized_accuracy"] == pytest.approx(0.75)
+    assert agg["A"]["mean_accuracy"] == pytest.approx(0.65) and agg["C"]["single_class_tables"] == ["b"]
 
 
-def test_finetuned_variant_runs_in_the_benchmark(tmp_path):
-    assert "TabICL-ft" not in models(2, None, 0)
-    assert models(2, None, 0, finetune_steps=7)["TabICL-ft"]().finetune_steps == 7
+def test_target_flags_a_single_class_table_only_where_a_peer_does_better():
+    recs = [_rec("a", "TabICL", 0.9), _rec("a", "HistGradientBoosting", 0.8), _rec("a", "LogisticRegression", 0.85),
+            _rec("b", "TabICL", 0.6, single=True), _rec("b", "HistGradientBoosting", 0.7),
+            _rec("b", "LogisticRegression", 0.5),
+            _rec("c", "TabICL", 0.6, single=True), _rec("c", "HistGradientBoosting", 0.6),
+            _rec("c", "LogisticRegression", 0.6)]
+    t = targets(per_table(recs), ["a", "b", "c"])
+    assert t["mean_accuracy"]["TabICL"] == pytest.approx(0.7) and t["met"]["mean_vs_hgb"] and t["met"]["mean_vs_lr"]
+    assert [s["table"] for s in t["single_class_where_peer_better"]] == ["b"]  # c: single class but no peer better
+    assert not t["met"]["no_single_class_loss"] and "b (0.600 vs HistGradientBoosting 0.700)" in t["lines"][1]
+
+
+def test_score_metrics_and_single_class():
+    y = np.array(["x", "y", "y", "x"])
+    s = score(y, np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.7, 0.3]]), np.array(["x", "y"]))
+    assert s["accuracy"] == 0.75 and s["balanced_accuracy"] == 0.75 and s["roc_auc"] == 1.0
+    assert not s["single_class"]
+    one = score(y, np.tile([0.6, 0.4], (4, 1)), np.array(["x", "y"]))
+    assert one["single_class"] and one["accuracy"] == 0.5 and one["roc_auc"] == 0.5
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Cheap models only, plus "Majority" (predicts one class); counts fits per model."""
+    from sklearn.dummy import DummyClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    calls: dict[str, int] = {}
+
+    def factories(**kw):
+        def counting(name, make):
+            def f():
+                calls[name] = calls.get(name, 0) + 1
+                return make()
+            return f
+        return {"LogReg": counting("LogReg", lambda: make_pipeline(StandardScaler(), LogisticRegression())),
+                "Majority": counting("Majority", lambda: DummyClassifier(strategy="most_frequent"))}
+
+    monkeypatch.setattr(tabular_peers, "model_factories", factories)
+    return calls
+
+
+def test_benchmark_runs_resumes_and_never_reuses_other_settings(tmp_path, counted):
     out = tmp_path / "r.json"
-    assert main(["--datasets", "iris", "--repeats", "1", "--n-estimators", "1", "--finetune-steps", "2",
-                 "--models", "TabICL-ft", "LogisticRegression", "HistGradientBoosting", "--out", str(out)]) == 0
+    argv = ["--suite", "report", "--tables", "iris", "wine", "--models", "LogReg", "Majority", "--splits", "2",
+            "--out", str(out)]
+    assert main(argv) == 0
     res = json.loads(out.read_text())
-    assert sorted(r["model"] for r in res["rows"]) == ["HistGradientBoosting", "LogisticRegression", "TabICL-ft"]
-    assert res["args"]["finetune_steps"] == 2 and not res["failures"]
-    assert "TabICL-ft" in res["targets"]["by_model"] and "TabICL" not in res["targets"]["by_model"]
+    assert counted == {"LogReg": 4, "Majority": 4}  # 2 tables x 2 splits
+    assert res["complete_tables"] == ["iris", "wine"] and not res["failures"]
+    means = {(r["table"], r["model"]): r for r in res["per_table"]}
+    # aggregates by hand from the per-table means
+    for model in ("LogReg", "Majority"):
+        other = "Majority" if model == "LogReg" else "LogReg"
+        ranks = [1.0 if means[t, model]["accuracy"] > means[t, other]["accuracy"] else 2.0 for t in ("iris", "wine")]
+        assert res["aggregates"][model]["mean_rank"] == pytest.approx(np.mean(ranks))
+        assert res["aggregates"][model]["normalized_accuracy"] == pytest.approx(np.mean([r == 1.0 for r in ranks]))
+    assert res["aggregates"]["Majority"]["single_class_tables"] == ["iris", "wine"]
+    assert res["aggregates"]["LogReg"]["single_class_tables"] == []
+    assert means["iris", "Majority"]["accuracy"] == pytest.approx(1 / 3)  # 10 of each class in each 30-row test split
+    assert res["tables"][0]["test_majority_rate"] == pytest.approx(1 / 3)
+    assert "0.333†" in out.with_suffix(".md").read_text()
+
+    # the same settings: everything reused
+    counted.clear()
+    assert main(argv) == 0 and counted == {}
+    # a killed run: a record missing is the only one computed
+    rec_file = tmp_path / "r_records" / "LogReg.json"
+    recs = json.loads(rec_file.read_text())
+    del recs["records"]["wine|1"]
+    rec_file.write_text(json.dumps(recs))
+    assert main(argv) == 0 and counted == {"LogReg": 1}
+    # more splits: only the new split runs; other settings (test size, row cap): nothing is reused
+    counted.clear()
+    assert main([*argv[:-4], "--splits", "3", "--out", str(out)]) == 0 and counted == {"LogReg": 2, "Majority": 2}
+    counted.clear()
+    assert main([*argv, "--test-size", "0.3"]) == 0 and counted == {"LogReg": 4, "Majority": 4}
+    counted.clear()
+    assert main([*argv, "--max-rows", "100"]) == 0 and counted == {"LogReg": 4, "Majority": 4}
+    # report-only fits nothing and aggregates only what matches
+    counted.clear()
+    assert main([*argv, "--test-size", "0.25", "--report-only"]) == 0 and counted == {}
+    assert json.loads(out.read_text())["complete_tables"] == []
+
+
+def test_unknown_names_are_refused(tmp_path, counted):
+    with pytest.raises(SystemExit, match="unknown table"):
+        main(["--suite", "report", "--tables", "ais", "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="unknown model"):
+        main(["--suite", "report", "--tables", "iris", "--models", "TabPFN", "--out", str(tmp_path / "r.json")])
+
+
+def test_tuning_budget_is_the_same_draws_and_uses_only_the_training_data():
+    a = tabular_peers.sample_configs(tabular_peers.SPACES["XGBoost"], 10, seed=0)
+    assert a == tabular_peers.sample_configs(tabular_peers.SPACES["XGBoost"], 10, seed=0) and len(a) == 10
+    assert len({json.dumps(c, sort_keys=True) for c in a}) == 10
+    for c in a:
+        assert 0.02 <= c["learning_rate"] <= 0.3 and 2 <= c["max_depth"] <= 10 and c["n_estimators"] in (100, 200, 400)
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    X = pd.DataFrame({"a": rng.normal(size=90), "b": pd.Categorical(rng.choice(["p", "q", None], size=90))})
+    y = np.where(X["a"] > 0, "yes", "no")
+    for name in tabular_peers.GBDTS:
+        m = tabular_peers.Tuned(name, n_configs=2, folds=3).fit(X, y)
+        assert len(m.cv_accuracy_) == 2 and m.best_params_ in tabular_peers.sample_configs(
+            tabular_peers.SPACES[name], 2, seed=0)
+        assert list(m.classes_) == ["no", "yes"] and m.predict_proba(X).shape == (90, 2)
+        assert np.mean(m.classes_[m.predict_proba(X).argmax(1)] == y) > 0.8
+    assert tabular_peers.model_settings("CatBoost-tuned", n_configs=10, folds=3, tabicl_n_estimators=None,
+                                        checkpoint=None, finetune_steps=0)["n_configs"] == 10
