@@ -1,5 +1,5 @@
-"""Patch features: extraction (tiles read by DataLoader workers while the encoder computes) and reading
-feature files written by this project, CLAM or TRIDENT.
+"""Patch features: extraction (tiles read by DataLoader workers while the encoder computes), and reading
+feature files written by this project, CLAM or TRIDENT into labelled bags for training (:func:`load_bags`).
 
 Feature-file layouts read by :func:`read_feature_file` (one HDF5 file per slide):
 
@@ -12,9 +12,11 @@ Feature-file layouts read by :func:`read_feature_file` (one HDF5 file per slide)
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +29,8 @@ from pathology.slide import Slide
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PatchDataset", "extract_features", "read_feature_file", "infer_grid_step", "FeatureFile"]
+__all__ = ["PatchDataset", "extract_features", "read_feature_file", "infer_grid_step", "FeatureFile", "Bag",
+           "load_bags", "class_names"]
 
 
 class PatchDataset(Dataset):
@@ -145,3 +148,118 @@ def read_feature_file(path: str | os.PathLike, *, patch_size_level0: float | Non
     else:
         step, source = float(infer_grid_step(coords)), "inferred"
     return FeatureFile(np.asarray(feats, np.float32), np.rint(coords).astype(np.int64), step, source)
+
+
+@dataclass
+class Bag:
+    """One slide's patch features and label."""
+
+    slide_id: str
+    features: torch.Tensor  # (N, D) float32
+    coords: torch.Tensor  # (N, 2) int64 level-0 (x, y)
+    patch_size_level0: float  # grid step in level-0 pixels
+    label: int = 0  # class index (classification)
+    time: float = 0.0  # survival time
+    event: int = 0  # 1 = event observed
+    patient_id: str = ""  # slides of one patient stay in one fold ("" = the slide is its own patient)
+    label_name: str = ""  # the label as written in the labels file
+
+    def __post_init__(self) -> None:
+        self.patient_id = self.patient_id or self.slide_id
+        self.label_name = self.label_name or str(self.label)
+
+
+def _encode_labels(values: list[str]) -> tuple[list[int], list[str]]:
+    """Integer labels and class names: numeric labels keep their value, strings are numbered in sorted order."""
+    try:
+        nums = [float(v) for v in values]
+    except ValueError:
+        names = sorted(set(values))
+        return [names.index(v) for v in values], names
+    if any(n != int(n) or n < 0 for n in nums):
+        bad = next(v for v, n in zip(values, nums) if n != int(n) or n < 0)
+        raise ValueError(f"class label {bad!r} is neither a non-negative integer nor a name")
+    ints = [int(n) for n in nums]
+    return ints, [str(i) for i in range(max(ints) + 1)]
+
+
+def _features_folder(features_dir: str) -> str:
+    """CLAM writes ``<dir>/h5_files/*.h5``: accept the parent folder too."""
+    sub = os.path.join(features_dir, "h5_files")
+    if os.path.isdir(sub) and not any(f.endswith(".h5") for f in os.listdir(features_dir)):
+        return sub
+    return features_dir
+
+
+def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: str = "label",
+              time_col: str = "time", event_col: str = "event", id_col: str = "slide_id",
+              patient_col: str = "patient_id", patch_size_level0: float | None = None) -> list[Bag]:
+    """Bags for every labelled slide that has ``<features_dir>/<slide_id>.h5``.
+
+    Feature files may be in this project's, TRIDENT's or CLAM's layout (see :mod:`pathology.features`);
+    a CLAM folder with ``h5_files/`` inside is accepted as it is. Class labels may be integers or names
+    (names are numbered in sorted order; :func:`class_names` gives them back). A ``patient_col``
+    column, when present, groups a patient's slides. Slides without features, without a label or
+    without patches are skipped with a warning.
+    """
+    if not os.path.isdir(features_dir):
+        raise FileNotFoundError(f"features folder not found: {features_dir!r}")
+    if not os.path.isfile(labels_csv):
+        raise FileNotFoundError(f"labels file not found: {labels_csv!r}")
+    if task not in ("cls", "survival"):
+        raise ValueError(f"task {task!r} is not one of 'cls', 'survival'")
+    if patch_size_level0 is not None and not patch_size_level0 > 0:
+        raise ValueError(f"patch_size_level0 ({patch_size_level0}) must be > 0")
+    folder = _features_folder(features_dir)
+    with open(labels_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"{labels_csv!r} has no rows")
+    need = [id_col] + ([target] if task == "cls" else [time_col, event_col])
+    missing = [c for c in need if c not in rows[0]]
+    if missing:
+        raise ValueError(f"{labels_csv!r} lacks column(s) {missing}; it has {list(rows[0])}")
+    if patient_col not in rows[0]:
+        logger.info("%s has no %r column: each slide is its own patient", labels_csv, patient_col)
+    if task == "cls":
+        unlabelled = [r[id_col] for r in rows if not (r[target] or "").strip()]
+        if unlabelled:
+            logger.warning("%d slide(s) without a %r label skipped (e.g. %s)", len(unlabelled), target, unlabelled[:3])
+        rows = [r for r in rows if (r[target] or "").strip()]
+        labels, names = _encode_labels([r[target].strip() for r in rows])
+    else:
+        labels, names = [0] * len(rows), []
+    bags, inferred = [], []
+    for r, y in zip(rows, labels):
+        path = os.path.join(folder, f"{r[id_col]}.h5")
+        if not os.path.exists(path):
+            logger.warning("no features for %s (%s); skipped", r[id_col], path)
+            continue
+        ff = read_feature_file(path, patch_size_level0=patch_size_level0)
+        if len(ff.coords) == 0:
+            logger.warning("%s has no patches (no tissue); skipped", r[id_col])
+            continue
+        if ff.step_source == "inferred":
+            inferred.append((r[id_col], ff.patch_size_level0))
+        bags.append(Bag(
+            slide_id=r[id_col], features=torch.from_numpy(ff.features), coords=torch.from_numpy(ff.coords),
+            patch_size_level0=ff.patch_size_level0, label=y if task == "cls" else 0,
+            time=float(r[time_col]) if task == "survival" else 0.0,
+            event=int(float(r[event_col])) if task == "survival" else 0,
+            patient_id=(r.get(patient_col) or "").strip(), label_name=names[y] if task == "cls" else "",
+        ))
+    if inferred:
+        steps = Counter(s for _, s in inferred)
+        logger.warning("%d of %d feature files have no 'patch_size_level0' attribute (CLAM layout): the grid step "
+                       "was inferred from their coordinates (%s; e.g. %s: %g px); pass --patch-size-level0 to set it",
+                       len(inferred), len(bags), ", ".join(f"{s:g} px x{n}" for s, n in steps.most_common(3)),
+                       inferred[0][0], inferred[0][1])
+    if not bags:
+        raise ValueError(f"no slide of {labels_csv!r} has features in {folder!r}")
+    return bags
+
+
+def class_names(bags: list[Bag]) -> list[str]:
+    """Names of classes ``0..max(label)`` as found in the bags (``str(i)`` for a class no bag has)."""
+    seen = {b.label: b.label_name for b in bags}
+    return [seen.get(i, str(i)) for i in range(max(seen) + 1)]

@@ -124,8 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          title=f"{args.model} on {tag}: loss per epoch (dashed: validation; dotted: best epoch)")
     _write_json(os.path.join(args.out, f"{args.model}_config.json"), {**dataclasses.asdict(mcfg), "classes": res["classes"]})
     shown = {k: f"{v['mean']:.3f} ± {v['std']:.3f} (min {v['min']:.3f}, max {v['max']:.3f})"
-             for k, v in res["summary"].items() if k != "pooled"}
-    logger.info("%s %s: %s; pooled out-of-fold %s -> %s", args.model, tag, shown, res["summary"]["pooled"], path)
+             for k, v in res["summary"].items()}
+    logger.info("%s %s: %s; pooled out-of-fold %s -> %s", args.model, tag, shown, res["pooled"], path)
     return 0
 
 
