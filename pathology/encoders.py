@@ -35,7 +35,7 @@ from core.backbones import load_open_clip, load_state_dict_file, load_timm, load
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PatchEncoder", "SmallPatchCNN", "EncoderPreset", "PRESETS", "build_encoder", "encoder_settings",
+__all__ = ["PatchEncoder", "SmallPatchCNN", "EncoderPreset", "PRESETS", "ClsMeanPool", "build_encoder", "encoder_settings",
            "load_state_dict_file", "ENCODER_NAMES", "DEFAULT_WEIGHTS"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
