@@ -409,7 +409,7 @@ class RoutedBlock(nn.Module):
         x_run_BKD, index_BK, valid_BK = _gather_selected(x_BSD, run_BS, k_B, kmax)
         live_BK = torch.gather(live_BS, 1, index_BK) & valid_BK
         eye_KK = torch.eye(kmax, dtype=torch.bool, device=x_BSD.device)
-        keep_BKK = eye_KK.tril()[None] | (torch.ones_like(eye_KK).tril()[None] & live_BK[:, None, :])  # [b, q, k]
+        keep_BKK = eye_KK[None] | (torch.ones_like(eye_KK).tril()[None] & live_BK[:, None, :])  # [b, query, key]
         delta_BKD = self.block(x_run_BKD, attn_bias=_bias_from_keep(keep_BKK, x_BSD.dtype)[:, None]) - x_run_BKD
         w_BK = torch.gather(weight_BS, 1, index_BK) * valid_BK.to(x_BSD.dtype)
         return torch.zeros_like(x_BSD).scatter_add(1, index_BK[..., None].expand_as(delta_BKD), delta_BKD * w_BK[..., None])
