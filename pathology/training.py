@@ -6,8 +6,8 @@ for >2 classes) and balanced accuracy. Survival: Cox partial likelihood over the
 
 The default schedule follows CLAM's: up to 200 epochs, early stopping on the loss of a validation split
 held out from the training patients (patience 20, never before epoch 20), the best epoch's weights
-kept; AdamW at lr 1e-3 with cosine decay, one slide per step. Features are standardised with the training patches' per-dimension mean and standard
-deviation; afterwards the standardisation is folded into the model's first linear layer, so the
+kept; AdamW at lr 1e-3 with cosine decay, one slide per step. Features are standardised with the
+training patches' per-dimension mean and standard deviation; afterwards the standardisation is folded into the model's first linear layer, so the
 returned model takes raw features.
 """
 

@@ -205,7 +205,8 @@ def test_clam_splits_files(tmp_path):
     assert len(sp) == 2 and sp[0]["val"] == ids[8:10] and sp[1]["val"] == [] and len(sp[1]["test"]) == 5
     cfg = QuerentConfig(in_dim=8, dim=16, num_classes=2, dropout=0.0)
     res = cross_validate("mean", cfg, bags, TrainConfig(epochs=3, min_epochs=1), splits=sp)
-    assert [(f["n_train"], f["n_val"], f["n_test"]) for f in res["folds"]] == [(8, 2, 2), (6, 2, 4)]  # no val column: 1 patient per class held out
+    # split 1 has no val column: one training patient per class is held out for early stopping
+    assert [(f["n_train"], f["n_val"], f["n_test"]) for f in res["folds"]] == [(8, 2, 2), (6, 2, 4)]
     assert sorted(r["slide_id"] for r in res["oof"] if r["fold"] == 1) == ids[:4]
     leak = [b for b in bags]
     for b in leak[:2]:
