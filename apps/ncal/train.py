@@ -235,7 +235,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
             epoch = step // steps_per_epoch
             batches = _batches(len(texts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch))[rank::world]
             model.train(); loss_fn.train()
-            run_loss, run_n = 0.0, 0
+            run_loss, run_n, run_tc = 0.0, 0, 0.0
             for bi in range(step % steps_per_epoch, steps_per_epoch):
                 t0 = time.time()
                 idx = batches[bi % len(batches)]
@@ -249,12 +249,14 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                 opt.step(); sched.step()
                 step += 1
                 wall += time.time() - t0
-                run_loss += loss.item(); run_n += 1
+                run_loss += loss.item(); run_n += 1; run_tc += parts.get("tc", 0.0)
                 bar.update(1); bar.set_postfix(loss=f"{loss.item():.3f}")
                 if step % cfg.ckpt_every == 0:
                     checkpoint()
             if rank == 0:
                 rec = {"epoch": epoch + 1, "step": step, "train_loss": round(run_loss / max(run_n, 1), 4), "wall_s": round(wall, 1)}
+                if cfg.loss == "tc":  # the TC term alone (before λ), mean over this call's steps of the epoch
+                    rec["train_tc"] = round(run_tc / max(run_n, 1), 4)
                 sub = [train_ex[i] for i in nc_idx]
                 tr_m, _ = _evaluate(model, tok, sub, classes, bins, device, label_idx)
                 rec["train_nc1"], rec["train_nc2"] = tr_m.get("nc_nc1"), tr_m.get("nc_nc2")
