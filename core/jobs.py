@@ -425,7 +425,10 @@ class _Manifest:
         """Merge ``rows`` into the file (under its lock) and return all rows."""
         with self._lock:
             remove_temps([self.path])  # a writer killed mid-write; writers hold this lock
-            merged = {**self.read(), **rows}
+            merged = self.read()
+            for key, r in rows.items():  # "locked" is news only until the holder records its result
+                if not (r.get("status") == "locked" and merged.get(key, {}).get("status") in FINISHED):
+                    merged[key] = r
             with atomic_write(self.path) as tmp:
                 with open(tmp, "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")

@@ -28,9 +28,10 @@ class ToyJob:
     key_field = "name"
     extra_fields = ("value",)
 
-    def __init__(self, out, scale: float = 1.0):
+    def __init__(self, out, scale: float = 1.0, log: str | None = None):
         self.out = str(out)
         self.scale = scale
+        self.log = log  # a file each call appends its key to (calls from several processes)
         self.calls: list[str] = []
 
     def outputs(self, item):
@@ -45,6 +46,9 @@ class ToyJob:
 
     def process(self, item):
         self.calls.append(item.key)
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{item.key} {os.getpid()}\n")
         text = open(item.path).read()
         if text.startswith("fail"):
             raise ValueError(f"cannot use {item.path}: {text}")
@@ -204,6 +208,36 @@ def test_locked_items_are_skipped_and_leftover_temps_removed(tmp_path):
     jobs._Manifest(str(out / "manifest.csv"), "name", ["name", "status"]).update({"a": {"name": "a", "status": "done"}})
     m = _manifest(out / "manifest.csv")
     assert m["a"]["status"] == "done" and m["b"]["status"] == "done"
+    # a worker that found it locked and writes later does not hide the result
+    jobs._Manifest(str(out / "manifest.csv"), "name", ["name", "status"]).update({"a": {"name": "a", "status": "locked"}})
+    assert _manifest(out / "manifest.csv")["a"]["status"] == "done"
+
+
+def _run_toy(out, items, log, gate):
+    gate.wait(60)  # both processes start together
+    run_job(ToyJob(out, log=log), items, JobConfig(out=str(out), progress=False))
+
+
+def test_two_workers_on_one_folder_share_the_items(tmp_path):
+    """Two processes running the same job at once: every item is done once, the manifest keeps every row."""
+    import multiprocessing as mp
+
+    items = _inputs(tmp_path, {f"i{k:02d}": "slow" for k in range(12)})
+    out, log = tmp_path / "out", str(tmp_path / "calls.log")
+    ctx = mp.get_context("spawn")
+    gate = ctx.Barrier(2)
+    procs = [ctx.Process(target=_run_toy, args=(out, items, log, gate)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    calls = [line.split() for line in open(log).read().splitlines()]
+    assert sorted(k for k, _ in calls) == sorted(it.key for it in items)  # each once, none twice
+    assert len({pid for _, pid in calls}) == 2  # both worked (12 items of 0.3 s each, started together)
+    m = _manifest(out / "manifest.csv")
+    assert set(m) == {it.key for it in items} and {r["status"] for r in m.values()} <= {"done", "exists"}
+    assert os.listdir(out / "locks") == []
 
 
 # ------------------------------------------------------------------------------------------------- locks
