@@ -132,7 +132,7 @@ def test_train_writes_checkpoint_metrics_and_learns(tmp_path, tiny_encoder_dir):
     assert meta["test"]["n"] == 18 and meta["test"]["accuracy"] > 0.6
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in lines] == list(range(1, 7))
-    assert all(r["train_nc1"] is not None and r["test_nc_nc2"] is not None for r in lines)
+    assert all(r["train_nc1"] is not None and r["test_nc_nc2"] is not None and r["train_tc"] > 0 for r in lines)
     ck = load_checkpoint(tmp_path / "run")
     assert ck.classes == list(CLASSES) and ck.meta["loss"]["name"] == "tc"
     probs, feats = infer(ck.model, ck.tokenizer, [e.text for e in te])
