@@ -174,7 +174,7 @@ TABLES: tuple[TableSpec, ...] = (
     _r("hpc_data", "modeldata::hpc_data", "class", suite="reserved"),
     _r("lending_club", "modeldata::lending_club", "Class", suite="reserved"),
     TableSpec(name="cars", suite="reserved", source="vega_datasets", item="cars", target="Origin",
-              drop={"Name": _ID + " (car name)"}),
+              drop={"Name": _ID + " (car name)"}, derive="year_number"),
     TableSpec(name="splice", suite="reserved", source="keel", item="splice", target="Class"),
     TableSpec(name="satimage", suite="reserved", source="keel", item="satimage", target="Class"),
     TableSpec(name="letter", suite="reserved", source="keel", item="letter", target="Class"),
@@ -201,7 +201,13 @@ def _date_to_month(df):
     return df
 
 
-_DERIVE = {"date_to_month": _date_to_month}
+def _year_number(df):
+    import pandas as pd
+
+    return df.assign(Year=pd.to_datetime(df["Year"]).dt.year)  # a date that only holds the model year
+
+
+_DERIVE = {"date_to_month": _date_to_month, "year_number": _year_number}
 
 
 def _raw(spec: TableSpec):
