@@ -44,7 +44,7 @@ from core.layers import SelfAttentionBlock
 logger = logging.getLogger(__name__)
 
 __all__ = ["VARIANTS", "VisionConfig", "CoMemoConfig", "VisionEncoder", "pixel_shuffle", "Projector",
-           "CoMemoModel", "normalise_tiles"]
+           "CoMemoModel", "normalise_tiles", "lm_loss"]
 
 VARIANTS = ("lvlm-1d", "lvlm-dhr", "flamingo", "comemo")
 CONTEXT_VARIANTS = ("lvlm-1d", "lvlm-dhr", "comemo")
@@ -142,6 +142,16 @@ class CoMemoConfig:
         return cls(**json.loads(text))
 
 
+def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Next-token cross-entropy (logits at ``t`` against ``labels[t + 1]``, -100 ignored) and token accuracy."""
+    logits = logits_BSV[:, :-1]
+    labels = labels_BS[:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+    keep = labels != -100
+    acc = (logits.argmax(-1)[keep] == labels[keep]).float().mean() if bool(keep.any()) else torch.tensor(0.0)
+    return loss, {"loss": float(loss.detach()), "token_acc": float(acc)}
+
+
 def normalise_tiles(tiles_NHWC: torch.Tensor) -> torch.Tensor:
     """uint8 ``(N, H, W, 3)`` -> float ``(N, 3, H, W)`` scaled to about [-2, 2]."""
     return (tiles_NHWC.permute(0, 3, 1, 2).float() / 255.0 - 0.5) / 0.25
@@ -237,12 +247,7 @@ class CoMemoModel(nn.Module):
 
     def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Mean next-token cross-entropy over the labelled tokens; also token accuracy."""
-        logits = self(batch).logits[:, :-1]
-        labels = batch.labels[:, 1:]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
-        keep = labels != -100
-        acc = (logits.argmax(-1)[keep] == labels[keep]).float().mean() if bool(keep.any()) else torch.tensor(0.0)
-        return loss, {"loss": float(loss.detach()), "token_acc": float(acc)}
+        return lm_loss(self(batch).logits, batch.labels)
 
     def gates(self) -> dict[str, float]:
         """tanh of every cross-attention gate (0 for variants without a memory path)."""

@@ -1,0 +1,352 @@
+"""Staged training of a CoMemo variant on the synthetic tasks: ``python -m apps.comemo.train``.
+
+Stages (``--stage``; each later stage starts from the previous one with ``--init-from DIR/model.safetensors``):
+
+==== ==================================================== =========================================
+ 0   text-only language modelling (question + answer text) decoder without its cross blocks
+ 1   alignment: vision encoder and LM frozen               projector + memory path (cross blocks, gates)
+ 2   gates frozen                                          everything but the tanh gates
+ 3   full fine-tuning                                      everything
+==== ==================================================== =========================================
+
+Samples are drawn on the fly: sample ``i`` of the run (counted over steps, ranks and the batch) comes from
+its own seed (:func:`apps.comemo.synthetic.sample_seed`), with its task and image count (1..``--max-images``)
+drawn from that seed, so a resumed run sees exactly the samples it would have seen. ``DIR/last.pt`` holds
+model, optimizer, scheduler, step and RNG state (``--resume`` continues exactly); ``DIR/metrics.jsonl`` one
+line per step (rank 0); ``DIR/model.safetensors`` the weights with the config; ``DIR/tokenizer.json`` the
+tokenizer (trained at stage 0 or copied from the ``--init-from`` folder).
+
+Runs under ``torchrun --nproc_per_node=K`` (DDP; gloo on CPU, NCCL on GPU): each rank draws its own samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from apps.comemo.batch import build_batch
+from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, lm_loss
+from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
+from apps.comemo.tokenizer import CoMemoTokenizer, train_tokenizer
+from core.fileio import write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STAGES", "Trainer", "set_stage", "draw_examples", "build_parser", "main"]
+
+STAGES = (0, 1, 2, 3)
+#: Arguments that define the run; on --resume they are taken from the checkpoint.
+_RECIPE_KEYS = ("variant", "stage", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed", "max_images",
+                "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth")
+
+
+def set_stage(model: CoMemoModel, stage: int) -> list[str]:
+    """Set ``requires_grad`` for ``stage`` (see module docs); returns the names of the trained parameters."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; choose one of {list(STAGES)}")
+    names = []
+    for name, p in model.named_parameters():
+        is_cross = name.startswith("decoder.cross.")
+        is_gate = is_cross and name.endswith(("attn_gate", "ff_gate"))
+        is_lm = name.startswith("decoder.") and not is_cross
+        if stage == 0:
+            train = is_lm
+        elif stage == 1:
+            train = name.startswith("projector.") or is_cross
+        elif stage == 2:
+            train = not is_gate
+        else:
+            train = True
+        p.requires_grad_(train)
+        if train:
+            names.append(name)
+    return names
+
+
+def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: list[str], tile: int,
+                  text_only: bool = False) -> list[tuple]:
+    """Samples ``start .. start+count-1`` of the stream ``seed`` as ``(images, question, answer)``."""
+    out = []
+    for i in range(start, start + count):
+        s_seed = sample_seed(seed, i)
+        r = random.Random(s_seed)
+        task = tasks[r.randrange(len(tasks))]
+        n = r.randint(1, max_images)
+        s = make_sample(task, n, s_seed, tile=tile)
+        out.append(([] if text_only else s.images, s.question, s.answer))
+    return out
+
+
+def model_config(args, vocab_size: int) -> CoMemoConfig:
+    return CoMemoConfig(
+        variant=args.variant, vocab_size=vocab_size, dim=args.dim, depth=args.depth, num_heads=args.heads,
+        cross_every=args.cross_every,
+        vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth),
+    )
+
+
+class Trainer:
+    """Model, optimizer and counters of one run; ``train_step() -> dict`` and a full ``state_dict``."""
+
+    def __init__(self, args: argparse.Namespace, tok: CoMemoTokenizer, *, rank: int = 0, world: int = 1,
+                 device: torch.device | None = None) -> None:
+        self.args, self.tok = args, tok
+        self.rank, self.world = rank, world
+        self.device = device or torch.device("cpu")
+        torch.manual_seed(args.seed)
+        self.model = CoMemoModel(model_config(args, tok.vocab_size)).to(self.device)
+        self.step = 0
+        self.samples_seen = 0
+        self.wall_time = 0.0
+        self.commands: list[dict] = []
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        self.trained = set_stage(self.model, self.args.stage)
+        self.ddp_model: torch.nn.Module = self.model
+        if self.world > 1:
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=self.args.lr, weight_decay=self.args.weight_decay, betas=(0.9, 0.95))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warm-up then cosine decay to 10% over ``--steps``."""
+        a = self.args
+        if step < a.warmup:
+            return (step + 1) / a.warmup
+        frac = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+    def init_from(self, path: Path) -> None:
+        """Weights of another run (any variant): matching keys are loaded, the rest keeps its initialisation."""
+        src = CoMemoModel.load(path)
+        own = self.model.state_dict()
+        shared = {k: v for k, v in src.state_dict().items() if k in own and own[k].shape == v.shape}
+        self.model.load_state_dict(shared, strict=False)
+        fresh = sorted(set(own) - set(shared))
+        if fresh:
+            logger.info("initialised from %s; %d tensors keep their initialisation (e.g. %s)", path, len(fresh), fresh[:3])
+
+    def examples(self, step: int, rank: int) -> list[tuple]:
+        a = self.args
+        start = (step * self.world + rank) * a.batch_size
+        return draw_examples(a.seed, start, a.batch_size, max_images=a.max_images, tasks=a.tasks, tile=a.tile,
+                             text_only=a.stage == 0)
+
+    def train_step(self) -> dict[str, float]:
+        self.model.train()
+        batch = build_batch(self.examples(self.step, self.rank), self.tok, self.model.cfg,
+                            label_prompt=self.args.stage == 0).to(self.device)
+        out = self.ddp_model(batch)
+        loss, metrics = lm_loss(out.logits, batch.labels)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.args.clip)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.samples_seen += self.args.batch_size * self.world
+        return {**metrics, "grad_norm": float(gn), "lr": self.sched.get_last_lr()[0], "tokens": int(batch.input_ids.numel())}
+
+    @torch.no_grad()
+    def validate(self, examples: list[tuple]) -> dict[str, float]:
+        self.model.eval()
+        losses, accs = [], []
+        for i in range(0, len(examples), self.args.batch_size):
+            b = build_batch(examples[i:i + self.args.batch_size], self.tok, self.model.cfg,
+                            label_prompt=self.args.stage == 0).to(self.device)
+            _, m = lm_loss(self.model(b).logits, b.labels)
+            losses.append(m["loss"])
+            accs.append(m["token_acc"])
+        return {"val_loss": sum(losses) / len(losses), "val_token_acc": sum(accs) / len(accs)}
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+            "step": self.step, "samples_seen": self.samples_seen, "wall_time": self.wall_time, "world": self.world,
+            "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "args": vars(self.args).copy(),
+            "commands": self.commands, "config": self.model.cfg.to_json(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.step, self.samples_seen, self.wall_time = state["step"], state["samples_seen"], state["wall_time"]
+        self.commands = list(state.get("commands", []))
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+
+
+def _atomic_torch_save(obj: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m apps.comemo.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", required=True, help=f"one of {', '.join(VARIANTS)}")
+    p.add_argument("--stage", type=int, required=True, help="0 text-only LM, 1 projector + memory path, 2 gates frozen, 3 all")
+    p.add_argument("--out", type=Path, required=True, help="run folder (last.pt, metrics.jsonl, model.safetensors, tokenizer.json)")
+    p.add_argument("--init-from", type=Path, help="weights of a previous stage (its tokenizer.json must lie beside it)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of this stage")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step and rank")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample stream")
+    p.add_argument("--max-images", type=int, default=8, help="train on 1..N images per sample")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to train on")
+    p.add_argument("--dim", type=int, default=128, help="decoder width")
+    p.add_argument("--depth", type=int, default=4, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="decoder heads")
+    p.add_argument("--cross-every", type=int, default=2, help="a gated cross-attention block before every k-th layer")
+    p.add_argument("--tile", type=int, default=32, help="tile side in pixels")
+    p.add_argument("--patch", type=int, default=4, help="ViT patch side in pixels")
+    p.add_argument("--vision-dim", type=int, default=96, help="ViT width")
+    p.add_argument("--vision-depth", type=int, default=2, help="ViT blocks")
+    p.add_argument("--vocab-size", type=int, default=320, help="tokenizer size when one is trained (stage 0 without --init-from)")
+    p.add_argument("--val-every", type=int, default=50, help="validation loss every N steps")
+    p.add_argument("--val-samples", type=int, default=32, help="fixed validation samples (seed stream 10**6 + seed)")
+    p.add_argument("--ckpt-every", type=int, default=50, help="write last.pt every N steps")
+    p.add_argument("--max-minutes", type=float, help="stop (and checkpoint) after this many minutes")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def _setup_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(device_arg) if device_arg else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def _tokenizer(args) -> CoMemoTokenizer:
+    if args.init_from is not None:
+        path = args.init_from.parent / "tokenizer.json"
+        if not path.is_file():
+            raise SystemExit(f"--init-from {args.init_from}: no tokenizer.json beside it")
+        return CoMemoTokenizer.load(path)
+    if (args.out / "tokenizer.json").is_file():
+        return CoMemoTokenizer.load(args.out / "tokenizer.json")
+    return train_tokenizer(corpus_texts(), vocab_size=args.vocab_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.variant not in VARIANTS:
+        raise SystemExit(f"unknown --variant {args.variant!r}; choose one of {list(VARIANTS)}")
+    if args.stage not in STAGES:
+        raise SystemExit(f"unknown --stage {args.stage}; choose one of {list(STAGES)}")
+    for name in ("steps", "batch_size", "max_images", "val_every", "val_samples", "ckpt_every", "warmup"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out: Path = args.out
+    last = out / "last.pt"
+    state = None
+    if args.resume:
+        if not last.is_file():
+            raise SystemExit(f"--resume given but {last} does not exist")
+        state = torch.load(last, map_location="cpu", weights_only=False)
+        for key in _RECIPE_KEYS:
+            old = state["args"].get(key)
+            if old is not None and old != getattr(args, key):
+                logger.warning("--%s %s ignored: the resumed run uses %s", key.replace("_", "-"), getattr(args, key), old)
+                setattr(args, key, old)
+    elif last.exists():
+        raise SystemExit(f"{last} exists: pass --resume to continue that run or choose another --out")
+    rank, world, device = _setup_distributed(args.device)
+    tok = _tokenizer(args)
+    trainer = Trainer(args, tok, rank=rank, world=world, device=device)
+    if state is not None:
+        trainer.load_state_dict(state)
+        logger.info("resumed from %s at step %d", last, trainer.step)
+    elif args.init_from is not None:
+        trainer.init_from(args.init_from)
+    command = "python -m apps.comemo.train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    trainer.commands.append({"from_step": trainer.step, "command": command})
+    metrics_path = out / "metrics.jsonl"
+    val_examples = []
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        tok.save(out / "tokenizer.json")
+        if metrics_path.exists():  # drop records of steps after the checkpoint (a stop between checkpoints)
+            lines = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= trainer.step]
+            write_text_atomic(metrics_path, "".join(ln + "\n" for ln in lines))
+        val_examples = draw_examples(10**6 + args.seed, 0, args.val_samples, max_images=args.max_images,
+                                     tasks=args.tasks, tile=args.tile, text_only=args.stage == 0)
+    logger.info("variant %s stage %d: %d trained tensors, %d parameters in all", args.variant, args.stage,
+                len(trainer.trained), sum(p.numel() for p in trainer.model.parameters()))
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=trainer.step, desc=f"comemo {args.variant} stage {args.stage}", dynamic_ncols=True)
+    t_start = t_last = time.time()
+    try:
+        while trainer.step < args.steps:
+            if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
+                logger.info("stopping after --max-minutes %.1f at step %d", args.max_minutes, trainer.step)
+                break
+            m = trainer.train_step()
+            now = time.time()
+            trainer.wall_time += now - t_last
+            t_last = now
+            if rank != 0:
+                continue
+            rec = {"step": trainer.step, "samples_seen": trainer.samples_seen, "wall_time_s": round(trainer.wall_time, 2),
+                   **m, "gates": trainer.model.gates()}
+            if trainer.step % args.val_every == 0 or trainer.step == args.steps:
+                rec.update(trainer.validate(val_examples))
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
+                _atomic_torch_save(trainer.state_dict(), last)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['token_acc']:.3f}")
+    finally:
+        if rank == 0:
+            _atomic_torch_save(trainer.state_dict(), last)
+            trainer.model.save(out / "model.safetensors", metadata={
+                "variant": args.variant, "stage": str(args.stage), "step": str(trainer.step),
+                "commands": json.dumps(trainer.commands)})
+        if bar is not None:
+            bar.close()
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
