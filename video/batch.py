@@ -17,7 +17,7 @@ Writes go to a temp file renamed into place, so a killed run leaves no partial f
 video. ``OUT/locks/<file name>.lock`` keeps two workers (on any host sharing the folder) off the same video.
 ``--time-limit`` runs each video in a worker process killed past the limit (recorded as failed). ``manifest.csv``
 (``manifest_<I>of<N>.csv`` per shard) lists each video's status: ``done``, ``exists`` (done by an earlier run),
-``failed``, ``locked`` or ``mismatch``. The job machinery is :mod:`core.jobs`.
+``failed`` or ``locked``. The job machinery is :mod:`core.jobs`.
 """
 
 from __future__ import annotations
