@@ -1,6 +1,6 @@
 """TabICL against its peers on a suite of real classification tables, measured as the field does.
 
-Suites (``benchmarks/tabular_suites.py``): ``dev`` (38 tables on which every modelling choice is made), ``report``
+Suites (``benchmarks/tabular_suites.py``): ``dev`` (39 tables on which every modelling choice is made), ``report``
 (the twelve tables reported in the README) and ``reserved`` (kept for an independent evaluation: no choice is made
 on them). Each table is split ``--splits`` times into stratified 80/20 train/test parts (split ``i`` uses seed
 ``i``, so split 0 is the same whatever ``--splits`` is); every model sees the same splits.
