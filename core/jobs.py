@@ -711,7 +711,8 @@ def add_job_arguments(p: argparse.ArgumentParser, *, item: str = "item") -> None
                         "of this host whose process is gone is taken over at once (default 600)")
 
 
-def job_config_from_args(args: argparse.Namespace, out: str, *, progress: bool = True, desc: str = "items") -> JobConfig:
+def job_config_from_args(args: argparse.Namespace, out: str, *, progress: bool = True,
+                         desc: str = "items") -> JobConfig:
     """A :class:`JobConfig` from the options of :func:`add_job_arguments`."""
     return JobConfig(out=out, shard=args.shard, skip_errors=args.skip_errors, overwrite=args.overwrite,
                      time_limit=args.time_limit, stale_after=args.stale_after,

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, canonical_settings, file_identity,
-                       job_config_from_args, run_job, settings_fingerprint)
+from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, canonical_settings,
+                       file_identity, job_config_from_args, remove_temps, run_job, settings_fingerprint)
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +248,7 @@ class _SlideJob:
 
         cfg, sid, path = self.cfg, item.key, item.path
         out = self.paths(sid)
+        remove_temps([out["seg_png"]])  # the overview is no fingerprinted output: the runner does not clear it
         row = {"task": cfg.task}
         with Slide(path, mpp=cfg.slide_mpp) as slide:
             _ = slide.mpp  # fail early and clearly when µm/px is unknown
@@ -315,7 +316,8 @@ def _json_object(text: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.batch", description=__doc__.split("\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slides", required=True, help="folder with slide files")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--task", choices=TASKS, default="all", help="what to compute (default all)")

@@ -209,7 +209,8 @@ def test_locked_items_are_skipped_and_leftover_temps_removed(tmp_path):
     m = _manifest(out / "manifest.csv")
     assert m["a"]["status"] == "done" and m["b"]["status"] == "done"
     # a worker that found it locked and writes later does not hide the result
-    jobs._Manifest(str(out / "manifest.csv"), "name", ["name", "status"]).update({"a": {"name": "a", "status": "locked"}})
+    late = jobs._Manifest(str(out / "manifest.csv"), "name", ["name", "status"])
+    late.update({"a": {"name": "a", "status": "locked"}})
     assert _manifest(out / "manifest.csv")["a"]["status"] == "done"
 
 

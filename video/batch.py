@@ -61,7 +61,8 @@ def model_settings(model) -> dict:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     cfg = getattr(model, "config", None)
-    return {"config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None, "weights_sha256": h.hexdigest()}
+    return {"config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
+            "weights_sha256": h.hexdigest()}
 
 
 def process_video(iv, path: Path, out_file: Path, *, settings: dict | None = None) -> dict:
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     from video.infinite import METHODS
 
     p = argparse.ArgumentParser(prog="python -m video.batch", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--videos", required=True, help="folder of video files")
     p.add_argument("--out", required=True, help="output folder (one .safetensors per video + manifest)")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
