@@ -133,7 +133,7 @@ def test_every_variant_trains_a_step_and_saves(variant, tok, tmp_path):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        first = first if first is not None else float(loss)
+        first = first if first is not None else float(loss.detach())
     assert float(m.loss(b)[0]) < first
     path = m.save(tmp_path / "m.safetensors")
     back = CoMemoModel.load(path)
@@ -166,3 +166,54 @@ def test_bad_inputs_get_clear_errors(tok, tmp_path):
         build_batch([([img], "describe every image . " * 10, None)], tok, cfg)
     with pytest.raises(ValueError, match="uint8"):
         load_image(np.full((4, 4, 3), 2.0), max_pixels=100)
+
+
+def _save_state(model, path):
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
+@pytest.mark.parametrize("library", ["timm", "open_clip"])
+def test_pretrained_encoders_from_local_files(library, tok, tmp_path):
+    torch.manual_seed(0)
+    if library == "timm":
+        timm = pytest.importorskip("timm")
+        kwargs = {"img_size": 16, "patch_size": 4, "embed_dim": 24, "depth": 1, "num_heads": 2}
+        src = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, **kwargs)
+        encoder = "timm:vit_tiny_patch16_224"
+    else:
+        open_clip = pytest.importorskip("open_clip")
+        kwargs = {"vision_cfg": {"image_size": 16, "patch_size": 4, "width": 32, "layers": 1, "head_width": 16}}
+        src = open_clip.create_model("ViT-B-32", pretrained=None, **kwargs).visual
+        encoder = "open_clip:ViT-B-32"
+    weights = tmp_path / "enc.safetensors"
+    _save_state(src, weights)
+    vis = VisionConfig(tile=16, patch=4, encoder=encoder, encoder_weights=str(weights), encoder_kwargs=kwargs)
+    m = CoMemoModel(_cfg("comemo", tok, vision=vis)).eval()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        tokens = m.vision(x)
+        assert tokens.shape == (3, 16, m.vision.width)
+        src.eval()
+        raw = (x * 0.25 + 0.5 - m.vision.mean) / m.vision.std
+        if library == "timm":
+            ref = src.forward_features(raw)[:, src.num_prefix_tokens:]
+        else:
+            src.output_tokens = True
+            ref = src(raw)[1]
+        torch.testing.assert_close(tokens, ref)
+        b = build_batch(_examples(), tok, m.cfg)
+        logits = m(b).logits
+    path = m.save(tmp_path / "m.safetensors")
+    weights.unlink()  # a saved CoMemo file holds the encoder: the original file is no longer needed
+    back = CoMemoModel.load(path)
+    with torch.no_grad():
+        torch.testing.assert_close(back(b).logits, logits)
+    with pytest.raises(ValueError, match="local weights file"):
+        CoMemoModel(_cfg("comemo", tok, vision=VisionConfig(tile=16, patch=4, encoder=encoder, encoder_kwargs=kwargs)))
+    bad = VisionConfig(tile=16, patch=2, shuffle=2, encoder=encoder, encoder_kwargs=kwargs)
+    with pytest.raises(ValueError, match="expected"):
+        CoMemoModel(_cfg("comemo", tok, vision=bad), load_encoder_weights=False).vision(x)
+    with pytest.raises(ValueError, match="unknown vision encoder"):
+        VisionConfig(encoder="hf:clip")

@@ -57,7 +57,9 @@ MODEL_FORMAT = "longctx.comemo.v1"
 class VisionConfig:
     """The small ViT that encodes each tile, and the pixel shuffle after it."""
 
-    encoder: str = "vit"  # "vit" (built here); timm:/open_clip: encoders are not wired in yet
+    encoder: str = "vit"  # "vit" (small ViT built here) or "timm:<name>" / "open_clip:<name>" (apps.comemo.encoders)
+    encoder_weights: str | None = None  # local weights file of a timm/open_clip encoder (nothing is downloaded)
+    encoder_kwargs: dict = field(default_factory=dict)  # constructor kwargs of a timm/open_clip encoder (JSON values)
     tile: int = 32  # tile side in pixels (InternVL: 448; tiny here for the CPU)
     patch: int = 4  # ViT patch side in pixels -> (tile/patch)^2 patch tokens per tile
     dim: int = 96  # ViT width
@@ -67,8 +69,8 @@ class VisionConfig:
     tokens_per_side: int = field(init=False)  # derived: T = tile / patch / shuffle (tokens per tile side)
 
     def __post_init__(self) -> None:
-        if self.encoder != "vit":
-            raise ValueError(f"unknown vision encoder {self.encoder!r}; only 'vit' is available so far")
+        if self.encoder != "vit" and not self.encoder.startswith(("timm:", "open_clip:")):
+            raise ValueError(f"unknown vision encoder {self.encoder!r}; use 'vit', 'timm:<name>' or 'open_clip:<name>'")
         for name in ("tile", "patch", "dim", "depth", "num_heads", "shuffle"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v > 0):
@@ -163,6 +165,7 @@ class VisionEncoder(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.width = cfg.dim
         n = (cfg.tile // cfg.patch) ** 2
         self.patch_embed = nn.Conv2d(3, cfg.dim, cfg.patch, stride=cfg.patch)
         self.pos = nn.Parameter(torch.randn(n, cfg.dim) * 0.02)  # (P, vision_dim)
@@ -207,14 +210,21 @@ class CoMemoModel(nn.Module):
     """Vision encoder + pixel shuffle + projector + decoder (with cross blocks for memory variants).
 
     Inputs come from :func:`apps.comemo.batch.build_batch`; see the module docs for the paths.
+    ``load_encoder_weights=False`` builds a timm/open_clip encoder without reading its original file (used
+    when a saved CoMemo file supplies every weight).
     """
 
-    def __init__(self, cfg: CoMemoConfig) -> None:
+    def __init__(self, cfg: CoMemoConfig, *, load_encoder_weights: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         v = cfg.vision
-        self.vision = VisionEncoder(v)
-        self.projector = Projector(v.dim * v.shuffle ** 2, cfg.dim)
+        if v.encoder == "vit":
+            self.vision = VisionEncoder(v)
+        else:
+            from apps.comemo.encoders import ExternalEncoder
+
+            self.vision = ExternalEncoder(v, load_weights=load_encoder_weights)
+        self.projector = Projector(self.vision.width * v.shuffle ** 2, cfg.dim)
         self.decoder = Decoder(cfg.decoder_config())
 
     def image_tokens(self, tiles_N3HW: torch.Tensor) -> torch.Tensor:
@@ -286,6 +296,6 @@ class CoMemoModel(nn.Module):
             meta = f.metadata() or {}
         if meta.get("format") != MODEL_FORMAT:
             raise ValueError(f"{path} is not a CoMemo weights file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})")
-        model = cls(CoMemoConfig.from_json(meta["config"])).to(device)
+        model = cls(CoMemoConfig.from_json(meta["config"]), load_encoder_weights=False).to(device)
         load_model(model, str(path), strict=True, device=str(device))
         return model.eval()

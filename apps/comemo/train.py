@@ -47,7 +47,8 @@ __all__ = ["STAGES", "Trainer", "set_stage", "draw_examples", "build_parser", "m
 STAGES = (0, 1, 2, 3)
 #: Arguments that define the run; on --resume they are taken from the checkpoint.
 _RECIPE_KEYS = ("variant", "stage", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed", "max_images",
-                "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth")
+                "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth",
+                "encoder", "encoder_kwargs")
 
 
 def set_stage(model: CoMemoModel, stage: int) -> list[str]:
@@ -91,7 +92,9 @@ def model_config(args, vocab_size: int) -> CoMemoConfig:
     return CoMemoConfig(
         variant=args.variant, vocab_size=vocab_size, dim=args.dim, depth=args.depth, num_heads=args.heads,
         cross_every=args.cross_every,
-        vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth),
+        vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth,
+                            encoder=args.encoder, encoder_weights=None if args.encoder_weights is None else str(args.encoder_weights),
+                            encoder_kwargs=json.loads(args.encoder_kwargs)),
     )
 
 
@@ -221,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patch", type=int, default=4, help="ViT patch side in pixels")
     p.add_argument("--vision-dim", type=int, default=96, help="ViT width")
     p.add_argument("--vision-depth", type=int, default=2, help="ViT blocks")
+    p.add_argument("--encoder", default="vit", help="vision encoder: vit (built here), timm:<name> or open_clip:<name>")
+    p.add_argument("--encoder-weights", type=Path, help="local weights file of a timm/open_clip encoder")
+    p.add_argument("--encoder-kwargs", default="{}", help='JSON constructor kwargs of the encoder, e.g. \'{"img_size": 32}\'')
     p.add_argument("--vocab-size", type=int, default=320, help="tokenizer size when one is trained (stage 0 without --init-from)")
     p.add_argument("--val-every", type=int, default=50, help="validation loss every N steps")
     p.add_argument("--val-samples", type=int, default=32, help="fixed validation samples (seed stream 10**6 + seed)")
