@@ -1,0 +1,165 @@
+"""CoMemo benchmark: the four variants at equal sizes and training steps on the synthetic tasks.
+
+``python -m benchmarks.comemo_bench --runs runs/comemo_bench --train-steps N``
+
+For each variant (``lvlm-1d``, ``lvlm-dhr``, ``flamingo``, ``comemo``) the run folder ``RUNS/<variant>`` is
+trained with ``apps.comemo.train`` (stage ``--stage``, same seed, sizes and steps for all) unless it already
+holds ``model.safetensors``; then, on held-out samples (stream seed ``--eval-seed``, not the training stream):
+
+- exact-match accuracy of greedy answers by number of images (``--images``; training used at most
+  ``--max-images``) and, for the needle task, by needle position decile (``floor(10 * pos / N)``); the
+  needle is placed at evenly spread positions so every decile is filled;
+- attention mass per image position on the context path: the attention probability that the last prompt
+  token gives to each image's tokens, averaged over layers and heads, binned by the image's position decile
+  (the "lost in the middle" curve); summed per sample so a bin is the mean mass per image in that decile;
+- the tanh of every gate; the parameter count; the mean wall time per answer (encoding + generation on
+  this machine, one thread unless ``--threads``; compare variants by their ratio, not absolute seconds).
+
+Results: a Markdown table on stdout and JSON written atomically to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import env_info, format_table, portable_args, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_parser", "main", "evaluate_variant"]
+
+VARIANTS = ("lvlm-1d", "lvlm-dhr", "flamingo", "comemo")
+
+
+def _deciles(pos: int, n: int) -> int:
+    return min(9, pos * 10 // n)
+
+
+@torch.no_grad()
+def attention_by_position(model, tok, images, question) -> list[float] | None:
+    """Mean attention mass (layers, heads) of the last prompt token on each image's context tokens."""
+    from apps.comemo.batch import build_batch
+
+    if not model.cfg.uses_context:
+        return None
+    batch = build_batch([(images, question, None)], tok, model.cfg)
+    q = batch.input_ids.shape[1] - 1
+    out = model.decoder(**model.decoder_inputs(batch), use_cache=False, attn_queries=torch.tensor([q]),
+                        logits_index=torch.tensor([q]))
+    probs = torch.stack([a[0, :, 0].float() for a in out.attentions])  # (layers, H, S)
+    mass = probs.mean(dim=(0, 1))  # (S,)
+    return [float(mass[s:e].sum()) for s, e in batch.image_spans[0]]
+
+
+def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_count: int, seed: int, tile: int,
+                     max_new_tokens: int, progress=None) -> dict:
+    """Exact-match accuracy by task, image count and needle decile; attention mass by image decile; time."""
+    from apps.comemo.infer import generate_answer
+    from apps.comemo.synthetic import make_sample, sample_seed
+
+    acc: dict[str, dict[str, list[int]]] = {}
+    needle_dec: dict[str, list[list[int]]] = {}
+    attn_dec: dict[str, list[list[float]]] = {}
+    times = []
+    index = 0
+    for task in tasks:
+        for n in ([1] if task == "detail" else images):
+            hits = []
+            for k in range(per_count):
+                needle = (k * n // per_count) if task == "needle" else None
+                s = make_sample(task, n, sample_seed(seed, index), tile=tile, needle=needle)
+                index += 1
+                res = generate_answer(model, tok, s.images, s.question, max_new_tokens=max_new_tokens)
+                times.append(res["seconds"])
+                ok = int(res["answer"].strip() == s.answer)
+                hits.append(ok)
+                if task == "needle":
+                    needle_dec.setdefault(str(n), [[] for _ in range(10)])[_deciles(s.needle, n)].append(ok)
+                    if k < 4:  # attention curve on a few samples per count
+                        mass = attention_by_position(model, tok, s.images, s.question)
+                        if mass is not None:
+                            bins = attn_dec.setdefault(str(n), [[] for _ in range(10)])
+                            for pos, m in enumerate(mass):
+                                bins[_deciles(pos, n)].append(m)
+                if progress is not None:
+                    progress.update(1)
+            acc.setdefault(task, {})[str(n)] = hits
+    mean = lambda xs: (sum(xs) / len(xs)) if xs else None  # noqa: E731
+    return {
+        "accuracy": {t: {n: mean(h) for n, h in d.items()} for t, d in acc.items()},
+        "samples": {t: {n: len(h) for n, h in d.items()} for t, d in acc.items()},
+        "needle_accuracy_by_decile": {n: [mean(b) for b in bins] for n, bins in needle_dec.items()},
+        "attention_mass_by_decile": {n: [mean(b) for b in bins] for n, bins in attn_dec.items()},
+        "seconds_per_answer": mean(times),
+        "gates": model.gates(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.comemo_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=Path, default=Path("runs/comemo_bench"), help="one run folder per variant")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="variants to compare")
+    p.add_argument("--train-steps", type=int, default=300, help="training steps per variant (the same for all)")
+    p.add_argument("--stage", type=int, default=3, help="training stage used for every variant (3: all parameters)")
+    p.add_argument("--train-args", default="", help="extra arguments for apps.comemo.train (sizes, lr), same for all")
+    p.add_argument("--max-images", type=int, default=8, help="training uses 1..N images per sample")
+    p.add_argument("--images", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64], help="image counts evaluated")
+    p.add_argument("--tasks", nargs="+", default=["needle", "count", "describe", "detail"], help="tasks evaluated")
+    p.add_argument("--per-count", type=int, default=20, help="samples per task and image count")
+    p.add_argument("--eval-seed", type=int, default=777, help="stream seed of the evaluation samples")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="longest generated answer")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/comemo_bench.json"), help="JSON results")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import shlex
+
+    from tqdm import tqdm
+
+    from apps.comemo.api import CoMemo
+    from apps.comemo.train import main as train_main
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    results = {"args": portable_args(args), "env": env_info(), "variants": {}}
+    rows = []
+    for variant in args.variants:
+        run = args.runs / variant
+        if not (run / "model.safetensors").is_file():
+            t0 = time.time()
+            train_main(["--variant", variant, "--stage", str(args.stage), "--out", str(run), "--steps",
+                        str(args.train_steps), "--max-images", str(args.max_images), "--threads", str(args.threads),
+                        *(["--no-progress"] if args.no_progress else []), *shlex.split(args.train_args)])
+            logger.info("trained %s in %.0f s", variant, time.time() - t0)
+        model = CoMemo.load(run)
+        n_eval = args.per_count * sum(1 if t == "detail" else len(args.images) for t in args.tasks)
+        with tqdm(total=n_eval, desc=f"eval {variant}", disable=args.no_progress) as bar:
+            res = evaluate_variant(model.model, model.tokenizer, images=args.images, tasks=args.tasks,
+                                   per_count=args.per_count, seed=args.eval_seed, tile=model.model.cfg.vision.tile,
+                                   max_new_tokens=args.max_new_tokens, progress=bar)
+        results["variants"][variant] = res
+        write_json_atomic(args.out, results)  # partial results survive an interrupted run
+        row = {"variant": variant, "params": res["parameters"], "s/answer": res["seconds_per_answer"]}
+        for task, by_n in res["accuracy"].items():
+            for n, a in by_n.items():
+                row[f"{task}@{n}"] = a
+        rows.append(row)
+    columns = ["variant", "params", "s/answer"] + [c for c in rows[0] if "@" in c] if rows else []
+    print(format_table(rows, columns))
+    write_json_atomic(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

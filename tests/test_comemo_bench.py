@@ -1,0 +1,37 @@
+"""The CoMemo benchmark runs end to end on a tiny setting and reports every quantity it promises."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.comemo_bench import main
+
+TINY_TRAIN = ("--dim 32 --depth 2 --heads 2 --cross-every 1 --tile 16 --vision-dim 16 --vision-depth 1 "
+              "--batch-size 2 --val-samples 2 --device cpu")
+
+
+def test_bench_tiny(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["--runs", str(tmp_path / "runs"), "--variants", "lvlm-1d", "comemo", "--train-steps", "1",
+                 "--train-args", TINY_TRAIN, "--max-images", "2", "--images", "1", "3", "--tasks", "needle", "detail",
+                 "--per-count", "3", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["variants"]) == {"lvlm-1d", "comemo"}
+    for name, v in res["variants"].items():
+        assert set(v["accuracy"]) == {"needle", "detail"} and set(v["accuracy"]["needle"]) == {"1", "3"}
+        assert all(0 <= a <= 1 for d in v["accuracy"].values() for a in d.values())
+        assert v["samples"]["needle"]["3"] == 3 and v["samples"]["detail"] == {"1": 3}
+        dec = v["needle_accuracy_by_decile"]["3"]
+        assert len(dec) == 10 and sum(x is not None for x in dec) == 3  # positions 0, 1, 2 of 3 -> deciles 0, 3, 6
+        mass = v["attention_mass_by_decile"]["3"]
+        assert all(m is None or 0 < m <= 1 for m in mass)
+        assert v["seconds_per_answer"] > 0 and v["parameters"] > 0
+    assert res["variants"]["comemo"]["gates"] and not res["variants"]["lvlm-1d"]["gates"]
+    assert res["variants"]["comemo"]["parameters"] > res["variants"]["lvlm-1d"]["parameters"]
+    table = capsys.readouterr().out
+    assert "| variant |" in table and "needle@3" in table
+    # a second run reuses the trained folders (no retraining): the results match
+    first = res["variants"]["comemo"]["accuracy"]
+    assert main(["--runs", str(tmp_path / "runs"), "--variants", "comemo", "--images", "1", "3", "--tasks", "needle",
+                 "detail", "--per-count", "3", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["variants"]["comemo"]["accuracy"] == first
