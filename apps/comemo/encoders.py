@@ -21,6 +21,18 @@ from torch import nn
 __all__ = ["ExternalEncoder"]
 
 
+def _lib(module: str):
+    """Import an optional encoder library, with the install command when it is missing."""
+    import importlib
+
+    from core.backbones import INSTALL_HINT
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{module} is needed for this vision encoder: {INSTALL_HINT}") from e
+
+
 def _merge(base: dict, over: Mapping) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
@@ -51,7 +63,7 @@ class ExternalEncoder(nn.Module):
                 bb = backbones.load_timm(name, cfg.encoder_weights, model_kwargs=kwargs)
                 model, mean, std = bb.model, bb.mean, bb.std
             else:
-                timm = backbones._import("timm", "timm")
+                timm = _lib("timm")
                 model = timm.create_model(name, pretrained=False, **{"num_classes": 0, **backbones.resolve_timm_kwargs(kwargs)})
                 pc = dict(getattr(model, "pretrained_cfg", None) or {})
                 mean, std = pc.get("mean", backbones.IMAGENET_MEAN), pc.get("std", backbones.IMAGENET_STD)
@@ -62,7 +74,7 @@ class ExternalEncoder(nn.Module):
                 bb = backbones.load_open_clip(name, cfg.encoder_weights, model_kwargs=kwargs)
                 model, mean, std = bb.model, bb.mean, bb.std
             else:
-                open_clip = backbones._import("open_clip", "open_clip_torch")
+                open_clip = _lib("open_clip")
                 base = open_clip.get_model_config(name)
                 if base is None:
                     raise ValueError(f"unknown open_clip model {name!r} (see open_clip.list_models())")
