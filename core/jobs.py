@@ -631,11 +631,11 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
                 if worker is not None:
                     worker.ensure_started()  # its start (imports, setup) counts neither as the item's time nor limit
                 t0 = time.perf_counter()
-                fields = worker.run(it) if worker is not None else job.process(it)
-                fields = dict(fields or {})
+                fields = dict((worker.run(it) if worker is not None else job.process(it)) or {})
+                seconds = round(time.perf_counter() - t0, 3)
                 status = fields.pop("status", "done")
                 fp = settings_fingerprint(job.settings(it)[final])
-                new = row(it, status, settings=fp, seconds=round(time.perf_counter() - t0, 3), error="", **fields)
+                new = row(it, status, settings=fp, seconds=seconds, error="", **fields)
             except SettingsMismatch:
                 raise
             except Exception as e:  # noqa: BLE001 - every failure is recorded; re-raised unless skip_errors

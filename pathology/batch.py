@@ -229,7 +229,11 @@ class _SlideJob:
             return None
 
     def setup(self) -> None:
-        """Build the encoder once in a worker process (outside the per-slide time limit)."""
+        """Import the slide stack and build the encoder once in a worker process (outside the per-slide limit)."""
+        import pathology.features  # noqa: F401
+        import pathology.patching  # noqa: F401
+        import pathology.tissue  # noqa: F401
+
         if "feat" in self._stages():
             self.encoder()
 
