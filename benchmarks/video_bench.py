@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS_ALL = ("uniform", "chunks", "infinite", "infinite_nosticky", "moviechat", "infinite_memtrained")
 PAIRS = (("infinite", "chunks"), ("infinite", "uniform"), ("infinite", "infinite_nosticky"),
-         ("infinite", "moviechat"), ("infinite_memtrained", "infinite"))
+         ("infinite", "moviechat"), ("infinite_memtrained", "infinite"), ("infinite_memtrained", "chunks"))
 # settings that change the answers: a result file is only resumed with the same values
 SETTINGS = ("seed", "aggregate", "chunk_size", "num_basis", "alpha", "weights", "weights_memory", "dev")
 
