@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Item", "Job", "JobConfig", "SettingsMismatch", "ItemTimeout", "FileLock", "run_job", "canonical_settings",
            "settings_fingerprint", "settings_diff", "file_identity", "atomic_target", "atomic_write", "remove_temps",
-           "parse_shard", "manifest_path", "add_job_arguments", "job_config_from_args"]
+           "parse_shard", "manifest_path", "batch_parser", "add_job_arguments", "job_config_from_args"]
 
 BASE_FIELDS = ("path", "status", "output", "settings", "seconds", "host", "error")
 FINISHED = ("done", "empty", "exists")
@@ -689,6 +689,13 @@ def _seconds_arg(text: str) -> float:
     if not v > 0 or not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return v
+
+
+def batch_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a batch CLI: the first paragraph of its module docstring as description, the rest as epilog."""
+    head, _, rest = doc.strip().partition("\n\n")
+    return argparse.ArgumentParser(prog=prog, description=head, epilog=rest,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_job_arguments(p: argparse.ArgumentParser, *, item: str = "item") -> None:

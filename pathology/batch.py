@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, canonical_settings,
-                       file_identity, job_config_from_args, remove_temps, run_job, settings_fingerprint)
+from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
+                       canonical_settings, file_identity, job_config_from_args, remove_temps, run_job,
+                       settings_fingerprint)
 
 logger = logging.getLogger(__name__)
 
@@ -319,9 +320,7 @@ def _json_object(text: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pathology.batch", description=__doc__.split("\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = batch_parser("python -m pathology.batch", __doc__)
     p.add_argument("--slides", required=True, help="folder with slide files")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--task", choices=TASKS, default="all", help="what to compute (default all)")

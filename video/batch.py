@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, canonical_settings,
-                       job_config_from_args, parse_shard, run_job, settings_fingerprint)
+from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
+                       canonical_settings, job_config_from_args, parse_shard, run_job, settings_fingerprint)
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,7 @@ def _run(videos, cfg: JobConfig, iv) -> dict[str, dict]:
 def build_parser() -> argparse.ArgumentParser:
     from video.infinite import METHODS
 
-    p = argparse.ArgumentParser(prog="python -m video.batch", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = batch_parser("python -m video.batch", __doc__)
     p.add_argument("--videos", required=True, help="folder of video files")
     p.add_argument("--out", required=True, help="output folder (one .safetensors per video + manifest)")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
