@@ -412,8 +412,8 @@ def manifest_path(out: str | os.PathLike, shard: tuple[int, int]) -> str:
 class _Manifest:
     def __init__(self, path: str, key_field: str, fields: Sequence[str]):
         self.path, self.key_field, self.fields = path, key_field, list(fields)
-        self._lock = FileLock(os.path.join(os.path.dirname(path), "locks", os.path.basename(path) + ".lock"),
-                              stale_after=30.0, heartbeat=None)
+        # beside the manifest, not in locks/: no item key (a file name) can name the same lock
+        self._lock = FileLock(path + ".lock", stale_after=30.0, heartbeat=None)
 
     def read(self) -> dict[str, dict]:
         if not os.path.exists(self.path):
