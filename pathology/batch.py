@@ -256,7 +256,7 @@ class _SlideJob:
         remove_temps([out["seg_png"]])  # the overview is no fingerprinted output: the runner does not clear it
         row = {"task": cfg.task}
         with Slide(path, mpp=cfg.slide_mpp) as slide:
-            _ = slide.mpp  # fail early and clearly when µm/px is unknown
+            self._slide_mpp[path] = float(slide.mpp)  # fails early and clearly when µm/px is unknown
             wanted = self.settings(item)
             settings = {s: wanted[out[s]] for s in self._stages()}
             W, _h = slide.dimensions
