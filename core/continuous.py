@@ -425,7 +425,8 @@ class ContinuousMemory:
     :meth:`points` (the signal at the integration points) to run :func:`continuous_attention`, and hand
     the resulting density to :meth:`set_density` so the next consolidation can use sticky positions.
 
-    The state is ``coef`` (``(B, N, D)``), fixed in size, plus the last density (``(B, T)``).
+    The state is ``coef`` (``(B, N, D)``), fixed in size, plus the last density and the source map
+    (:meth:`source_times`), both ``(B, T)``.
     """
 
     def __init__(self, config: ContinuousMemoryConfig | None = None, *, seed: int | None = None) -> None:
