@@ -46,10 +46,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["all_questions", "make_batch", "evaluate", "train", "init_from", "save_weights", "load_model",
            "build_parser", "main"]
 
-CLIP_LENGTHS = (16, 32)
-CHUNK_COUNTS = (1, 2, 4)
-
-
 def init_from(model: VideoQAModel, path) -> list[str]:
     """Copy the weights at ``path`` into ``model`` where shapes allow; returns the names not copied in full.
 
