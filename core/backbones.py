@@ -102,7 +102,8 @@ def _examples(keys: list[str], n: int = 5) -> str:
 
 
 def load_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True,
-                 source: str = "weights", ignore_unexpected: Iterable[str] = ()) -> tuple[list[str], list[str], list[str]]:
+                 source: str = "weights",
+                 ignore_unexpected: Iterable[str] = ()) -> tuple[list[str], list[str], list[str]]:
     """Load ``state_dict`` into ``model`` with exact key and shape checks.
 
     Args:

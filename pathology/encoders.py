@@ -35,8 +35,8 @@ from core.backbones import load_open_clip, load_state_dict_file, load_timm, load
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PatchEncoder", "SmallPatchCNN", "EncoderPreset", "PRESETS", "ClsMeanPool", "build_encoder", "encoder_settings",
-           "load_state_dict_file", "ENCODER_NAMES", "DEFAULT_WEIGHTS"]
+__all__ = ["PatchEncoder", "SmallPatchCNN", "EncoderPreset", "PRESETS", "ClsMeanPool", "build_encoder",
+           "encoder_settings", "load_state_dict_file", "ENCODER_NAMES", "DEFAULT_WEIGHTS"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -231,7 +231,8 @@ def build_encoder(name: str = "default", *, weights: str | os.PathLike | None = 
         raise FileNotFoundError(f"weights file not found: {w!r}")
     if kind == "default":
         if kw:
-            raise ValueError(f"the default encoder takes no encoder_kwargs (its size is stored in its weights); got {kw}")
+            raise ValueError(f"the default encoder takes no encoder_kwargs (its size is stored in its weights); "
+                             f"got {kw}")
         return _default(w, dev, strict)
     if w is None:
         raise ValueError(f"encoder {name!r} needs --weights PATH (a local file); nothing is downloaded")
@@ -289,7 +290,8 @@ def encoder_settings(name: str, weights: str | os.PathLike | None = None,
     preset = None
     if kind == "preset":
         p = PRESETS[arch]
-        preset = {"timm_name": p.timm_name, "kwargs": {**p.kwargs, **kw}, "input_size": int(kw.get("img_size", p.input_size)),
-                  "pool": p.pool, "mean": list(p.mean), "std": list(p.std)}
+        preset = {"timm_name": p.timm_name, "kwargs": {**p.kwargs, **kw},
+                  "input_size": int(kw.get("img_size", p.input_size)), "pool": p.pool,
+                  "mean": list(p.mean), "std": list(p.std)}
     return {"name": name, "kind": kind, "preset": preset, "encoder_kwargs": dict(sorted(kw.items())),
             "weights": _file_identity(w) if w is not None else None}

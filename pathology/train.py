@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--batch-slides", type=int, default=d.batch_slides, help="slides per step (survival: at least 8)")
-    p.add_argument("--max-patches", type=int, default=d.max_patches, help="patches sampled per slide per step (0 = all)")
+    p.add_argument("--max-patches", type=int, default=d.max_patches,
+                   help="patches sampled per slide per step (0 = all)")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="share of each fold's training patients held out for early stopping (0 = none)")
     p.add_argument("--patience", type=int, default=d.patience, help="epochs without a better validation loss")
@@ -122,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _write_csv(os.path.join(args.out, f"oof_{base}.csv"), oof)
     save_training_curves(res["folds"], os.path.join(args.out, f"curves_{base}.png"),
                          title=f"{args.model} on {tag}: loss per epoch (dashed: validation; dotted: best epoch)")
-    _write_json(os.path.join(args.out, f"{args.model}_config.json"), {**dataclasses.asdict(mcfg), "classes": res["classes"]})
+    _write_json(os.path.join(args.out, f"{args.model}_config.json"),
+                {**dataclasses.asdict(mcfg), "classes": res["classes"]})
     shown = {k: f"{v['mean']:.3f} ± {v['std']:.3f} (min {v['min']:.3f}, max {v['max']:.3f})"
              for k, v in res["summary"].items()}
     logger.info("%s %s: %s; pooled out-of-fold %s -> %s", args.model, tag, shown, res["pooled"], path)

@@ -7,8 +7,8 @@ for >2 classes) and balanced accuracy. Survival: Cox partial likelihood over the
 The default schedule follows CLAM's: up to 200 epochs, early stopping on the loss of a validation split
 held out from the training patients (patience 20, never before epoch 20), the best epoch's weights
 kept; AdamW at lr 1e-3 with cosine decay, one slide per step. Features are standardised with the
-training patches' per-dimension mean and standard deviation; afterwards the standardisation is folded into the model's first linear layer, so the
-returned model takes raw features.
+training patches' per-dimension mean and standard deviation; afterwards the standardisation is
+folded into the model's first linear layer, so the returned model takes raw features.
 """
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
         if val_bags:
             model.eval()
             with torch.no_grad():
-                logits = torch.cat([model(prep(b.features), b.coords.to(dev), patch_size_level0=b.patch_size_level0).logits
-                                    for b in val_bags], 0)
+                logits = torch.cat([model(prep(b.features), b.coords.to(dev),
+                                          patch_size_level0=b.patch_size_level0).logits for b in val_bags], 0)
                 rec["val_loss"] = float(_loss(logits, val_bags, survival, weight))
             if rec["val_loss"] < best[0]:
                 best = (rec["val_loss"], epoch + 1, copy.deepcopy(model.state_dict()))
@@ -304,8 +304,9 @@ def _strata(bags: list[Bag], task: str) -> dict[str, int]:
     return {p: (max(v) if task == "survival" else Counter(v).most_common(1)[0][0]) for p, v in per.items()}
 
 
-def patient_folds(bags: list[Bag], folds: int, *, task: str = "cls", seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """``folds`` (train, test) index lists, stratified on the label (event for survival), a patient's slides in one fold."""
+def patient_folds(bags: list[Bag], folds: int, *, task: str = "cls",
+                  seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``folds`` (train, test) index lists stratified on the label (event for survival); a patient in one fold."""
     from sklearn.model_selection import StratifiedGroupKFold
 
     if folds < 2:
@@ -340,7 +341,8 @@ def validation_split(bags: list[Bag], idx: list[int], fraction: float, *, task: 
         val_patients.update(rng.permutation(pats)[:k].tolist())
     if len(set(strata.values())) > 1 and len({strata[p] for p in val_patients}) < len(set(strata.values())):
         val_patients = set()  # a validation split without every class measures the wrong loss
-    return [i for i in idx if bags[i].patient_id not in val_patients], [i for i in idx if bags[i].patient_id in val_patients]
+    keep = [i for i in idx if bags[i].patient_id not in val_patients]
+    return keep, [i for i in idx if bags[i].patient_id in val_patients]
 
 
 def read_splits(path: str) -> list[dict[str, list[str]]]:
@@ -369,11 +371,13 @@ def read_splits(path: str) -> list[dict[str, list[str]]]:
     return out
 
 
-def _folds_from_splits(bags: list[Bag], splits: list[dict[str, list[str]]]) -> list[tuple[list[int], list[int], list[int]]]:
+def _folds_from_splits(bags: list[Bag],
+                       splits: list[dict[str, list[str]]]) -> list[tuple[list[int], list[int], list[int]]]:
     where = {b.slide_id: i for i, b in enumerate(bags)}
     unknown = sorted({s for sp in splits for c in sp.values() for s in c} - set(where))
     if unknown:
-        logger.warning("%d slide id(s) of the splits have no features or label (e.g. %s); ignored", len(unknown), unknown[:3])
+        logger.warning("%d slide id(s) of the splits have no features or label (e.g. %s); ignored",
+                       len(unknown), unknown[:3])
     folds = []
     for k, sp in enumerate(splits):
         ix = {c: [where[s] for s in sp[c] if s in where] for c in ("train", "val", "test")}

@@ -56,7 +56,8 @@ def test_preset_loads_random_weights_strictly(name, tmp_path):
     assert blk.ls1.gamma.shape == (width,)  # LayerScale (init_values)
     if name in ("uni2-h", "virchow2"):
         assert isinstance(blk.mlp, timm.layers.GluMlp) and isinstance(blk.mlp.act, torch.nn.SiLU)  # SwiGLUPacked
-        assert (enc.model.model if name == "virchow2" else enc.model).reg_token.shape[1] == PRESETS[name].kwargs["reg_tokens"]
+        vit = enc.model.model if name == "virchow2" else enc.model
+        assert vit.reg_token.shape[1] == PRESETS[name].kwargs["reg_tokens"]
 
 
 def test_preset_refuses_weights_of_another_architecture(tmp_path):
@@ -64,10 +65,12 @@ def test_preset_refuses_weights_of_another_architecture(tmp_path):
     # UNI weights into the UNI2-h layout (register tokens, SwiGLU): an error that names the keys
     with pytest.raises(ValueError, match=r"do not fit.*reg_token"):
         build_encoder("uni2-h", weights=tmp_path / "uni.safetensors", device="cpu",
-                      encoder_kwargs={**SMALL["uni2-h"], "embed_dim": 64, "mlp_ratio": 4, "img_size": 32, "patch_size": 16})
+                      encoder_kwargs={**SMALL["uni2-h"], "embed_dim": 64, "mlp_ratio": 4, "img_size": 32,
+                                      "patch_size": 16})
     # a depth the file does not have
     with pytest.raises(ValueError, match=r"missing \d+ key\(s\): blocks\.2\."):
-        build_encoder("uni", weights=tmp_path / "uni.safetensors", device="cpu", encoder_kwargs={**SMALL["uni"], "depth": 3})
+        build_encoder("uni", weights=tmp_path / "uni.safetensors", device="cpu",
+                      encoder_kwargs={**SMALL["uni"], "depth": 3})
     enc = build_encoder("uni", weights=tmp_path / "uni.safetensors", device="cpu",
                         encoder_kwargs={**SMALL["uni"], "depth": 3}, strict=False)
     assert enc.encode(np.zeros((1, 32, 32, 3), np.uint8)).shape == (1, 64)

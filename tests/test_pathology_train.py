@@ -113,7 +113,8 @@ def test_standardisation_folds_into_the_first_layer(name):
 
 
 def test_class_weights_balance_the_classes():
-    bags = [Bag(f"s{i}", torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.long), 1.0, label=int(i < 2)) for i in range(8)]
+    bags = [Bag(f"s{i}", torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.long), 1.0, label=int(i < 2))
+            for i in range(8)]
     w = _class_weight(bags, 3)  # 6 of class 0, 2 of class 1, none of class 2
     torch.testing.assert_close(w, torch.tensor([8 / (2 * 6), 8 / (2 * 2), 1.0]))
 
@@ -172,7 +173,8 @@ def test_clam_and_trident_feature_layouts(tmp_path, caplog):
     assert all(torch.equal(a.features, b.features) and torch.equal(a.coords, b.coords) for a, b in zip(got, tri))
     # string labels mapped in sorted order
     assert [b.label for b in got] == [0, 1] * 3 and [b.label_name for b in got] == ["normal", "tumor"] * 3
-    assert [b.patch_size_level0 for b in load_bags(str(clam), str(tmp_path / "labels.csv"), patch_size_level0=300)] == [300.0] * 6
+    flagged = load_bags(str(clam), str(tmp_path / "labels.csv"), patch_size_level0=300)
+    assert [b.patch_size_level0 for b in flagged] == [300.0] * 6
     # an overlapping TRIDENT grid: the attribute is the patch size, not the step, so the step is inferred
     _write_h5(tmp_path / "ov.h5", np.zeros((4, 8), np.float32), np.array([[0, 0], [384, 0], [0, 384], [768, 768]]),
               {"patch_size_level0": 512, "overlap": 64})
@@ -232,8 +234,9 @@ def test_train_cli_on_clam_files_with_string_labels(tmp_path):
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
     out = tmp_path / "out"
     rc = main(["--features", str(tmp_path / "feats"), "--labels", str(tmp_path / "labels.csv"), "--target", "diagnosis",
-               "--model", "querent", "--folds", "2", "--epochs", "4", "--min-epochs", "1", "--dim", "16", "--heads", "2",
-               "--region-size", "2", "--topk", "2", "--out", str(out), "--no-progress", "--device", "cpu"])
+               "--model", "querent", "--folds", "2", "--epochs", "4", "--min-epochs", "1", "--dim", "16",
+               "--heads", "2", "--region-size", "2", "--topk", "2", "--out", str(out), "--no-progress",
+               "--device", "cpu"])
     assert rc == 0
     res = json.loads((out / "metrics_querent_diagnosis.json").read_text())
     assert res["classes"] == ["normal", "tumor"] and res["n_patients"] == 8 and res["n_slides"] == 16
@@ -242,14 +245,16 @@ def test_train_cli_on_clam_files_with_string_labels(tmp_path):
         assert s["n"] == 2 and s["min"] <= s["mean"] <= s["max"] and s["std"] >= 0
     assert set(res["summary"]) == {"auc", "balanced_accuracy"} and set(res["pooled"]) == {"auc", "balanced_accuracy"}
     for f in res["folds"]:
-        assert 1 <= len(f["history"]) <= 4 and all(set(r) == {"epoch", "train_loss", "val_loss", "lr"} for r in f["history"])
+        assert 1 <= len(f["history"]) <= 4
+        assert all(set(r) == {"epoch", "train_loss", "val_loss", "lr"} for r in f["history"])
     with open(out / "oof_querent_diagnosis.csv") as fh:
         oof = list(csv.DictReader(fh))
     assert sorted(r["slide_id"] for r in oof) == sorted(b.slide_id for b in bags)  # every slide once
     pats = {}
     for r in oof:
         pats.setdefault(r["patient_id"], set()).add(r["fold"])
-        assert abs(float(r["prob_normal"]) + float(r["prob_tumor"]) - 1) < 1e-5 and r["label_name"] in ("normal", "tumor")
+        assert abs(float(r["prob_normal"]) + float(r["prob_tumor"]) - 1) < 1e-5
+        assert r["label_name"] in ("normal", "tumor")
     assert all(len(v) == 1 for v in pats.values())  # a patient's slides in one fold
     assert (out / "curves_querent_diagnosis.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "querent_config.json").read_text())["classes"] == ["normal", "tumor"]

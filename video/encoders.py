@@ -72,7 +72,7 @@ class TinyFrameEncoder(nn.Module):
 
 
 def load_state_file(path) -> dict[str, torch.Tensor]:
-    """Tensors from a local ``.safetensors`` or PyTorch checkpoint file (see :func:`core.backbones.load_state_dict_file`)."""
+    """Tensors from a local ``.safetensors`` or PyTorch checkpoint (:func:`core.backbones.load_state_dict_file`)."""
     return load_state_dict_file(path)
 
 
