@@ -183,3 +183,19 @@ def test_benchmark_runs_and_resumes(tmp_path, model):
         video_bench.run_video = orig
     with pytest.raises(SystemExit, match="other settings"):
         video_bench.main(argv + ["--alpha", "0.5"])
+
+
+def test_init_from_copies_what_fits(tmp_path):
+    from video.train import init_from, main, save_weights
+
+    small = dict(dim=16, num_heads=2, num_layers=1, num_queries=2, encoder_dim=16, encoder_width=8)
+    old = VideoQAModel(VideoQAConfig(num_question_types=5, **small))
+    save_weights(old, tmp_path / "old.safetensors", {})
+    new = VideoQAModel(VideoQAConfig(**small))  # 7 question types
+    partial = init_from(new, tmp_path / "old.safetensors")
+    assert partial == ["q_type.weight"]
+    torch.testing.assert_close(new.q_type.weight[:5], old.q_type.weight)
+    assert not torch.equal(new.q_type.weight[5:], torch.zeros_like(new.q_type.weight[5:]))
+    torch.testing.assert_close(new.queries, old.queries)
+    with pytest.raises(SystemExit, match="divide"):
+        main(["--out", str(tmp_path / "run"), "--clip-lengths", "16,24", "--chunk-counts", "1,16"])
