@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,22 +37,37 @@ def _package_dirs(spec: AppSpec) -> list[str]:
     return [p.strip() for p in spec.package.split(",") if p.strip()]
 
 
-def _readme_link(folder: str, root: Path) -> str | None:
-    """Relative link to ``<folder>/README.md`` when that file exists, else None."""
+def _git_files(root: Path) -> set[str] | None:
+    """Paths git tracks under ``root`` (relative, POSIX), or None when ``root`` is not a git checkout."""
+    try:
+        r = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    return {p for p in r.stdout.decode("utf-8", "replace").split("\0") if p}
+
+
+def _readme_link(folder: str, root: Path, tracked: set[str] | None) -> str | None:
+    """Relative link to ``<folder>/README.md`` when that file exists (and, in a git checkout, is committed),
+    else None: a README still being written in a shared checkout does not change the table."""
     path = folder.rstrip("/") + "/README.md"
-    return path if (root / path).is_file() else None
+    if not (root / path).is_file():
+        return None
+    return path if tracked is None or path in tracked else None
 
 
 def apps_table(specs: Sequence[AppSpec] = REGISTRY, *, root: Path = REPO) -> str:
     """The Markdown table of the apps: title (linked to its README), summary, code folders, status.
 
-    A folder links to its README when ``<root>/<folder>/README.md`` exists, so adding an app's README changes
-    the table (regenerate it then).
+    A folder links to its README when ``<root>/<folder>/README.md`` exists and, if ``root`` is a git checkout,
+    is committed; so committing an app's README changes the table (regenerate it then).
     """
+    tracked = _git_files(root)
     lines = ["| app | what it does | code and docs | status |", "|---|---|---|---|"]
     for s in specs:
         folders = _package_dirs(s)
-        links = [_readme_link(f, root) for f in folders]
+        links = [_readme_link(f, root, tracked) for f in folders]
         title = f"[{_cell(s.title)}]({links[0]})" if links and links[0] else _cell(s.title)
         code = ", ".join(f"[`{f}`]({link})" if link else f"`{f}`" for f, link in zip(folders, links))
         lines.append(f"| {title} | {_cell(s.summary)} | {code} | {_cell(s.status)} |")

@@ -118,3 +118,17 @@ def test_readme_table_cli_check(tmp_path):
     assert r.returncode == 0
     r = subprocess.run([sys.executable, "-m", "apps.readme_table", "--check", "--readme", str(readme)], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_readme_table_links_only_committed_readmes(tmp_path):
+    """In a git checkout, an app README that is not yet tracked does not change the table."""
+    from apps.readme_table import apps_table
+
+    if subprocess.run(["git", "init", "-q", str(tmp_path)], capture_output=True).returncode != 0:
+        pytest.skip("git is not available")
+    (tmp_path / "tabular").mkdir()
+    (tmp_path / "tabular" / "README.md").write_text("# t\n")
+    specs = [get_app("tabicl")]
+    assert "| TabICL |" in apps_table(specs, root=tmp_path), "an untracked README is not linked"
+    subprocess.run(["git", "-C", str(tmp_path), "add", "tabular/README.md"], check=True, capture_output=True)
+    assert "| [TabICL](tabular/README.md) |" in apps_table(specs, root=tmp_path), "a tracked README is linked"
