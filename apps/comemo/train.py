@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = t_last = time.time()
     try:
         while trainer.step < args.steps:
-            if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
+            if args.max_minutes is not None and time.time() - t_start >= 60 * args.max_minutes:
                 logger.info("stopping after --max-minutes %.1f at step %d", args.max_minutes, trainer.step)
                 break
             m = trainer.train_step()
