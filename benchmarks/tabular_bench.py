@@ -253,9 +253,10 @@ def _markdown(suite_name: str, tables: list[dict], agg: dict, means: dict, model
               target: dict, args) -> str:
     lines = [f"# Tabular benchmark: suite `{suite_name}`", "",
              f"{args.splits} stratified {1 - args.test_size:.0%}/{args.test_size:.0%} splits per table; "
-             f"row cap {args.max_rows}; tuned GBDTs: {args.tune_configs} random configurations, "
-             f"{args.tune_folds}-fold CV on the training split. Aggregates over the {len(complete)} tables where "
-             f"every model below finished every split.", ""]
+             f"row cap {args.max_rows}; "
+             + (f"tuned GBDTs: {args.tune_configs} random configurations, {args.tune_folds}-fold CV on the training "
+                "split; " if any(m.endswith("-tuned") for m in models) else "")
+             + f"aggregates over the {len(complete)} tables where every model below finished every split.", ""]
     if agg:
         rows = sorted(({"model": m, **agg[m]} for m in models), key=lambda r: r["mean_rank"])
         for r in rows:
