@@ -206,8 +206,9 @@ def run(args) -> dict:
     if result is None:
         result = {"settings": settings, "methods": list(args.method_list), "videos": {}, "peak_memory": []}
     result["methods"] = list(dict.fromkeys(result["methods"] + list(args.method_list)))
-    result["env"] = env_info()
+    result["env"] = env_info()  # of the latest invocation; every invocation is kept in "invocations"
     result["args"] = portable_args(args)
+    result.setdefault("invocations", []).append({"env": result["env"], "args": result["args"]})
     readers = _readers(args)
     from tqdm import tqdm
 
