@@ -1,0 +1,103 @@
+"""The EMLoC command lines (their modules ``apps.emloc.compress`` / ``apps.emloc.predict`` only call these).
+
+The entry points live here, not in ``apps/emloc/compress.py``, because that module's name is also the
+package's ``compress`` function: importing the module in a process would otherwise shadow the function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from apps.emloc.api import CompressedContext, compress
+from apps.emloc.cli_common import load_host
+from apps.emloc.io import list_images, read_demos, read_image
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_compress_parser", "compress_main", "build_predict_parser", "predict_main"]
+
+COMPRESS_DOC = """Compress labelled demonstrations into a reusable memory file: ``python -m apps.emloc.compress``.
+
+    python -m apps.emloc.compress --demos DIR_or_JSONL --out memory.safetensors [--model PATH]
+        [--delta 0.005] [--ratios 0.1,0.2,0.5] [--chunk-demos 16]
+
+``DIR`` holds ``DIR/<label id>/<image>``; a JSONL file holds ``{"image": path, "label": id}`` lines (see
+:mod:`apps.emloc.io`). The memory (safetensors) names the model and the settings; ``python -m
+apps.emloc.predict`` answers queries with it.
+"""
+
+PREDICT_DOC = """Answer query images against a compressed memory: ``python -m apps.emloc.predict``.
+
+    python -m apps.emloc.predict --memory memory.safetensors --images a.png b.png DIR ... [--model PATH]
+
+Prints one JSON line per image (``{"image", "label", "scores"}``: the label ids of the demonstrations and
+their softmax probabilities). A memory made by another model than ``--model`` is refused.
+"""
+
+
+def build_compress_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m apps.emloc.compress", description=COMPRESS_DOC.split("\n\n")[0], epilog=COMPRESS_DOC.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--demos", required=True, type=Path, help="DIR/<label id>/<image> folder or JSONL file")
+    p.add_argument("--out", required=True, type=Path, help="memory file to write (.safetensors)")
+    p.add_argument("--model", type=Path, default=None, help="host weights (default: the shipped host)")
+    p.add_argument("--delta", type=float, default=0.005, help="JS-divergence bound per chunk (nats), > 0")
+    p.add_argument("--ratios", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.1, 0.2, 0.5),
+                   help="keep ratios tried per layer, comma-separated")
+    p.add_argument("--chunk-demos", type=int, default=16, help="demonstrations per chunk")
+    return p
+
+
+def compress_main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    args = build_compress_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    model = load_host(args.model)
+    images, labels, _ = read_demos(args.demos, model.config.image_size)
+    bar = tqdm(desc="compress", unit="chunk")
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    ctx = compress(model, (images, labels), delta=args.delta, ratios=args.ratios, chunk_demos=args.chunk_demos, progress=progress)
+    bar.close()
+    ctx.save(args.out)
+    print(json.dumps({"memory": str(args.out), "demos": ctx.num_demos, "tokens": ctx.num_tokens,
+                      "kept_fraction": round(ctx.keep_fraction(), 4), "keep_per_layer": [round(r, 4) for r in ctx.keep_ratios()]}))
+    return 0
+
+
+def build_predict_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m apps.emloc.predict", description=PREDICT_DOC.split("\n\n")[0], epilog=PREDICT_DOC.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--memory", required=True, type=Path, help="memory file from python -m apps.emloc.compress")
+    p.add_argument("--images", required=True, nargs="+", help="image files or folders of images")
+    p.add_argument("--model", type=Path, default=None, help="host weights (default: the shipped host)")
+    p.add_argument("--batch-size", type=int, default=64)
+    return p
+
+
+def predict_main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    args = build_predict_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    model = load_host(args.model)
+    ctx = CompressedContext.load(args.memory, model)
+    paths = list_images(args.images)
+    for s in tqdm(range(0, len(paths), args.batch_size), desc="predict", unit="batch"):
+        part = paths[s : s + args.batch_size]
+        imgs = torch.stack([read_image(p, model.config.image_size) for p in part])
+        probs = torch.softmax(ctx.logits(imgs).float(), dim=-1)
+        for p, pr in zip(part, probs):
+            print(json.dumps({"image": str(p), "label": int(ctx.label_ids[pr.argmax()]),
+                              "scores": {str(int(l)): round(float(v), 4) for l, v in zip(ctx.label_ids, pr)}}))
+    return 0

@@ -1,0 +1,101 @@
+"""apps.emloc CLIs: compress a folder / JSONL of demo images, predict against the memory, refuse bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from apps.emloc import EMLoCHost, HostConfig
+from apps.emloc.data import make_episode
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("emloc_cli")
+    torch.manual_seed(0)
+    host = EMLoCHost(HostConfig(dim=32, depth=2, num_heads=4, num_kv_heads=2)).eval()
+    host.save(root / "host.safetensors")
+    ep = make_episode(11, num_demos=12, num_queries=3, split="eval")
+    lines = []
+    for i, (img, lab) in enumerate(zip(ep.demo_images, ep.demo_labels)):
+        d = root / "demos" / str(int(lab))
+        d.mkdir(parents=True, exist_ok=True)
+        arr = (img.clamp(0, 1).numpy() * 255).astype(np.uint8)
+        Image.fromarray(arr).save(d / f"{i}.png")
+        lines.append(json.dumps({"image": f"demos/{int(lab)}/{i}.png", "label": int(lab)}))
+    (root / "demos.jsonl").write_text("\n".join(lines) + "\n")
+    q = root / "queries"
+    q.mkdir()
+    for i, img in enumerate(ep.query_images):
+        np.save(q / f"q{i}.npy", img.numpy())
+    return root, ep
+
+
+def test_compress_then_predict(setup, capsys):
+    from apps.emloc.cli import compress_main
+    from apps.emloc.cli import predict_main
+
+    root, ep = setup
+    for src in ("demos", "demos.jsonl"):
+        mem = root / f"{src}.safetensors"
+        assert compress_main(["--demos", str(root / src), "--out", str(mem), "--model", str(root / "host.safetensors"),
+                              "--chunk-demos", "4", "--delta", "0.01"]) == 0
+        info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert info["demos"] == 12 and 0 < info["kept_fraction"] <= 1
+        assert predict_main(["--memory", str(mem), "--images", str(root / "queries"), "--model", str(root / "host.safetensors")]) == 0
+        out = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+        assert len(out) == 3
+        assert all(o["label"] in ep.label_ids.tolist() for o in out)
+        assert all(abs(sum(o["scores"].values()) - 1) < 1e-3 for o in out)
+
+
+def test_cli_refusals(setup, tmp_path):
+    from apps.emloc.cli import compress_main
+    from apps.emloc.cli import predict_main
+
+    root, _ = setup
+    host = str(root / "host.safetensors")
+    (tmp_path / "bad" / "3").mkdir(parents=True)
+    (tmp_path / "bad" / "3" / "x.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match="cannot read image"):
+        compress_main(["--demos", str(tmp_path / "bad"), "--out", str(tmp_path / "m.safetensors"), "--model", host])
+    (tmp_path / "nolabel.jsonl").write_text(json.dumps({"image": "a.png"}) + "\n")
+    with pytest.raises(ValueError, match="without a label"):
+        compress_main(["--demos", str(tmp_path / "nolabel.jsonl"), "--out", str(tmp_path / "m.safetensors"), "--model", host])
+    (tmp_path / "one" / "3").mkdir(parents=True)
+    for i, p in enumerate(sorted((root / "demos").rglob("*.png"))[:3]):
+        (tmp_path / "one" / "3" / f"{i}.png").write_bytes(p.read_bytes())
+    with pytest.raises(ValueError, match="one class only"):
+        compress_main(["--demos", str(tmp_path / "one"), "--out", str(tmp_path / "m.safetensors"), "--model", host])
+    with pytest.raises(ValueError, match="delta must be"):
+        compress_main(["--demos", str(root / "demos"), "--out", str(tmp_path / "m.safetensors"), "--model", host, "--delta", "0"])
+    torch.manual_seed(5)
+    other = EMLoCHost(HostConfig(dim=32, depth=2, num_heads=4, num_kv_heads=2))
+    other.save(tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="another model"):
+        predict_main(["--memory", str(root / "demos.safetensors"), "--images", str(root / "queries"), "--model", str(tmp_path / "other.safetensors")])
+    with pytest.raises(FileNotFoundError, match="--model"):
+        from apps.emloc.cli_common import load_host
+        load_host(tmp_path / "missing.safetensors")
+
+
+def test_compress_function_survives_the_cli_module(setup):
+    import importlib
+
+    import apps.emloc
+    from apps.emloc.api import compress as api_compress
+
+    importlib.import_module("apps.emloc.compress")
+    from apps.emloc import compress
+
+    root, ep = setup
+    ctx = compress(EMLoCHost.load(root / "host.safetensors"), (ep.demo_images, ep.demo_labels), policy="full")
+    assert ctx.num_demos == 12
+    assert apps.emloc.compress is compress and (compress is api_compress or callable(compress))
