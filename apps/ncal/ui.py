@@ -12,6 +12,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_ui", "run_classify", "collapse_figure", "curves_figure", "EXAMPLE", "examples_for"]
 
 KEY = "ncal"
+#: English glosses shown beside the class names (fonts without CJK glyphs still show something readable).
+GLOSS = {"回忆": "Recall", "识别": "Identify", "表征建模": "Represent", "选取策略": "Formulate", "过程实施": "Implement",
+         "推断": "Inferences", "分析": "Analyze", "I-Q": "teacher initiation", "I-H": "teacher initiation",
+         "R-RR": "student response", "R-SR": "student response", "R-FR": "student response",
+         "F-I": "teacher feedback", "F-F": "teacher feedback", "U": "unrelated"}  # as in data/README.md
+
+
+def display(c: str) -> str:
+    """Class name with its English gloss."""
+    return f"{c} ({GLOSS[c]})" if c in GLOSS else c
 EXAMPLE = {"model": "tmwpl", "pick": 0}
 N_PICKS = 3  # test items offered per class
 
@@ -59,7 +69,7 @@ def run_classify(model: str, text: str, speaker: str | None = None, previous: st
     if model == "pmtd":
         text = format_turn(text, speaker=speaker or None, previous=previous or None,
                            previous_speaker=previous_speaker or None)
-    probs = classify(model, [text])[0]
+    probs = {display(c): p for c, p in classify(model, [text])[0].items()}
     meta = cached_checkpoint(model).meta
     best = max(probs, key=probs.get)
     t = meta.get("test") or {}
@@ -88,9 +98,11 @@ def collapse_figure(model: str):
     for ax, m, title in ((axes[0], cos, f"class means, test set (NC2 {col['nc2']:.2f})"), (axes[1], ideal, "simplex ETF")):
         im = ax.imshow(m, vmin=-1, vmax=1, cmap="RdBu_r")
         ax.set_title(title, fontsize=9)
+        ax.set_xlabel("class index (legend below)", fontsize=7)
         ax.set_xticks(range(K)); ax.set_yticks(range(K))
         ax.set_xticklabels([str(k) for k in range(K)], fontsize=7); ax.set_yticklabels([str(k) for k in range(K)], fontsize=7)
     fig.colorbar(im, ax=axes, shrink=0.8)
+    fig.text(0.01, 0.01, "  ".join(f"{k}: {c if c.isascii() else GLOSS.get(c, c)}" for k, c in enumerate(col["classes"])), fontsize=7)
     return fig
 
 
