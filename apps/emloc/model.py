@@ -6,7 +6,10 @@ Sequence layout (one demonstration = ``tokens_per_demo`` tokens)::
                                   ^ predicts the label                                          ^ query
 
 Each image ``(size, size)`` is cut into ``P = (size / patch)²`` patches, each flattened and projected to
-``dim`` (plus a learned patch-index embedding); a label is the decoder's token embedding of its id. The
+``dim`` (plus a learned patch-index embedding and a projection of the whole image, so every image token
+carries a summary of its image); a label token is the decoder's token embedding of its id plus a projection
+of its own demo image's summary (with ``image_summary``), so one attention hop from a query to the label
+tokens can match images: in-context learning then emerges within a CPU budget of steps. The
 output at an image's last patch predicts its label id (``0..num_labels-1``); the output at a label token is
 trained to predict ``next_id`` ("another image follows"), so every answer token has a well-defined output.
 
@@ -44,6 +47,7 @@ class HostConfig:
     depth: int = 4  # decoder layers
     num_heads: int = 4  # query heads
     num_kv_heads: int = 2  # key/value heads (GQA keeps the cache small)
+    image_summary: bool = True  # add a whole-image projection to every image token and to the demo's label token
     tokens_per_image: int = field(init=False)  # derived: (image_size / patch)²
     next_id: int = field(init=False)  # derived: token id the label positions predict
     vocab_size: int = field(init=False)  # derived: num_labels + 1
@@ -78,12 +82,15 @@ class EMLoCHost(nn.Module):
         c = self.config = config or HostConfig()
         self.patch_proj = nn.Linear(c.patch * c.patch, c.dim)
         self.patch_pos = nn.Parameter(torch.randn(c.tokens_per_image, c.dim) * 0.02)
+        if c.image_summary:
+            self.image_proj = nn.Linear(c.image_size * c.image_size, c.dim)  # whole image -> summary
+            self.label_mix = nn.Linear(c.dim, c.dim)  # summary -> what the label token carries of its image
         self.decoder = Decoder(
             DecoderConfig(vocab_size=c.vocab_size, dim=c.dim, depth=c.depth, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
         )
 
-    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
-        """``(..., size, size)`` images -> ``(..., P, dim)`` image tokens."""
+    def embed_images(self, images: torch.Tensor, *, return_summary: bool = False):
+        """``(..., size, size)`` images -> ``(..., P, dim)`` image tokens (and the ``(..., dim)`` summaries)."""
         c = self.config
         if images.shape[-2:] != (c.image_size, c.image_size):
             raise ValueError(f"images must be (..., {c.image_size}, {c.image_size}), got {tuple(images.shape)}")
@@ -91,13 +98,23 @@ class EMLoCHost(nn.Module):
         x = images.reshape(-1, c.image_size, c.image_size).float()
         # (N, size, size) -> (N, P, patch*patch)
         x = rearrange(x, "n (h p) (w q) -> n (h w) (p q)", p=c.patch, q=c.patch)
-        tok = self.patch_proj(x) + self.patch_pos
-        return tok.reshape(*lead, c.tokens_per_image, c.dim)
+        tok = self.patch_proj(x) + self.patch_pos  # (N, P, dim)
+        summary = None
+        if c.image_summary:
+            summary = self.image_proj(x.flatten(1))  # (N, dim); pixel order does not matter for a Linear
+            tok = tok + summary[:, None]
+        tok = tok.reshape(*lead, c.tokens_per_image, c.dim)
+        if return_summary:
+            return tok, None if summary is None else summary.reshape(*lead, c.dim)
+        return tok
 
     def embed_demos(self, images_BKHW: torch.Tensor, labels_BK: torch.Tensor) -> torch.Tensor:
         """Demonstrations ``(B, K, size, size)`` + labels ``(B, K)`` -> ``(B, K * (P + 1), dim)`` embeddings."""
-        img = self.embed_images(images_BKHW)  # (B, K, P, dim)
-        lab = self.decoder.embed(labels_BK.long())[:, :, None]  # (B, K, 1, dim)
+        img, summary = self.embed_images(images_BKHW, return_summary=True)  # (B, K, P, dim), (B, K, dim)
+        lab = self.decoder.embed(labels_BK.long())  # (B, K, dim)
+        if summary is not None:
+            lab = lab + self.label_mix(summary)
+        lab = lab[:, :, None]  # (B, K, 1, dim)
         return torch.cat([img, lab], dim=2).flatten(1, 2)  # (B, K*(P+1), dim)
 
     def answer_mask(self, num_demos: int) -> torch.Tensor:
