@@ -6,10 +6,10 @@ Sequence layout (one demonstration = ``tokens_per_demo`` tokens)::
                                   ^ predicts the label                                          ^ query
 
 Each image ``(size, size)`` is cut into ``P = (size / patch)²`` patches, each flattened and projected to
-``dim`` (plus a learned patch-index embedding and a projection of the whole image, so every image token
-carries a summary of its image); a label token is the decoder's token embedding of its id plus a projection
-of its own demo image's summary (with ``image_summary``), so one attention hop from a query to the label
-tokens can match images: in-context learning then emerges within a CPU budget of steps. The
+``dim`` (plus a learned patch-index embedding); a label token is the decoder's token embedding of its id.
+Optionally (``image_summary``) every image token and the demo's label token also carry a projection of the
+whole image (meant to let one attention hop match a query to its class's labels; in two short CPU runs it
+learned slower than without, so it is off by default). The
 output at an image's last patch predicts its label id (``0..num_labels-1``); the output at a label token is
 trained to predict ``next_id`` ("another image follows"), so every answer token has a well-defined output.
 
@@ -47,7 +47,7 @@ class HostConfig:
     depth: int = 4  # decoder layers
     num_heads: int = 4  # query heads
     num_kv_heads: int = 2  # key/value heads (GQA keeps the cache small)
-    image_summary: bool = True  # add a whole-image projection to every image token and to the demo's label token
+    image_summary: bool = False  # add a whole-image projection to every image token and to the demo's label token (off: in two short CPU runs it learned slower than without)
     tokens_per_image: int = field(init=False)  # derived: (image_size / patch)²
     next_id: int = field(init=False)  # derived: token id the label positions predict
     vocab_size: int = field(init=False)  # derived: num_labels + 1
@@ -85,6 +85,8 @@ class EMLoCHost(nn.Module):
         if c.image_summary:
             self.image_proj = nn.Linear(c.image_size * c.image_size, c.dim)  # whole image -> summary
             self.label_mix = nn.Linear(c.dim, c.dim)  # summary -> what the label token carries of its image
+            nn.init.normal_(self.label_mix.weight, std=0.02)  # small at first: the label id dominates its token
+            nn.init.zeros_(self.label_mix.bias)
         self.decoder = Decoder(
             DecoderConfig(vocab_size=c.vocab_size, dim=c.dim, depth=c.depth, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
         )

@@ -74,7 +74,8 @@ class Trainer:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         torch.manual_seed(args.seed)
-        self.model = EMLoCHost(HostConfig(dim=args.dim, depth=args.depth, num_heads=args.heads, num_kv_heads=args.kv_heads))
+        self.model = EMLoCHost(HostConfig(dim=args.dim, depth=args.depth, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                                          image_summary=args.image_summary))
         self.episodes = EpisodeConfig(n_way=args.n_way)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
         self.step = 0
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--image-summary", action="store_true", help="host option HostConfig.image_summary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=200)
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = state["args"]
         for k in ("batch_size", "demos", "n_way", "lr", "warmup", "next_weight", "dim", "depth", "heads", "kv_heads", "seed"):
             setattr(args, k, saved[k])
+        args.image_summary = saved.get("image_summary", False)  # runs from before the option had none
         trainer = Trainer(args)
         trainer.load_state_dict(state)
         _trim_metrics(metrics, trainer.step)
