@@ -149,3 +149,17 @@ def test_bad_input_is_refused_clearly(episode):
 def test_js_of_identical_logits_is_zero():
     x = torch.randn(3, 17)
     assert float(js_divergence(x, x).max()) < 1e-6
+
+
+def test_image_summary_option_changes_tokens_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    m = EMLoCHost(HostConfig(dim=32, depth=2, num_heads=4, num_kv_heads=2, image_summary=True)).eval()
+    imgs, labs = episode_batch([4], num_demos=3, split="eval", config=EpisodeConfig())
+    x = m.embed_demos(imgs, labs)
+    assert x.shape == (1, 15, 32)
+    lab_only = m.decoder.embed(labs)[0]
+    assert not torch.allclose(x[0, 4::5], lab_only)  # label tokens carry their image
+    m.save(tmp_path / "h.safetensors")
+    back = EMLoCHost.load(tmp_path / "h.safetensors")
+    assert back.config.image_summary and back.fingerprint() == m.fingerprint()
+    torch.testing.assert_close(back.embed_demos(imgs, labs), x)
