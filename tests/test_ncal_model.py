@@ -211,7 +211,9 @@ def test_estimator_fit_predict_and_errors(tmp_path, tiny_encoder_dir):
     assert set(pred.tolist()) <= {0, 1, 2} and (pred == np.array(y)).mean() > 0.5
     assert clf.transform(X[:2]).shape == (2, 16)
     # the column order follows classes_, not the model's frequency order
-    model_p = __import__("apps.ncal.model", fromlist=["infer"]).infer(clf.checkpoint_.model, clf.checkpoint_.tokenizer, X[:5])[0]
+    from apps.ncal.model import infer
+
+    model_p = infer(clf.checkpoint_.model, clf.checkpoint_.tokenizer, X[:5])[0]
     for i, c in enumerate(clf.classes_):
         assert np.allclose(p[:, i], model_p[:, clf.checkpoint_.classes.index(str(c))].numpy(), atol=1e-6)
     with pytest.raises(ValueError, match="text 1: empty"):
