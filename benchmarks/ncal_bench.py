@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder", default="default", help="as apps.ncal.train --encoder")
     p.add_argument("--runs", default="runs/ncal_bench", help="run folders (checkpoints)")
     p.add_argument("--out", default="benchmarks/results/ncal", help="records and summary")
+    p.add_argument("--context", default="past", choices=("past", "window", "none"),
+                   help="PMTD context; records of a non-default context carry it in their method name (e.g. ce@window)")
     p.add_argument("--no-peer", action="store_true", help="skip the TF-IDF peer")
     p.add_argument("--summary-only", action="store_true", help="only rebuild the summary from the records")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
@@ -165,15 +167,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    suffix = "" if args.context == "past" else f"@{args.context}"
     if not args.summary_only:
         if not args.no_peer:
             for ds in args.datasets:
                 for balanced in (False, True):
-                    name = f"tfidf_lr{'_balanced' if balanced else ''}"
+                    name = f"tfidf_lr{'_balanced' if balanced else ''}" + suffix
                     rec_path = out / "runs" / f"{ds}_{name}.json"
                     if rec_path.exists():
                         continue
-                    m = tfidf_peer(ds, balanced=balanced)
+                    m = tfidf_peer(ds, balanced=balanced, context=args.context)
                     write_json_atomic(rec_path, {"dataset": ds, "method": name, "seed": 0, **m})
                     logger.info("%s %s: macro-F1 %.4f", ds, name, m["macro_f1"])
         from apps.ncal.train import TrainConfig, train
@@ -181,17 +184,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for seed in args.seeds:
             for loss in args.losses:
                 for ds in args.datasets:
-                    rec_path = out / "runs" / f"{ds}_{loss}_{seed}.json"
+                    rec_path = out / "runs" / f"{ds}_{loss}{suffix}_{seed}.json"
                     if rec_path.exists():
                         continue
                     if args.max_minutes is not None and time.time() - t_start > args.max_minutes * 60:
                         logger.info("time limit reached; stopping before %s", rec_path.name)
                         break
                     cfg = TrainConfig(dataset=ds, loss=loss, seed=seed, epochs=args.epochs, encoder=args.encoder,
-                                      out=str(Path(args.runs) / f"{ds}_{loss}_{seed}"))
+                                      context=args.context, out=str(Path(args.runs) / f"{ds}_{loss}{suffix}_{seed}"))
                     meta = train(cfg)
                     t = meta["test"]
-                    rec = {"dataset": ds, "method": loss, "seed": seed, "epochs": args.epochs, "encoder": args.encoder,
+                    rec = {"dataset": ds, "method": loss + suffix, "seed": seed, "context": args.context, "epochs": args.epochs, "encoder": args.encoder,
                            "wall_s": meta["train_wall_s"], **{k: v for k, v in t.items()}}
                     write_json_atomic(rec_path, rec)
                     logger.info("%s %s seed %d: accuracy %.4f macro-F1 %.4f", ds, loss, seed, t["accuracy"], t["macro_f1"])
