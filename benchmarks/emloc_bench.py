@@ -155,12 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_grad_enabled(False)
     model = EMLoCHost.load(args.model)
     rows_path = args.out.with_suffix(".rows.jsonl")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             f.flush()
             rows.extend(new)
     rows = [r for r in rows if r["K"] in args.demos and r["seed"] in args.seeds and r["episode"] < args.episodes]
+    seen, unique = set(), []
+    for r in rows:  # an episode finished by two overlapping runs counts once
+        key = (r["K"], r["seed"], r["episode"], r["policy"], r.get("keep"))
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    rows = unique
     summary = summarize(rows, args)
     summary["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     write_json_atomic(args.out, summary)
