@@ -40,6 +40,11 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+    # A test (or the code it calls) that switches autograd off for the process breaks every later test that
+    # trains: fail the test that leaked it, and restore the switch for the rest.
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("autograd was left disabled (torch.set_grad_enabled(False) without restoring it)")
 
 
 @pytest.fixture(scope="module")
