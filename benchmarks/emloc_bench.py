@@ -33,6 +33,7 @@ import torch
 from apps.emloc.api import compress
 from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import EMLoCHost
+from benchmarks.common import portable_args
 from core.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -119,12 +120,14 @@ def summarize(rows: list[dict], args) -> dict:
         K = r["K"]
         eq = {t["policy"]: t["acc"] for t in table if t["K"] == K and t["keep"] == "emloc-budget"}
         verdicts.append({
-            "K": K, "emloc_fraction": r["fraction"], "emloc_acc": r["acc"], "full_acc": full[K]["acc"],
+            "K": K, "chance": 1.0 / args.n_way, "emloc_fraction": r["fraction"], "emloc_acc": r["acc"], "full_acc": full[K]["acc"],
             "points_lost": 100 * (full[K]["acc"] - r["acc"]),
             "points_above_snapkv": 100 * (r["acc"] - eq["snapkv"]) if "snapkv" in eq else None,
             "points_above_h2o": 100 * (r["acc"] - eq["h2o"]) if "h2o" in eq else None,
             "prefill_seconds_ratio_to_full": r["seconds"] / full[K]["seconds"],
             "target_keep_le_25pct_and_le_1pt_lost": r["fraction"] <= 0.25 and 100 * (full[K]["acc"] - r["acc"]) <= 1.0,
+            # the comparison only means something when the host learns in context (full context above chance)
+            "full_context_above_chance_by_10pts": full[K]["acc"] >= 1.0 / args.n_way + 0.10,
         })
     mem = []
     Km = args.memory_demos
@@ -176,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in rows if r["K"] in args.demos and r["seed"] in args.seeds and r["episode"] < args.episodes]
     seen, unique = set(), []
     for r in rows:  # an episode finished by two overlapping runs counts once
-        key = (r["K"], r["seed"], r["episode"], r["policy"], r.get("keep"))
+        key = (r["K"], r["seed"], r["episode"], r["policy"], r.get("keep"), r.get("equal_to_emloc"))
         if key not in seen:
             seen.add(key)
             unique.append(r)
     rows = unique
     summary = summarize(rows, args)
-    summary["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    summary["settings"] = portable_args(args)
     write_json_atomic(args.out, summary)
     print(f"{'K':>4} {'policy':>10} {'keep':>13} {'kept':>6} {'acc':>13} {'sec':>8}")
     for r in summary["table"]:
