@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from core.kv_cache import KVCache, LayerKV, cached_attention, probe_attention
 from core.layers import GatedCrossAttentionBlock, SelfAttentionBlock
 from core.mha import ACTIVATIONS, check_backend
 from core.rope import RotaryEmbedding
+from core.fileio import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -429,16 +429,8 @@ class Decoder(nn.Module):
         from safetensors.torch import save_model
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_model(self, tmp, metadata={"format": MODEL_FORMAT, "config": self.config_json(), **(metadata or {})})
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         return path
 
     @classmethod

@@ -20,7 +20,6 @@ Saved files are safetensors (:meth:`KVCache.save`, atomic) with the format tag `
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 from einops import rearrange
 
 from core.attention import attention
+from core.fileio import atomic_path
 
 __all__ = ["LayerKV", "KVCache", "cached_attention", "probe_attention", "CACHE_FORMAT"]
 
@@ -140,16 +140,8 @@ class KVCache:
             if l.mask is not None:
                 tensors[f"layers.{i}.mask"] = l.mask.contiguous().cpu()
         meta = {"format": CACHE_FORMAT, "num_layers": str(self.num_layers), **(metadata or {})}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         return path
 
     @classmethod

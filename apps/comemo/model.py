@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from torch.nn import functional as F
 
 from core.decoder import Decoder, DecoderConfig
 from core.layers import SelfAttentionBlock
+from core.fileio import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -272,16 +272,8 @@ class CoMemoModel(nn.Module):
         from safetensors.torch import save_model
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_model(self, tmp, metadata={"format": MODEL_FORMAT, "config": self.cfg.to_json(), **(metadata or {})})
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         return path
 
     @classmethod

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from einops import rearrange
 from torch import nn
 
 from core.decoder import Decoder, DecoderConfig
+from core.fileio import atomic_path
 
 __all__ = ["HostConfig", "EMLoCHost", "HOST_FORMAT"]
 
@@ -141,16 +141,8 @@ class EMLoCHost(nn.Module):
         from safetensors.torch import save_model
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_model(self, tmp, metadata={"format": HOST_FORMAT, "config": self.config.to_json(), **(metadata or {})})
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         return path
 
     @classmethod
