@@ -34,8 +34,14 @@ def _f(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def model_card(name: str, meta: dict, collapse: dict, size_mb: float) -> str:
+LOSS_TEXT = {"ce": "cross-entropy", "tc": "cross-entropy + λ·text collapse, λ = {tc_lambda}, feature bank {bank_size}",
+             "cb": "class-balanced cross-entropy, β = {cb_beta}", "la": "logit-adjusted cross-entropy, τ = {la_tau}",
+             "focal": "focal loss, γ = {focal_gamma}", "etf": "fixed simplex-ETF classifier + dot-regression loss"}
+
+
+def model_card(name: str, meta: dict, collapse: dict, size_mb: float, note: str = "") -> str:
     """Hugging Face-style card (YAML header, intended use, data, recipe, evaluation, limits) from the JSON."""
+    loss_text = LOSS_TEXT[meta["loss"]["name"]].format(**meta["loss"])
     t = meta["test"]
     s = meta["settings"]
     weak = ", ".join(f"{c} ({t['recall'][c]:.2f})" for c in meta["classes"] if t["recall"][c] < 0.5) or "none"
@@ -58,7 +64,7 @@ metrics: [accuracy, macro-f1]
 A {size_mb:.1f} MB classifier of Chinese {'maths word problems into 7 TIMSS cognitive levels' if meta['dataset'] == 'tmwpl' else 'teacher–student dialogue turns into 8 dialogue acts'}:
 the character transformer of `apps.ncal.encoder` (pretrained here by masked-language modelling on the train
 text of TMWPL and PMTD, `apps/ncal/weights/mlm_encoder.md`) fine-tuned with the `{meta['loss']['name']}` loss
-(text-collapse weight λ = {meta['loss']['tc_lambda']}, feature bank {meta['loss']['bank_size']}).
+({loss_text}).{(' ' + note) if note else ''}
 
 ## Intended use
 Tagging problems or dialogue turns in personalised-learning tools, as a starting point to fine-tune on your own
@@ -90,7 +96,7 @@ characters. The benchmark (`apps/ncal/README.md`) compares it with the other los
 """
 
 
-def ship_run(run: Path, name: str) -> Path:
+def ship_run(run: Path, name: str, note: str = "") -> Path:
     import torch
 
     from apps.ncal.data import load_split
@@ -116,7 +122,7 @@ def ship_run(run: Path, name: str) -> Path:
         "torch": torch.__version__,
     })
     size = (dst / "model.safetensors").stat().st_size / 2**20
-    write_text_atomic(WEIGHTS / f"{name}.md", model_card(name, meta, col, size))
+    write_text_atomic(WEIGHTS / f"{name}.md", model_card(name, meta, col, size, note))
     logger.info("shipped %s to %s (%.1f MB)", run, dst, size)
     return dst
 
@@ -174,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default=None, help="a finished apps.ncal.train run folder")
     p.add_argument("--name", default=None, help="shipped name (tmwpl, pmtd)")
     p.add_argument("--encoder", default=None, help="an apps.ncal.pretrain run folder to ship as the default encoder")
+    p.add_argument("--note", default="", help="a sentence for the model card (e.g. how the run was chosen)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -186,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.run:
         if not args.name:
             raise ValueError("--run needs --name (tmwpl or pmtd)")
-        ship_run(Path(args.run), args.name)
+        ship_run(Path(args.run), args.name, args.note)
 
 
 if __name__ == "__main__":
