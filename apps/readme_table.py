@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from apps import REGISTRY, AppSpec
+from core.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +94,7 @@ def write_readme(path: Path = README, *, check: bool = False, specs: Sequence[Ap
     if new == text:
         return True
     if not check:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(new)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, new)
         logger.info("rewrote the apps table of %s", path)
     return False
 

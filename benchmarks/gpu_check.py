@@ -27,7 +27,6 @@ and the exit code is 0; on a GPU it is 0 when every step ran and passed, else 1.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal

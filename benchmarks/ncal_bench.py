@@ -23,7 +23,6 @@ pretrained on these train texts only, PMTD without the next turn).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import statistics
@@ -31,7 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import env_info, format_table, portable_args, read_json, write_json_atomic
+from benchmarks.common import env_info, portable_args, read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 

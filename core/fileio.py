@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "write_text_atomic", "write_json_atomic"]
+__all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic"]
 
 
 @contextmanager
@@ -41,7 +41,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -54,3 +54,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """``obj`` as indented JSON (trailing newline) at ``path``, written atomically (see :func:`write_text_atomic`)."""
     return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def torch_save_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save(obj)`` at ``path`` through :func:`atomic_path` (a killed run keeps the previous file)."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+    return Path(path)

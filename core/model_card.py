@@ -29,13 +29,13 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import struct
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from core.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -636,16 +636,6 @@ def render_card(weights: Path, *, root: Path = REPO) -> str:
     return "\n".join(line.rstrip() for line in lines).rstrip() + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 def write_cards(root: Path = REPO, *, check: bool = False) -> dict[Path, str]:
     """Render every shipped file's card; write the ones that differ unless ``check``.
@@ -662,7 +652,7 @@ def write_cards(root: Path = REPO, *, check: bool = False) -> dict[Path, str]:
         elif check:
             status[card] = "missing" if old is None else "differs"
         else:
-            _write_atomic(card, text)
+            write_text_atomic(card, text)
             status[card] = "written"
     return status
 

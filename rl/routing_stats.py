@@ -11,7 +11,6 @@ uses). Right-padded positions are left out of every fraction.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
 import torch

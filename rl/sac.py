@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from core.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +142,6 @@ def evaluate_actor(actor: Actor, env_id: str, *, episodes: int, seed: int, deter
         returns.append(ret)
     env.close()
     return returns
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -265,7 +260,7 @@ def train_sac(cfg: SACConfig, out: str | os.PathLike, *, progress: bool = True) 
             logger.info("step %d eval return %.1f", step, float(np.mean(rets)))
         if step % cfg.checkpoint_every == 0 or step == n:
             meta["wall_s_total"] = time.time() - t0
-            _atomic_torch_save({
+            torch_save_atomic({
                 "actor": actor.state_dict(), "critic": critic.state_dict(), "target": target.state_dict(),
                 "log_alpha": log_alpha.detach(), "opt_a": opt_a.state_dict(), "opt_c": opt_c.state_dict(),
                 "opt_t": opt_t.state_dict(), "step": step, "episode": episode, "snaps": snaps, "meta": meta,

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import atomic_write_text, load_model, save_model
+from core.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -291,13 +292,6 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor, last_epoch=self.step - 1)
 
 
-def _atomic_torch_save(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _val_signature(args) -> dict:
     return {"val_tables": args.val_tables, "val_max_rows": args.val_max_rows, "select": args.select}
 
@@ -501,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
-                _atomic_torch_save(trainer.state_dict(), last)
+                torch_save_atomic(trainer.state_dict(), last)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", rows=m["rows"])
@@ -509,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
         if rank == 0:
-            _atomic_torch_save(trainer.state_dict(), last)
+            torch_save_atomic(trainer.state_dict(), last)
             # The weights alone (a quarter of last.pt, no optimizer state): what --init-from starts from.
             save_model(trainer.model, out / "last.safetensors", extra=model_card(trainer, {}, command))
         if bar is not None:

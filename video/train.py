@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
+from core.fileio import torch_save_atomic
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
     COLOURS,
@@ -176,13 +177,6 @@ def load_model(path) -> VideoQAModel:
     return model.eval()
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def train(args) -> dict:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -269,7 +263,7 @@ def train(args) -> dict:
                     "parameters": sum(p.numel() for p in model.parameters()),
                 }
                 save_weights(model, args.export, card)
-            _atomic_torch_save({
+            torch_save_atomic({
                 "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "step": step, "best": best, "elapsed": time.time() - t0, "history": history,
                 "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),

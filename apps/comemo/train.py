@@ -39,6 +39,7 @@ from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig,
 from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
 from apps.comemo.tokenizer import CoMemoTokenizer, train_tokenizer
 from core.fileio import write_text_atomic
+from core.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -194,12 +195,6 @@ class Trainer:
         random.setstate(state["python_rng"])
 
 
-def _atomic_torch_save(obj: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.comemo.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", required=True, help=f"one of {', '.join(VARIANTS)}")
@@ -335,13 +330,13 @@ def main(argv: list[str] | None = None) -> int:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
-                _atomic_torch_save(trainer.state_dict(), last)
+                torch_save_atomic(trainer.state_dict(), last)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['token_acc']:.3f}")
     finally:
         if rank == 0:
-            _atomic_torch_save(trainer.state_dict(), last)
+            torch_save_atomic(trainer.state_dict(), last)
             trainer.model.save(out / "model.safetensors", metadata={
                 "variant": args.variant, "stage": str(args.stage), "step": str(trainer.step),
                 "commands": json.dumps(trainer.commands)})

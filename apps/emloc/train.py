@@ -18,8 +18,6 @@ import argparse
 import json
 import logging
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 
 from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import EMLoCHost, HostConfig
+from core.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -121,18 +120,6 @@ class Trainer:
         torch.set_rng_state(state["rng"])
 
 
-def _atomic_torch_save(obj: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _trim_metrics(path: Path, step: int) -> None:
     """Drop metric lines logged after the checkpoint step (they will be logged again)."""
     if not path.exists():
@@ -193,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
 
     def checkpoint():
-        _atomic_torch_save(trainer.state_dict(), ckpt)
+        torch_save_atomic(trainer.state_dict(), ckpt)
         trainer.model.save(args.out / "model.safetensors", metadata={"step": str(trainer.step)})
 
     with open(metrics, "a") as mf, tqdm(total=args.steps, initial=trainer.step, desc="meta-train") as bar:

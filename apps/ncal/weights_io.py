@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from core.fileio import write_json_atomic
+from core.fileio import atomic_path, torch_save_atomic, write_json_atomic
 
 __all__ = ["save_safetensors", "load_safetensors", "save_state", "load_state", "read_json", "write_json_atomic"]
-
-
-def _tmp_beside(path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    return tmp
 
 
 def save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
@@ -26,13 +18,8 @@ def save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], 
     from safetensors.torch import save_file
 
     path = Path(path)
-    tmp = _tmp_beside(path)
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 
@@ -47,15 +34,7 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def save_state(path: str | os.PathLike, state: dict) -> Path:
     """``torch.save`` to a temp file then rename (a killed run keeps its previous state)."""
-    path = Path(path)
-    tmp = _tmp_beside(path)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return torch_save_atomic(state, path)
 
 
 def load_state(path: str | os.PathLike) -> dict:
