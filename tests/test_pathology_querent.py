@@ -211,7 +211,8 @@ def _toy_bags(n: int, rng: np.random.Generator) -> list[Bag]:
 
 
 def test_training_learns_a_local_task():
-    rng = np.random.default_rng()
+    # Seeded: an unseeded draw failed the AUC bound once in CI (0.88); seeds 0-29 all give 0.96-1.0.
+    rng = np.random.default_rng(0)
     train, test = _toy_bags(16, rng), _toy_bags(10, rng)
     cfg = QuerentConfig(in_dim=8, dim=32, num_heads=2, region_size=3, topk=2, dropout=0.0)
     model, info = train_model("abmil", cfg, train, TrainConfig(epochs=10, lr=5e-3, batch_slides=2, seed=1))
