@@ -21,12 +21,18 @@ model input is the previous turn and the current one, each with its speaker::
 
 Long-tail bins come from train frequencies: ``head`` = classes with at least half the largest class's count,
 ``tail`` = classes with under a tenth of it, ``medium`` = the rest (:func:`longtail_bins`).
+
+A validation split is cut from a train set by :func:`stratified_holdout`: per class, ``round(frac · n)`` items,
+at least 1 and at most ``n − 1``; a class with a single item stays whole in train (it has no validation item).
+The draw uses a fixed seed (:data:`VALID_SEED`) independent of any training seed, so every run of a train set
+sees the same validation items.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -46,6 +52,8 @@ __all__ = [
     "format_turn",
     "longtail_bins",
     "check_texts",
+    "stratified_holdout",
+    "VALID_SEED",
 ]
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -54,6 +62,9 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 CONTEXTS = ("past", "window", "none")
 
 SPEAKERS = {"teacher": "老师", "student": "学生"}
+
+#: Seed of the validation draw (:func:`stratified_holdout`); fixed, never a training seed.
+VALID_SEED = 20250711
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,3 +288,34 @@ def check_texts(texts) -> list[str]:
     if not out:
         raise ValueError("no texts given")
     return out
+
+
+def stratified_holdout(labels: list[str], frac: float, *, seed: int = VALID_SEED) -> tuple[list[int], list[int]]:
+    """``(keep, held_out)``: sorted indices of ``labels`` for training and for validation.
+
+    Per class with ``n`` items: ``k = round(frac · n)`` items held out, clipped to ``[1, n − 1]`` so every class
+    that can be split has a validation item and keeps a train item; a class with one item is not split. The
+    items are drawn with ``random.Random(seed)`` class by class in sorted class order, so the split depends only
+    on ``labels``, ``frac`` and ``seed``.
+
+    Raises:
+        ValueError: ``frac`` not in (0, 1).
+    """
+    import random
+
+    if not 0.0 < frac < 1.0:
+        raise ValueError(f"validation fraction must be in (0, 1), got {frac!r}")
+    by_class: dict[str, list[int]] = {}
+    for i, c in enumerate(labels):
+        by_class.setdefault(c, []).append(i)
+    rng = random.Random(seed)
+    held: list[int] = []
+    for c in sorted(by_class):
+        idx = by_class[c]
+        n = len(idx)
+        if n < 2:
+            continue
+        k = min(max(int(math.floor(frac * n + 0.5)), 1), n - 1)
+        held += rng.sample(idx, k)
+    held_set = set(held)
+    return [i for i in range(len(labels)) if i not in held_set], sorted(held)

@@ -13,6 +13,12 @@ train and test features), and at the end the checkpoint (``model.safetensors``, 
 ``apps.ncal.evaluate`` / ``predict`` / :class:`apps.ncal.NCALClassifier` read. The test split never steers
 training: the run keeps its last epoch.
 
+``--valid-frac F`` (default 0: none) holds out a stratified share ``F`` of the train set for validation
+(:func:`apps.ncal.data.stratified_holdout`: fixed split seed, independent of ``--seed``, so every loss and seed
+sees the same validation items); the model trains on the rest, ``metrics.jsonl`` gets ``valid_*`` columns and
+``ncal.json`` a ``"valid"`` entry (metrics of the last epoch) and ``"valid_split"`` (fraction, seed, sizes,
+classes without a validation item). Use it to choose a loss or setting without looking at the test split.
+
 Runs under ``torchrun --nproc_per_node=K`` (DDP; gloo on CPU, NCCL on GPU): each process takes every K-th
 batch, gradients are averaged, rank 0 evaluates and writes.
 """
@@ -40,9 +46,11 @@ from apps.ncal.data import (
     DATASETS,
     Example,
     classes_from,
+    VALID_SEED,
     load_split,
     longtail_bins,
     read_jsonl,
+    stratified_holdout,
 )
 from apps.ncal.losses import LOSSES, LossConfig, LongTailLoss
 from apps.ncal.metrics import classification_metrics, collapse_metrics
@@ -76,6 +84,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     warmup_frac: float = 0.06  # share of steps spent warming up
     seed: int = 0
+    valid_frac: float = 0.0  # stratified share of train held out for validation (0 = none; fixed split seed)
     ckpt_every: int = 200  # steps between full-state checkpoints (also at every epoch end)
     nc_train_sample: int = 1024  # train examples whose features give the train NC1/NC2 each epoch
     device: str | None = None  # default: cuda if available
@@ -88,6 +97,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.valid_frac < 1.0:
+            raise ValueError(f"valid_frac must be in [0, 1) (0 = no validation split), got {self.valid_frac!r}")
 
 
 def load_data(dataset: str, test: str | None, context: str) -> tuple[list[Example], list[Example] | None, tuple[str, ...], str]:
@@ -167,6 +178,19 @@ def train(cfg: TrainConfig, *, progress: bool = True,
         train_ex, test_ex, classes, ds_name = load_data(cfg.dataset, cfg.test, cfg.context)
     else:
         (train_ex, test_ex, classes), ds_name = examples, cfg.dataset
+    valid_ex, valid_split = None, None
+    if cfg.valid_frac > 0:
+        keep, held = stratified_holdout([e.label for e in train_ex], cfg.valid_frac)
+        if not held:
+            raise ValueError(f"valid_frac={cfg.valid_frac} leaves no validation item: every class has a single item")
+        valid_ex = [train_ex[i] for i in held]
+        train_ex = [train_ex[i] for i in keep]
+        split_counts = Counter(e.label for e in valid_ex)
+        valid_split = {"frac": cfg.valid_frac, "seed": VALID_SEED, "n_train": len(train_ex), "n_valid": len(valid_ex),
+                       "valid_counts": {c: split_counts.get(c, 0) for c in classes},
+                       "not_in_valid": [c for c in classes if split_counts.get(c, 0) == 0]}
+        logger.info("validation split: %d of %d train items (frac %.3f, seed %d)", len(valid_ex),
+                    len(valid_ex) + len(train_ex), cfg.valid_frac, VALID_SEED)
     label_idx = {c: k for k, c in enumerate(classes)}
     bins = longtail_bins([e.label for e in train_ex], classes)
     counts = Counter(e.label for e in train_ex)
@@ -206,7 +230,9 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     if (out / "last.pt").exists():
         st = load_state(out / "last.pt")
         same = {k: v for k, v in settings.items() if k not in ("out", "device", "ckpt_every")}
-        old = {k: v for k, v in st["settings"].items() if k in same}
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        # settings added after a checkpoint was written count as their defaults (valid_frac: 0)
+        old = {k: st["settings"].get(k, defaults.get(k)) for k in same}
         if old != same:
             diff = {k: (old.get(k), v) for k, v in same.items() if old.get(k) != v}
             raise ValueError(f"{out}/last.pt was written with other settings (old, new): {diff}; use a new --out")
@@ -229,7 +255,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     bar = tqdm(total=total, initial=step, desc=f"{ds_name}/{cfg.loss}/seed{cfg.seed}", disable=not progress or rank != 0,
                dynamic_ncols=True)
     metrics_f = open(out / "metrics.jsonl", "a", encoding="utf-8") if rank == 0 else None
-    last_test = None
+    last_test, last_valid = None, None
     try:
         while step < total:
             epoch = step // steps_per_epoch
@@ -260,6 +286,10 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                 sub = [train_ex[i] for i in nc_idx]
                 tr_m, _ = _evaluate(model, tok, sub, classes, bins, device, label_idx)
                 rec["train_nc1"], rec["train_nc2"] = tr_m.get("nc_nc1"), tr_m.get("nc_nc2")
+                if valid_ex is not None:
+                    last_valid, _ = _evaluate(model, tok, valid_ex, classes, bins, device, label_idx)
+                    rec.update({f"valid_{k}": v for k, v in last_valid.items()
+                                if k in ("accuracy", "macro_f1", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2")})
                 if test_ex is not None:
                     last_test, _ = _evaluate(model, tok, test_ex, classes, bins, device, label_idx)
                     rec.update({f"test_{k}": v for k, v in last_test.items()
@@ -284,9 +314,14 @@ def train(cfg: TrainConfig, *, progress: bool = True,
         "train_wall_s": round(wall, 1),
         "test": last_test,
     }
+    if valid_split is not None:
+        meta["valid_split"] = valid_split
+        meta["valid"] = last_valid
     if rank == 0:
         if test_ex is not None and last_test is None:  # resumed right at the end: evaluate once
             meta["test"], _ = _evaluate(model, tok, test_ex, classes, bins, device, label_idx)
+        if valid_ex is not None and last_valid is None:
+            meta["valid"], _ = _evaluate(model, tok, valid_ex, classes, bins, device, label_idx)
         save_checkpoint(out, model, tok, meta)
     return meta
 
@@ -308,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--valid-frac", type=float, default=d.valid_frac,
+                   help="stratified share of train held out for validation (0 = none; same split for every seed)")
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -323,8 +360,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cfg = TrainConfig(dataset=args.dataset, out=args.out, test=args.test, loss=args.loss, seed=args.seed,
                       tc_lambda=args.tc_lambda, bank_size=args.bank_size, encoder=args.encoder, lora_r=args.lora_r,
                       pool=args.pool, context=args.context, epochs=args.epochs, batch_size=args.batch_size,
-                      lr=args.lr, ckpt_every=args.ckpt_every, device=args.device)
+                      lr=args.lr, valid_frac=args.valid_frac, ckpt_every=args.ckpt_every, device=args.device)
     meta = train(cfg)
+    if meta.get("valid"):
+        v = meta["valid"]
+        logger.info("validation: accuracy %.4f, macro-F1 %.4f", v["accuracy"], v["macro_f1"])
     if meta.get("test"):
         t = meta["test"]
         logger.info("test: accuracy %.4f, macro-F1 %.4f, tail recall %s", t["accuracy"], t["macro_f1"], t.get("recall_tail"))
