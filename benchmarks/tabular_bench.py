@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-folds", type=int, default=3, help="inner CV folds (training split only)")
     p.add_argument("--n-estimators", type=int, default=None, help="TabICL ensemble members (default: its own)")
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: the shipped one)")
+    p.add_argument("--tabicl-kwargs", type=json.loads, default=None, metavar="JSON",
+                   help='further TabICLClassifier parameters, e.g. \'{"softmax_temperature": 1.0}\' (recorded)')
     p.add_argument("--finetune-steps", type=int, default=0,
                    help="also run TabICL-ft: TabICL fine-tuned for this many steps on each split's train rows")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -301,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS_DIR / f"tabular_bench_{args.suite}.json"
     records_dir = args.records or out.with_name(out.stem + "_records")
     tune = {"n_configs": args.tune_configs, "folds": args.tune_folds}
+    if args.tabicl_kwargs is not None and not isinstance(args.tabicl_kwargs, dict):
+        raise SystemExit(f"--tabicl-kwargs must be a JSON object, got {args.tabicl_kwargs!r}")
     factories = model_factories(**tune, tabicl_n_estimators=args.n_estimators, checkpoint=args.checkpoint,
-                                finetune_steps=args.finetune_steps)
+                                finetune_steps=args.finetune_steps, tabicl_kwargs=args.tabicl_kwargs)
     models = list(args.models or ["TabICL", *PEERS])
     unknown = [m for m in models if m not in factories]
     if unknown:
@@ -324,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     settings = {m: model_settings(m, **tune, tabicl_n_estimators=args.n_estimators, checkpoint=args.checkpoint,
-                                  finetune_steps=args.finetune_steps) for m in models}
+                                  finetune_steps=args.finetune_steps, tabicl_kwargs=args.tabicl_kwargs)
+                for m in models}
     store = RecordStore(records_dir)
     tables, records, failures = [], [], []
     bar = tqdm(total=len(specs) * args.splits * len(models), desc=f"tabular_bench {args.suite}", file=sys.stderr)

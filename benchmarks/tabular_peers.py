@@ -15,8 +15,8 @@ Every model is a factory ``make() -> estimator`` whose estimator has ``fit(X, y)
   :data:`SPACES`, each scored by mean accuracy over a stratified ``folds``-fold (3) cross-validation of the
   training split only; the best (ties: the earlier draw) is refit on the whole training split. The test split is
   never seen while choosing.
-- ``TabICL``: ``TabICLClassifier(random_state=0)`` with its shipped defaults (``n_estimators`` and ``checkpoint``
-  may be overridden for experiments; the results record them).
+- ``TabICL``: ``TabICLClassifier(random_state=0)`` with its shipped defaults (``n_estimators``, ``checkpoint`` and
+  any other estimator parameter, ``tabicl_kwargs``, may be overridden for experiments; the results record them).
 """
 
 from __future__ import annotations
@@ -172,16 +172,18 @@ class Tuned:
 
 
 def model_factories(*, n_configs: int = 10, folds: int = 3, tabicl_n_estimators: int | None = None,
-                    checkpoint=None, finetune_steps: int = 0, seed: int = 0) -> dict[str, Callable[[], Any]]:
+                    checkpoint=None, finetune_steps: int = 0, seed: int = 0,
+                    tabicl_kwargs: dict[str, Any] | None = None) -> dict[str, Callable[[], Any]]:
     """Name -> zero-argument factory for every model the benchmark knows (TabICL, TabICL-ft when
-    ``finetune_steps`` > 0, and :data:`PEERS`)."""
+    ``finetune_steps`` > 0, and :data:`PEERS`). ``tabicl_kwargs``: further ``TabICLClassifier`` parameters
+    (e.g. ``{"softmax_temperature": 1.0}``)."""
     from tabular.compare import baseline_models
 
     def tabicl(**extra):
         def make():
             from tabular import TabICLClassifier
 
-            kw = {"random_state": seed, **extra}
+            kw = {"random_state": seed, **(tabicl_kwargs or {}), **extra}
             if tabicl_n_estimators is not None:
                 kw["n_estimators"] = tabicl_n_estimators
             if checkpoint is not None:
@@ -200,7 +202,7 @@ def model_factories(*, n_configs: int = 10, folds: int = 3, tabicl_n_estimators:
 
 
 def model_settings(name: str, *, n_configs: int, folds: int, tabicl_n_estimators: int | None, checkpoint,
-                   finetune_steps: int, seed: int = 0) -> dict[str, Any]:
+                   finetune_steps: int, seed: int = 0, tabicl_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a model's result depends on besides the data and split: library version, seed, tuning budget,
     TabICL's weights (size + SHA-256 of the file) and settings. Part of each record's settings fingerprint."""
     import sklearn
@@ -222,4 +224,6 @@ def model_settings(name: str, *, n_configs: int, folds: int, tabicl_n_estimators
         s.update(n_estimators=tabicl_n_estimators, torch=torch.__version__)
         if name == "TabICL-ft":
             s["finetune_steps"] = finetune_steps
+        if tabicl_kwargs:  # only when given, so that the records of a default run keep their fingerprint
+            s["kwargs"] = dict(sorted(tabicl_kwargs.items()))
     return s

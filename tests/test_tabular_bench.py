@@ -150,3 +150,59 @@ def test_tuning_budget_is_the_same_draws_and_uses_only_the_training_data():
         assert np.mean(m.classes_[m.predict_proba(X).argmax(1)] == y) > 0.8
     assert tabular_peers.model_settings("CatBoost-tuned", n_configs=10, folds=3, tabicl_n_estimators=None,
                                         checkpoint=None, finetune_steps=0)["n_configs"] == 10
+
+
+def _run(suite, accs, seconds=1.0, weights="w"):
+    """A tabular_bench results dict holding TabICL (and HistGradientBoosting at 0.5) on tables t0, t1, ..."""
+    rows = []
+    for i, a in enumerate(accs):
+        rows.append({"table": f"t{i}", "model": "TabICL", "accuracy": a, "balanced_accuracy": a, "roc_auc": a,
+                     "log_loss": 1 - a, "splits": 3, "single_class_splits": 0, "seconds": seconds})
+        rows.append({"table": f"t{i}", "model": "HistGradientBoosting", "accuracy": 0.5, "balanced_accuracy": 0.5,
+                     "roc_auc": 0.5, "log_loss": 0.5, "splits": 3, "single_class_splits": 0, "seconds": 0.1})
+    return {"suite": suite, "per_table": rows, "settings": {"TabICL": {"weights": weights}}}
+
+
+def test_dev_choice_takes_the_higher_mean_ties_go_to_the_preferred_and_only_dev_counts(tmp_path):
+    from benchmarks.tabular_dev_choices import compare, main as choices_main, sign_test
+
+    a, b = _run("dev", [0.8, 0.7, 0.6, 0.9], weights="A"), _run("dev", [0.7, 0.75, 0.5, 0.9], weights="B")
+    c = compare({"a": a, "b": b}, reference="a", prefer="b", splits=3)
+    assert c["chosen"] == "a" and c["tables"] == ["t0", "t1", "t2", "t3"]
+    vs = c["aggregates"]["b"]["vs_reference"]
+    assert (vs["wins"], vs["losses"], vs["ties"]) == (1, 2, 1)
+    assert vs["mean_difference"] == pytest.approx((-0.1 + 0.05 - 0.1 + 0) / 4)
+    assert vs["ci95"][0] <= vs["mean_difference"] <= vs["ci95"][1]
+    assert vs["sign_test_p"] == pytest.approx(1.0) and sign_test(6, 0) == pytest.approx(2 / 64)
+    assert c["aggregates"]["a"]["mean_rank"] == pytest.approx((1 + 2 + 1 + 1.5) / 4)
+    assert c["settings"] == {"a": {"weights": "A"}, "b": {"weights": "B"}}
+    assert c["peer_mean_accuracy"]["HistGradientBoosting"] == pytest.approx(0.5)
+    # an exact tie goes to the preferred variant
+    assert compare({"a": a, "b": _run("dev", [0.8, 0.7, 0.6, 0.9])}, reference="a", prefer="b", splits=3)["chosen"] == "b"
+    # a table one variant has not finished is left out of both
+    short = _run("dev", [0.1, 0.1, 0.1])
+    assert compare({"a": a, "s": short}, reference="a", prefer="s", splits=3)["tables"] == ["t0", "t1", "t2"]
+    with pytest.raises(ValueError, match="choices are made on 'dev' only"):
+        compare({"a": a, "r": _run("report", [0.9] * 4)}, reference="a", prefer="a", splits=3)
+    # the CLI keeps choices already written
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = tmp_path / "c.json"
+    for name in ("one", "two"):
+        assert choices_main(["--choice", name, "--variant", f"a={pa}", "--variant", f"b={pb}", "--reference", "a",
+                             "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert sorted(res["choices"]) == ["one", "two"] and res["choices"]["two"]["chosen"] == "a"
+    assert "Chosen: a" in out.with_suffix(".md").read_text()
+
+
+def test_tabicl_kwargs_reach_the_estimator_and_the_settings_only_when_given():
+    f = tabular_peers.model_factories(tabicl_kwargs={"softmax_temperature": 1.0, "n_estimators": 2})
+    clf = f["TabICL"]()
+    assert clf.softmax_temperature == 1.0 and clf.n_estimators == 2
+    kw = dict(n_configs=10, folds=3, tabicl_n_estimators=None, checkpoint=None, finetune_steps=0)
+    plain = tabular_peers.model_settings("TabICL", **kw)
+    assert "kwargs" not in plain  # a default run keeps the fingerprint of the records made before the option
+    assert tabular_peers.model_settings("TabICL", **kw, tabicl_kwargs={"softmax_temperature": 1.0})["kwargs"] == {
+        "softmax_temperature": 1.0}
