@@ -34,7 +34,7 @@ from benchmarks.common import env_info, portable_args, read_json, write_json_ato
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "tfidf_peer", "summarize", "paired_t"]
+__all__ = ["build_parser", "main", "tfidf_peer", "tfidf_predict", "summarize", "paired_t"]
 
 PUBLISHED = {  # NCAL paper, Qwen2.5-7B + LoRA (accuracy, macro-F1 in %), REFERENCES.md → NCAL
     "tmwpl": {"ce": (61.14, 60.59), "tc": (74.86, 75.58)},
@@ -42,11 +42,22 @@ PUBLISHED = {  # NCAL paper, Qwen2.5-7B + LoRA (accuracy, macro-F1 in %), REFERE
 }
 
 
-def tfidf_peer(dataset: str, *, balanced: bool, context: str = "past") -> dict:
-    """Character 1–3-gram TF-IDF + logistic regression on the shipped train split, scored on its test split."""
+def tfidf_predict(train_texts: Sequence[str], train_y: Sequence[int], test_texts: Sequence[str], *,
+                  balanced: bool) -> list[int]:
+    """The classical peer: character 1–3-gram TF-IDF (min_df 2, sublinear tf) + ``LogisticRegression(C=10)``,
+    ``class_weight="balanced"`` when ``balanced``; fitted on the train texts, returns the test predictions."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
 
+    vec = TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True, min_df=2)
+    X = vec.fit_transform(list(train_texts))
+    clf = LogisticRegression(C=10.0, max_iter=2000, class_weight="balanced" if balanced else None)
+    clf.fit(X, list(train_y))
+    return clf.predict(vec.transform(list(test_texts))).tolist()
+
+
+def tfidf_peer(dataset: str, *, balanced: bool, context: str = "past") -> dict:
+    """:func:`tfidf_predict` on the shipped train split, scored on its test split."""
     from apps.ncal.data import load_split, longtail_bins
     from apps.ncal.metrics import classification_metrics
 
@@ -54,12 +65,8 @@ def tfidf_peer(dataset: str, *, balanced: bool, context: str = "past") -> dict:
     te, _ = load_split(dataset, "test", context=context)
     idx = {c: k for k, c in enumerate(classes)}
     t0 = time.time()
-    vec = TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True, min_df=2)
-    X = vec.fit_transform([e.text for e in tr])
-    clf = LogisticRegression(C=10.0, max_iter=2000, class_weight="balanced" if balanced else None)
-    clf.fit(X, [idx[e.label] for e in tr])
-    pred = clf.predict(vec.transform([e.text for e in te]))
-    m = classification_metrics([idx[e.label] for e in te], pred.tolist(), list(classes),
+    pred = tfidf_predict([e.text for e in tr], [idx[e.label] for e in tr], [e.text for e in te], balanced=balanced)
+    m = classification_metrics([idx[e.label] for e in te], pred, list(classes),
                                longtail_bins([e.label for e in tr], classes))
     m["wall_s"] = round(time.time() - t0, 1)
     return m
@@ -82,13 +89,17 @@ def _mean_std(vals: list[float]) -> tuple[float, float]:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per (dataset, method): n seeds, mean ± std of the metrics; tc − ce paired differences."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    """Per (dataset, method, epochs): n seeds, mean ± std of the metrics; tc − ce paired differences.
+
+    Runs trained for different numbers of epochs are separate rows and are never paired (records without
+    ``epochs``, such as the TF-IDF peer's, form their own group)."""
+    groups: dict[tuple[str, str, int], list[dict]] = {}
     for r in records:
-        groups.setdefault((r["dataset"], r["method"]), []).append(r)
+        groups.setdefault((r["dataset"], r["method"], r.get("epochs") or 0), []).append(r)
     rows = []
-    for (ds, method), rs in sorted(groups.items()):
-        row = {"dataset": ds, "method": method, "seeds": len(rs)}
+    for (ds, method, epochs), rs in sorted(groups.items()):
+        row = {"dataset": ds, "method": method, "epochs": epochs or None, "seeds": len(rs),
+               "seed_list": sorted(r["seed"] for r in rs)}
         for k in ("accuracy", "macro_f1", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2", "wall_s"):
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
@@ -97,9 +108,10 @@ def summarize(records: list[dict]) -> dict:
         rows.append(row)
     paired = {}
     for ds in sorted({r["dataset"] for r in records}):
-        by = {(r["method"], r["seed"]): r for r in records if r["dataset"] == ds}
-        seeds = sorted(s for (m, s) in by if m == "tc" and ("ce", s) in by)
-        diffs = [100 * (by[("tc", s)]["macro_f1"] - by[("ce", s)]["macro_f1"]) for s in seeds]
+        by = {(r["method"], r["seed"], r.get("epochs") or 0): r for r in records if r["dataset"] == ds}
+        pairs = sorted((s, e) for (m, s, e) in by if m == "tc" and ("ce", s, e) in by)
+        seeds = [s for s, _ in pairs]
+        diffs = [100 * (by[("tc", s, e)]["macro_f1"] - by[("ce", s, e)]["macro_f1"]) for s, e in pairs]
         ci = paired_t(diffs)
         paired[ds] = {"seeds": seeds, "diff_macro_f1_points": diffs,
                       "mean": ci[0] if ci else (diffs[0] if diffs else None),
@@ -114,17 +126,18 @@ def _pm(row: dict, k: str) -> str:
 
 
 def summary_markdown(summary: dict) -> str:
-    lines = ["| dataset | method | seeds | accuracy | macro-F1 | head recall | medium recall | tail recall | test NC1 | test NC2 | train s/run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | method | epochs | seeds | accuracy | macro-F1 | head recall | medium recall | tail recall | test NC1 | test NC2 | train s/run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         nc1 = f"{r['nc_nc1']:.2f}" if "nc_nc1" in r else "–"
         nc2 = f"{r['nc_nc2']:.2f}" if "nc_nc2" in r else "–"
         wall = f"{r['wall_s']:.0f}" if "wall_s" in r else "–"
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['seeds']} | {_pm(r, 'accuracy')} | {_pm(r, 'macro_f1')} | "
+        ep = r["epochs"] if r.get("epochs") else "–"
+        lines.append(f"| {r['dataset']} | {r['method']} | {ep} | {r['seeds']} | {_pm(r, 'accuracy')} | {_pm(r, 'macro_f1')} | "
                      f"{_pm(r, 'recall_head')} | {_pm(r, 'recall_medium')} | {_pm(r, 'recall_tail')} | {nc1} | {nc2} | {wall} |")
     for ds, pub in PUBLISHED.items():
         for m, (acc, f1) in pub.items():
-            lines.append(f"| {ds} | published {m} (Qwen2.5-7B + LoRA) | – | {acc:.2f} | {f1:.2f} | – | – | – | – | – | – |")
+            lines.append(f"| {ds} | published {m} (Qwen2.5-7B + LoRA) | – | – | {acc:.2f} | {f1:.2f} | – | – | – | – | – | – |")
     lines.append("")
     lines.append("Paired tc − ce, macro-F1 points (95% t interval over seeds):")
     for ds, p in summary["paired_tc_minus_ce"].items():

@@ -112,5 +112,22 @@ def test_benchmark_summary_and_paired_interval():
     ce_row = next(r for r in summ["rows"] if r["method"] == "ce")
     assert ce_row["seeds"] == 3 and ce_row["macro_f1"] == pytest.approx(0.5)
     md = summary_markdown(summ)
-    assert "| d | ce | 3 | 50.0 ± 2.0" in md and "published tc" in md
+    assert "| d | ce | – | 3 | 50.0 ± 2.0" in md and "published tc" in md
     assert paired_t([1.0]) is None
+
+
+def test_benchmark_summary_keeps_epochs_apart():
+    """Runs of another length are their own row and are never paired with runs of the benchmark's length."""
+    from benchmarks.ncal_bench import summarize, summary_markdown
+
+    recs = [{"dataset": "d", "method": m, "seed": 0, "epochs": 3, "accuracy": f, "macro_f1": f} for m, f in [("ce", 0.5), ("tc", 0.6)]]
+    recs += [{"dataset": "d", "method": "la", "seed": s, "epochs": e, "accuracy": f, "macro_f1": f}
+             for s, e, f in [(0, 3, 0.6), (1, 4, 0.7), (2, 4, 0.8)]]
+    recs.append({"dataset": "d", "method": "tc", "seed": 1, "epochs": 4, "accuracy": 0.9, "macro_f1": 0.9})
+    summ = summarize(recs)
+    la = {r["epochs"]: r for r in summ["rows"] if r["method"] == "la"}
+    assert la[3]["seeds"] == 1 and la[4]["seeds"] == 2 and la[4]["seed_list"] == [1, 2]
+    assert la[4]["macro_f1"] == pytest.approx(0.75)
+    assert summ["paired_tc_minus_ce"]["d"]["seeds"] == [0]  # tc seed 1 (4 epochs) has no ce partner
+    md = summary_markdown(summ)
+    assert "| d | la | 3 | 1 | 60.0 |" in md and "| d | la | 4 | 2 | 75.0 ± 7.1 |" in md
