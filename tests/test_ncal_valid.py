@@ -163,3 +163,36 @@ def test_select_cli_trains_every_loss_on_validation_only(tmp_path, tiny_encoder_
     again = ncal_select.main(argv)
     assert again["datasets"]["toy"]["losses"]["ce"]["valid"] == e["losses"]["ce"]["valid"]
     assert (tmp_path / "runs" / "toy_ce_0" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_ship_with_selection_writes_the_choice_into_the_card(tmp_path, tiny_encoder_dir, monkeypatch):
+    import apps.ncal.data as data
+    from apps.ncal import ship
+    from apps.ncal.train import train
+    from benchmarks import ncal_select
+
+    tr, te = _toy(), _toy((4, 4, 4), seed=7)
+    monkeypatch.setattr(data, "load_split", lambda dataset, split, *, context="past": (tr if split == "train" else te, CLASSES))
+    monkeypatch.setattr(ship, "WEIGHTS", tmp_path / "weights")
+    sel_path = tmp_path / "selection.json"
+    res = ncal_select.main(["--datasets", "toy", "--losses", "ce", "la", "--epochs", "1", "--valid-frac", "0.25",
+                            "--encoder", str(tiny_encoder_dir), "--runs", str(tmp_path / "sel"), "--out", str(sel_path),
+                            "--log-level", "WARNING"])
+    chosen = res["datasets"]["toy"]["chosen"]
+    other = ({"ce", "la"} - {chosen}).pop()
+    for loss in ("ce", "la"):  # the full-train "benchmark" runs, with their test split
+        train(_cfg(tmp_path / "bench" / f"toy_{loss}_0", tiny_encoder_dir, loss=loss, seed=0, epochs=1, valid_frac=0.0),
+              progress=False, examples=(tr, te, CLASSES))
+    with pytest.raises(ValueError, match=f"chose loss {chosen!r}"):
+        ship.ship_run(tmp_path / "bench" / f"toy_{other}_0", "toy", selection=sel_path)
+    with pytest.raises(ValueError, match="validation hold-out"):
+        ship.ship_run(tmp_path / "sel" / f"toy_{chosen}_0", "toy", selection=sel_path)
+    dst = ship.ship_run(tmp_path / "bench" / f"toy_{chosen}_0", "toy", selection=sel_path)
+    card = (tmp_path / "weights" / "toy.md").read_text(encoding="utf-8")
+    assert "## How this model was chosen" in card and f"Chosen: **{chosen}**" in card
+    for loss, r in res["datasets"]["toy"]["losses"].items():
+        assert f"| {loss}{' (chosen)' if loss == chosen else ''} | {100 * r['valid']['accuracy']:.1f} | " \
+               f"{100 * r['valid']['macro_f1']:.1f} |" in card
+    assert "the same recipe" in card and "NOT the same recipe" not in card
+    assert json.loads((dst / "selection.json").read_text(encoding="utf-8"))["chosen"] == chosen
+    assert "--selection" in json.loads((dst / "golden.json").read_text(encoding="utf-8"))["command"]

@@ -4,6 +4,9 @@ Copies the run's ``model.safetensors``, ``ncal.json``, ``tokenizer.json`` and ``
 ``apps/ncal/weights/<name>/``, computes the test-set collapse measures and class-mean cosines
 (``collapse.json``, shown by the demo), the golden probabilities of the first test texts (``golden.json``,
 checked by the tests), and writes the model card ``apps/ncal/weights/<name>.md`` from that JSON.
+``--selection benchmarks/results/ncal/selection.json`` (written by ``python -m benchmarks.ncal_select``) says in
+the card how the run was chosen (every loss's validation numbers) and is copied as ``<name>/selection.json``;
+the run must be of the chosen loss.
 ``--encoder runs/ncal_mlm`` ships the MLM-pretrained encoder instead (``weights/mlm_encoder/`` + card).
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "ship_run", "ship_encoder", "model_card", "GOLDEN_N"]
+__all__ = ["build_parser", "main", "ship_run", "ship_encoder", "model_card", "selection_text", "GOLDEN_N"]
 
 WEIGHTS = Path(__file__).resolve().parent / "weights"
 GOLDEN_N = 8  # test texts whose probabilities are stored
@@ -39,7 +42,41 @@ LOSS_TEXT = {"ce": "cross-entropy", "tc": "cross-entropy + λ·text collapse, λ
              "focal": "focal loss, γ = {focal_gamma}", "etf": "fixed simplex-ETF classifier + dot-regression loss"}
 
 
-def model_card(name: str, meta: dict, collapse: dict, size_mb: float, note: str = "") -> str:
+def selection_text(meta: dict, sel: dict, entry: dict) -> str:
+    """The card's "How this model was chosen" section from a ``benchmarks.ncal_select`` file and its dataset entry."""
+    vs = entry["valid_split"]
+    chosen = entry["chosen"]
+    rows = "\n".join(
+        f"| {loss}{' (chosen)' if loss == chosen else ''} | {100 * r['valid']['accuracy']:.1f} | "
+        f"{100 * r['valid']['macro_f1']:.1f} | {_pct(r['valid'].get('recall_tail'))} |"
+        for loss, r in entry["losses"].items())
+    s = meta["settings"]
+    same = s["epochs"] == sel["epochs"] and s["encoder"] == sel["encoder"] and meta["context"] == sel["context"]
+    recipe = ("the same recipe (epochs, encoder, context)" if same else
+              f"NOT the same recipe: the selection runs used {sel['epochs']} epochs, encoder {sel['encoder']}, "
+              f"context {sel['context']}; this run {s['epochs']} epochs, encoder {s['encoder']}, context {meta['context']}")
+    miss = f"; classes without a validation item: {', '.join(vs['not_in_valid'])}" if vs["not_in_valid"] else ""
+    return f"""## How this model was chosen
+Without the test split. Each of the {len(entry['losses'])} losses ({', '.join(entry['losses'])}) was trained
+with seed {sel['seed']} on the train split minus a stratified hold-out of {100 * vs['frac']:.0f}% ({vs['n_valid']} of
+{vs['n_valid'] + vs['n_train']} items, split seed {vs['seed']}, the same items for every loss{miss}); rule: {sel['rule']}.
+Chosen: **{chosen}**. This model is the `{chosen}` benchmark run with seed {s['seed']} (seed 0 was fixed before
+any choice) trained on the full train split with {recipe}; its test numbers below were measured after the choice
+and played no part in it. Command: `python -m benchmarks.ncal_select` (`benchmarks/results/ncal/selection.json`,
+copied here as `{meta['dataset']}/selection.json`).
+
+| loss | validation accuracy | validation macro-F1 | validation tail recall |
+|---|---|---|---|
+{rows}
+
+"""
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def model_card(name: str, meta: dict, collapse: dict, size_mb: float, note: str = "", chosen: str = "") -> str:
     """Hugging Face-style card (YAML header, intended use, data, recipe, evaluation, limits) from the JSON."""
     loss_text = LOSS_TEXT[meta["loss"]["name"]].format(**meta["loss"])
     t = meta["test"]
@@ -66,7 +103,7 @@ the character transformer of `apps.ncal.encoder` (pretrained here by masked-lang
 text of TMWPL and PMTD, `apps/ncal/weights/mlm_encoder.md`) fine-tuned with the `{meta['loss']['name']}` loss
 ({loss_text}).{(' ' + note) if note else ''}
 
-## Intended use
+{chosen}## Intended use
 Tagging problems or dialogue turns in personalised-learning tools, as a starting point to fine-tune on your own
 labels (`NCALClassifier`), and as the demo's model. Not for grading or decisions about students without a person
 checking: classes with test recall under 0.5 — {weak} — are mostly misclassified (table below).
@@ -96,7 +133,7 @@ characters. The benchmark (`apps/ncal/README.md`) compares it with the other los
 """
 
 
-def ship_run(run: Path, name: str, note: str = "") -> Path:
+def ship_run(run: Path, name: str, note: str = "", selection: Path | None = None) -> Path:
     import torch
 
     from apps.ncal.data import load_split
@@ -104,6 +141,20 @@ def ship_run(run: Path, name: str, note: str = "") -> Path:
     from apps.ncal.model import infer, load_checkpoint
     from core.fileio import write_json_atomic, write_text_atomic
 
+    from apps.ncal.weights_io import read_json
+
+    sel = entry = None
+    if selection is not None:
+        sel = read_json(selection)
+        run_meta = read_json(run / "ncal.json")
+        entry = sel.get("datasets", {}).get(run_meta["dataset"])
+        if entry is None or not entry.get("complete"):
+            raise ValueError(f"{selection} has no complete selection for dataset {run_meta['dataset']!r}")
+        if run_meta["loss"]["name"] != entry["chosen"] or run_meta["settings"]["seed"] != sel["seed"]:
+            raise ValueError(f"{run} is loss {run_meta['loss']['name']!r} seed {run_meta['settings']['seed']}; "
+                             f"{selection} chose loss {entry['chosen']!r} seed {sel['seed']}")
+        if run_meta.get("valid_split"):
+            raise ValueError(f"{run} was trained with a validation hold-out; ship the full-train benchmark run")
     dst = WEIGHTS / name
     dst.mkdir(parents=True, exist_ok=True)
     for f in ("model.safetensors", "ncal.json", "tokenizer.json", "metrics.jsonl"):
@@ -116,13 +167,21 @@ def ship_run(run: Path, name: str, note: str = "") -> Path:
     col = collapse_metrics(feats, [idx[e.label] for e in test], len(classes))
     write_json_atomic(dst / "collapse.json", {"classes": list(classes), **col})
     write_json_atomic(dst / "golden.json", {
-        "command": f"python -m apps.ncal.ship --run {run} --name {name}",
+        "command": f"python -m apps.ncal.ship --run {run} --name {name}"
+                   + (f" --selection {selection}" if selection is not None else ""),
         "texts": [e.text for e in test[:GOLDEN_N]],
         "probs": [[round(float(p), 6) for p in row] for row in probs[:GOLDEN_N].tolist()],
         "torch": torch.__version__,
     })
     size = (dst / "model.safetensors").stat().st_size / 2**20
-    write_text_atomic(WEIGHTS / f"{name}.md", model_card(name, meta, col, size, note))
+    chosen = ""
+    if sel is not None:
+        keep = {k: sel[k] for k in ("rule", "seed", "valid_frac", "valid_seed", "epochs", "encoder", "context")}
+        write_json_atomic(dst / "selection.json", {**keep, "dataset": meta["dataset"], **entry})
+        chosen = selection_text(meta, sel, entry)
+    elif (dst / "selection.json").exists():
+        (dst / "selection.json").unlink()  # a stale choice of an earlier shipped run
+    write_text_atomic(WEIGHTS / f"{name}.md", model_card(name, meta, col, size, note, chosen))
     logger.info("shipped %s to %s (%.1f MB)", run, dst, size)
     return dst
 
@@ -180,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default=None, help="a finished apps.ncal.train run folder")
     p.add_argument("--name", default=None, help="shipped name (tmwpl, pmtd)")
     p.add_argument("--encoder", default=None, help="an apps.ncal.pretrain run folder to ship as the default encoder")
+    p.add_argument("--selection", default=None,
+                   help="benchmarks.ncal_select output: the card says how the run was chosen (validation numbers)")
     p.add_argument("--note", default="", help="a sentence for the model card (e.g. how the run was chosen)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -193,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.run:
         if not args.name:
             raise ValueError("--run needs --name (tmwpl or pmtd)")
-        ship_run(Path(args.run), args.name, args.note)
+        ship_run(Path(args.run), args.name, args.note, Path(args.selection) if args.selection else None)
 
 
 if __name__ == "__main__":
