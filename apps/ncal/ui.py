@@ -132,8 +132,8 @@ def build_ui() -> None:
 
     gr.Markdown("## NCAL\nLong-tailed classification of Chinese educational text: maths word problems → TIMSS "
                 "cognitive level (TMWPL), teacher–student dialogue turns → dialogue act (PMTD). The shipped models "
-                "are a small character transformer pretrained here, fine-tuned with logit adjustment (the best loss "
-                "measured here; the text-collapse runs are in the benchmark). For a dialogue turn, give its speaker and the previous turn (the next turn is not used).")
+                "are a small character transformer pretrained here, fine-tuned with the loss that scored best on a "
+                "validation hold-out of the train split (never on the test split; see the model cards). For a dialogue turn, give its speaker and the previous turn (the next turn is not used).")
     picks0 = examples_for(EXAMPLE["model"])
     with gr.Row():
         model = gr.Dropdown(list(DATASETS), value=EXAMPLE["model"], label="model")
