@@ -10,6 +10,13 @@ of ``block_size = R²`` rows in the block-sparse format of :mod:`core.blockspars
 3. the region attends to its own 3×3 neighbourhood of regions plus the ``topk`` best-scoring other
    regions, exactly (``core.blocksparse.block_sparse_attention``).
 
+``selection`` chooses who picks the ``topk`` regions: ``"region"`` (above, the default: one choice per query
+region, shared by its queries), ``"query"`` (every query picks its own ``topk`` by its own bound, as in
+the published per-query bound; the region's queries are attended together over the union of their
+choices, each masked to its own, so it costs more than ``"region"``), or ``"dense"`` (exact attention
+over all patches, ``core.attention``: the same weights without selection, the reference for the
+approximation error).
+
 Cost per layer: ``O(N · (9 + topk) · R²)`` instead of ``O(N²)``. Attention pooling (gated, ABMIL-style)
 turns the tokens into a slide embedding; a head gives class logits or a survival risk. The pooling
 weights are the per-patch attention used for heatmaps.
@@ -29,11 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from core.attention import attention
 from core.blocksparse import block_sparse_attention, block_summaries, block_upper_bound
 from core.layers import MLP, MultiHeadAttention
 
 __all__ = ["QuerentConfig", "Querent", "RegionLayout", "build_regions", "MILOutput", "GatedAttentionPool",
-           "sincos_2d", "querent_small"]
+           "sincos_2d", "querent_small", "select_regions", "per_query_region_attention", "SELECTIONS"]
+
+#: Values of ``QuerentConfig.selection``.
+SELECTIONS = ("region", "query", "dense")
 
 
 @dataclass(kw_only=True)
@@ -56,6 +67,9 @@ class QuerentConfig:
     # "mean": bound for the region's mean query (cheaper, O((N/R²)²·D), for very large bags; not a bound for every query)
     backend: str = "auto"  # block-sparse backend: "auto" (Triton on CUDA when available), "torch", "triton"
     select_budget_mb: float = 32.0  # working-set budget (MiB) of one batch of query regions in region selection
+    selection: str = "region"  # "region": topk chosen per query region (max bound over its queries);
+    # "query": topk chosen per query by its own bound; "dense": exact attention over all patches (no selection)
+    dense_backend: str = "auto"  # core.attention backend of selection="dense" ("auto" is chunked on CPU for large bags)
 
     def __post_init__(self) -> None:
         if self.in_dim < 1 or self.dim < 1:
@@ -70,6 +84,8 @@ class QuerentConfig:
             raise ValueError(f"topk ({self.topk}) and neighbourhood ({self.neighbourhood}) must be >= 0")
         if not self.select_budget_mb > 0:
             raise ValueError(f"select_budget_mb ({self.select_budget_mb}) must be > 0")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection ({self.selection!r}) must be one of {', '.join(SELECTIONS)}")
         if self.region_score not in ("max", "mean"):
             raise ValueError(f"region_score ({self.region_score!r}) must be 'max' or 'mean'")
         if self.task not in ("cls", "survival"):
@@ -98,7 +114,8 @@ class MILOutput:
     logits: torch.Tensor  # (1, C) class logits, or (1, 1) risk for survival
     attention: torch.Tensor  # (N,) pooling weight of each patch (sums to 1)
     embedding: torch.Tensor  # (1, dim) slide embedding
-    block_index: list[torch.Tensor] | None = None  # per layer (H, NR, K) region ids chosen per query region
+    block_index: list[torch.Tensor] | None = None  # per layer: (H, NR, K) region ids chosen per query region
+    # (selection="region"), (H, S, K) per query slot of the padded sequence (selection="query"), None ("dense")
     layout: RegionLayout | None = None
 
 
@@ -251,6 +268,94 @@ def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLay
     return torch.where(out >= nr, -1, out)
 
 
+def _per_query_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, max_union: int, budget_bytes: int) -> int:
+    """Query regions per step of :func:`per_query_region_attention` so a step stays under ``budget_bytes``.
+
+    A step over ``C`` regions holds bounds and selections against every region (``B·H·C·R²·NR``, fp32 and
+    bool) and, for the union of at most ``U`` chosen regions, the gathered keys and values
+    (``B·H·C·U·R²·2·head_dim`` fp32), the mask (bool) and the scores (fp32) of ``B·H·C·R²·U·R²`` pairs.
+    """
+    bs = layout.region_size**2
+    nr = max(1, layout.num_regions)
+    per_region = B * H * (5 * bs * nr + 4 * max_union * bs * 2 * head_dim + 9 * bs * max_union * bs)
+    return max(1, min(nr, budget_bytes // max(1, per_region)))
+
+
+def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, layout: RegionLayout,
+                               topk: int, key_padding_mask: torch.Tensor,
+                               budget_bytes: int = 32 * 2**20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Region attention with the ``topk`` regions chosen **per query** by its own Quest bound.
+
+    Every query attends exactly to the keys of its region's neighbourhood (``layout.neighbours``) plus the
+    ``topk`` other regions with the highest bound ``Σ_i max(q_i·min_i, q_i·max_i)`` for that query. The
+    queries of one region are computed together over the union of their choices (gathered once), each
+    query masked to its own regions; the union is at most ``M + R²·topk`` regions, usually far fewer.
+    Query regions go a batch at a time, sized to ``budget_bytes`` for the worst-case union.
+
+    Args:
+        q_BHSD, k_BHSD, v_BHSD: (B, H, S, hd) in the region-padded layout (S = NR·R²).
+        key_padding_mask: (B, S) bool, True = empty slot (never attended).
+
+    Returns:
+        (B, H, S, hd) attention output (rows of empty slots are computed but meaningless) and the int64
+        (B, H, S, M + topk) region ids each query attended (ascending, then -1).
+    """
+    bs = layout.region_size**2
+    B, H, S, hd = q_BHSD.shape
+    nr = layout.num_regions
+    if S != nr * bs:
+        raise ValueError(f"sequence length ({S}) must be num_regions·R² ({nr}·{bs})")
+    neigh = layout.neighbours  # (NR, M)
+    M = neigh.shape[1]
+    k_extra = min(topk, nr)
+    max_union = min(nr, M + bs * k_extra)
+    chunk = _per_query_chunk(layout, B, H, hd, max_union, budget_bytes)
+    kmin, kmax = _region_summaries(k_BHSD.detach(), key_padding_mask, bs, max(1, chunk))  # (B, H, NR, hd)
+    k_blocks = k_BHSD.reshape(B, H, nr, bs, hd)
+    v_blocks = v_BHSD.reshape(B, H, nr, bs, hd)
+    kvalid = (~key_padding_mask).reshape(B, nr, bs)  # (B, NR, bs)
+    forced_all = torch.zeros(nr, nr + 1, dtype=torch.bool, device=q_BHSD.device)
+    forced_all.scatter_(1, torch.where(neigh < 0, nr, neigh), True)
+    forced_all = forced_all[:, :nr]  # (NR, NR) region r always attends region n
+    b_ar = torch.arange(B, device=q_BHSD.device).view(B, 1, 1, 1)
+    h_ar = torch.arange(H, device=q_BHSD.device).view(1, H, 1, 1)
+    scale = 1.0 / math.sqrt(hd)
+    outs, chosen = [], []
+    for c0 in range(0, nr, chunk):
+        c1 = min(nr, c0 + chunk)
+        C = c1 - c0
+        # Padded query rows copy a real query of their region (their selection is never used).
+        rows = q_BHSD.detach()[:, :, layout.fill_src[c0 * bs : c1 * bs]]  # (B, H, C·bs, hd)
+        scores = block_upper_bound(rows, kmin, kmax).view(B, H, C, bs, nr)
+        forced = forced_all[c0:c1][None, None, :, None, :]  # (1, 1, C, 1, NR)
+        scores = scores.masked_fill(forced, float("-inf"))
+        sel = forced.expand(B, H, C, bs, nr).clone()  # (B, H, C, bs, NR) regions each query attends
+        if k_extra > 0:
+            top = scores.topk(k_extra, dim=-1)
+            # Entries whose bound is -inf (forced neighbours, empty regions) are not chosen: OR, never overwrite.
+            sel |= torch.zeros_like(sel).scatter_(-1, top.indices, ~torch.isneginf(top.values))
+        union = sel.any(dim=3)  # (B, H, C, NR)
+        U = max(1, int(union.sum(-1).max()))
+        u_val, u_idx = union.to(torch.int8).topk(U, dim=-1)  # (B, H, C, U) chosen ids first
+        u_ok = u_val.bool()
+        kg = k_blocks[b_ar, h_ar, u_idx]  # (B, H, C, U, bs, hd)
+        vg = v_blocks[b_ar, h_ar, u_idx]
+        member = sel.gather(-1, u_idx[:, :, :, None, :].expand(B, H, C, bs, U)) & u_ok[:, :, :, None, :]
+        key_ok = kvalid[b_ar, u_idx]  # (B, H, C, U, bs)
+        keep = (member[..., None] & key_ok[:, :, :, None]).reshape(B, H, C, bs, U * bs)
+        # A query whose regions hold no real key (only possible for empty slots) sees all: finite, unused.
+        keep = keep | ~keep.any(-1, keepdim=True)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q_BHSD[:, :, c0 * bs : c1 * bs].reshape(B, H, C, bs, hd), kg.reshape(B, H, C, U * bs, hd),
+            vg.reshape(B, H, C, U * bs, hd), attn_mask=keep, scale=scale)  # (B, H, C, bs, hd)
+        outs.append(o.reshape(B, H, C * bs, hd))
+        ids = torch.where(sel, torch.arange(nr, device=sel.device), nr)  # (B, H, C, bs, NR)
+        kk = M + k_extra
+        ids = ids.topk(min(kk, nr), dim=-1, largest=False).values  # ascending; nr = unused
+        chosen.append(torch.where(ids >= nr, -1, ids).reshape(B, H, C * bs, -1))
+    return torch.cat(outs, dim=2), torch.cat(chosen, dim=2)
+
+
 # ------------------------------------------------------------------------------------------------ layers
 
 
@@ -294,7 +399,7 @@ class QuerentLayer(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, int(cfg.dim * cfg.mlp_ratio), dropout=cfg.dropout)
 
-    def forward(self, x_BSD: torch.Tensor, layout: RegionLayout, pad_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_BSD: torch.Tensor, layout: RegionLayout, pad_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.norm1(x_BSD)
         q = self.attn.project_q(h)  # (B, H, S, hd)
         k, v = self.attn.project_kv(h)  # (B, H, S, hd) each
@@ -302,10 +407,19 @@ class QuerentLayer(nn.Module):
         # Contiguous keys/values: core.blocksparse reads them in block layout as views (S is a multiple of the
         # block size) instead of copying them, and the projections' (B, S, H·hd) buffers are freed here.
         k, v = k.contiguous(), v.contiguous()
-        idx = select_regions(q, k, layout, self.cfg.topk, pad_BS, self.cfg.region_score,
-                             budget_bytes=int(self.cfg.select_budget_mb * 2**20))  # (B, H, NR, K)
-        o = block_sparse_attention(q, k, v, idx, block_size=self.cfg.block_size, key_padding_mask=pad_BS,
-                                   backend=self.cfg.backend)
+        budget = int(self.cfg.select_budget_mb * 2**20)
+        if self.cfg.selection == "dense":
+            real = layout.slot  # exact attention over the real patches only
+            o_real = attention(q[:, :, real], k[:, :, real], v[:, :, real], backend=self.cfg.dense_backend)
+            o = q.new_zeros(q.shape).index_copy(2, real, o_real)  # (B, H, S, hd)
+            idx = None
+        elif self.cfg.selection == "query":
+            o, idx = per_query_region_attention(q, k, v, layout, self.cfg.topk, pad_BS, budget)  # idx (B, H, S, K)
+        else:
+            idx = select_regions(q, k, layout, self.cfg.topk, pad_BS, self.cfg.region_score,
+                                 budget_bytes=budget)  # (B, H, NR, K)
+            o = block_sparse_attention(q, k, v, idx, block_size=self.cfg.block_size, key_padding_mask=pad_BS,
+                                       backend=self.cfg.backend)
         del q, k, v  # without autograd their memory is free for the MLP below
         x_BSD = x_BSD + self.attn.merge(o)
         del o
@@ -351,18 +465,19 @@ class Querent(nn.Module):
         indices = []
         for layer in self.layers:
             x, idx = layer(x, layout, pad)
-            if return_index:
+            if return_index and idx is not None:
                 indices.append(idx[0].detach())
         tok = self.norm(x[0, layout.slot])  # (N, dim) back in the input order
         emb, a = self.pool(tok)
-        return MILOutput(self.head(emb), a, emb, indices if return_index else None, layout)
+        return MILOutput(self.head(emb), a, emb, indices if return_index and indices else None, layout)
 
     @torch.no_grad()
     def regions_for_patch(self, out: MILOutput, patch: int, layer: int = -1, head: int | None = None) -> torch.Tensor:
-        """Region ids that ``patch``'s region attended to in ``layer`` (union over heads unless ``head``)."""
+        """Region ids that ``patch`` (its region, with selection="region") attended to in ``layer`` (union over heads unless ``head``)."""
         if out.block_index is None or out.layout is None:
             raise ValueError("call forward(..., return_index=True) first")
-        r = int(out.layout.region_of_patch()[patch])
+        # Per-query selection stores one row per slot of the padded sequence, per-region one row per region.
+        r = int(out.layout.slot[patch]) if self.cfg.selection == "query" else int(out.layout.region_of_patch()[patch])
         idx = out.block_index[layer][:, r] if head is None else out.block_index[layer][head : head + 1, r]
         ids = torch.unique(idx[idx >= 0])
         return ids

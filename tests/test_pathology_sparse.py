@@ -1,0 +1,229 @@
+"""Querent's per-query selection, the sparse-regime bag generator and the benchmark's record/summary code."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.pathology_sparse import (GridBagConfig, append_record, auc, chebyshev, folds_for, main, make_bag,
+                                         make_cohort, pooled_auc_ci, read_records, record_key, render_bag,
+                                         spatial_label, summarize, t_interval)
+from core.attention import attention
+from core.blocksparse import block_summaries, block_upper_bound
+from pathology.querent import Querent, QuerentConfig, build_regions, per_query_region_attention
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _grid(w: int, h: int, keep: float, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    gy, gx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    grid = torch.stack([gx, gy], -1).reshape(-1, 2)
+    m = torch.rand(len(grid), generator=g) < keep
+    m[0] = True
+    return grid[m] * 256 + 512
+
+
+def _qkv(coords: torch.Tensor, R: int, H: int = 2, hd: int = 8, seed: int = 0):
+    lay = build_regions(coords, 256, R)
+    pad = torch.ones(1, lay.padded_len, dtype=torch.bool)
+    pad[0, lay.slot] = False
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, lay.padded_len, hd, generator=g) for _ in range(3))
+    return lay, pad, q, k, v
+
+
+# ------------------------------------------------------------------------------------ per-query selection
+
+
+def test_per_query_with_every_region_is_dense_attention():
+    coords = _grid(13, 11, 0.7)
+    lay, pad, q, k, v = _qkv(coords, 4)
+    o, idx = per_query_region_attention(q, k, v, lay, topk=lay.num_regions, key_padding_mask=pad)
+    real = lay.slot
+    ref = attention(q[:, :, real], k[:, :, real], v[:, :, real])
+    torch.testing.assert_close(o[:, :, real], ref, atol=1e-5, rtol=1e-5)
+    assert bool((idx[0][:, real] >= 0).sum(-1).eq(lay.num_regions).all())  # every query saw every region
+
+
+@pytest.mark.parametrize("selection", ["query", "region"])
+def test_model_with_every_region_equals_dense_model(selection):
+    coords = _grid(12, 10, 0.8)
+    torch.manual_seed(0)
+    feats = torch.randn(len(coords), 8)
+    outs = {}
+    for sel in (selection, "dense"):
+        torch.manual_seed(1)  # same weights for both
+        m = Querent(QuerentConfig(in_dim=8, dim=16, num_heads=2, depth=2, region_size=4, topk=100, selection=sel,
+                                  dropout=0.0)).eval()
+        with torch.no_grad():
+            outs[sel] = m(feats, coords, patch_size_level0=256)
+    torch.testing.assert_close(outs[selection].logits, outs["dense"].logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[selection].attention, outs["dense"].attention, atol=1e-6, rtol=1e-5)
+
+
+def test_per_query_selects_per_query_by_its_own_bound():
+    coords = _grid(17, 15, 0.75, seed=3)
+    lay, pad, q, k, v = _qkv(coords, 4, seed=5)
+    topk = 2
+    o, idx = per_query_region_attention(q, k, v, lay, topk=topk, key_padding_mask=pad)
+    bs, nr = 16, lay.num_regions
+    kmin, kmax, _ = block_summaries(k, bs, key_padding_mask=pad)
+    bound = block_upper_bound(q, kmin, kmax)[0]  # (H, S, NR)
+    region_of = lay.slot // bs
+    distinct = 0
+    for h in range(q.shape[1]):
+        per_region: dict[int, set] = {}
+        for j, s in enumerate(lay.slot.tolist()):
+            r = int(region_of[j])
+            chosen = {int(c) for c in idx[0, h, s] if c >= 0}
+            neigh = {int(c) for c in lay.neighbours[r] if c >= 0}
+            assert neigh <= chosen  # the neighbourhood is always attended
+            extra = chosen - neigh
+            assert len(extra) == min(topk, nr - len(neigh))
+            others = [n for n in range(nr) if n not in neigh]
+            # the extras are this query's own best regions by its bound
+            worst_chosen = min(float(bound[h, s, n]) for n in extra)
+            best_left = max((float(bound[h, s, n]) for n in others if n not in extra), default=-math.inf)
+            assert worst_chosen >= best_left
+            per_region.setdefault(r, set()).add(frozenset(chosen))
+            # the output is exact attention over this query's own regions
+            keys = torch.isin(torch.arange(lay.padded_len) // bs, torch.tensor(sorted(chosen))) & ~pad[0]
+            w = torch.softmax(q[0, h, s] @ k[0, h, keys].T / math.sqrt(q.shape[-1]), 0)
+            torch.testing.assert_close(o[0, h, s], w @ v[0, h, keys], atol=1e-5, rtol=1e-4)
+        distinct += sum(len(c) > 1 for c in per_region.values())
+    assert distinct > 0  # queries of one region chose differently: the choice really is per query
+
+
+def test_per_query_model_trains_and_reports_its_index():
+    coords = _grid(12, 12, 0.9)
+    m = Querent(QuerentConfig(in_dim=8, dim=16, num_heads=2, region_size=4, topk=1, selection="query"))
+    out = m(torch.randn(len(coords), 8), coords, patch_size_level0=256, return_index=True)
+    out.logits.sum().backward()
+    assert all(p.grad is not None for p in m.layers[0].attn.parameters())
+    assert out.block_index[0].shape[:2] == (2, out.layout.padded_len)
+    ids = m.regions_for_patch(out, 5)
+    assert 1 <= len(ids) <= 9 + 1
+    with pytest.raises(ValueError, match="selection"):
+        QuerentConfig(in_dim=8, selection="per-query")
+    assert QuerentConfig(in_dim=8).selection == "region"  # the default is unchanged
+
+
+# ------------------------------------------------------------------------------------------- generator
+
+
+def test_spatial_label_follows_the_distance_of_the_same_two_sites():
+    cfg = GridBagConfig(side=40, keep=0.8, in_dim=8, radius=2.0, near=(6, 8), far_min=20)
+    rng = np.random.default_rng(0)
+    near = render_bag(rng, "AB", [(10, 10), (17, 12)], cfg, label=spatial_label((10, 10), (17, 12), cfg))
+    far = render_bag(rng, "AB", [(10, 10), (33, 30)], cfg, label=spatial_label((10, 10), (33, 30), cfg))
+    assert (near.label, far.label) == (1, 0)  # moving B away flips the label
+    with pytest.raises(ValueError, match="neither near"):
+        spatial_label((10, 10), (22, 10), cfg)
+    # the same pattern content in both: as many A and B patches (sites are whole disks), so counts cannot tell
+    from benchmarks.pathology_sparse import pattern_directions
+
+    d = torch.from_numpy(pattern_directions(cfg))
+    for bag in (near, far):
+        assert len(bag.features) > 0.75 * 40 * 40
+    def site_sizes(bag):
+        pos = bag.coords
+        return [int(((pos - torch.tensor(c)).pow(2).sum(1) <= cfg.radius**2).sum()) for c in bag.centres]
+    assert site_sizes(near) == site_sizes(far)
+    # patches of site A carry μ_A: their mean projection on μ_A is about the amplitude, elsewhere about 0
+    a = ((near.coords - torch.tensor(near.centres[0])).pow(2).sum(1) <= cfg.radius**2)
+    proj = near.features @ d[0]
+    assert float(proj[a].mean()) > 1.0 > float(proj[~a].mean().abs())
+
+
+def test_cohorts_are_balanced_and_labels_mean_what_they_say():
+    cfg = GridBagConfig(side=40, keep=0.9, in_dim=8, radius=2.0, near=(6, 8), far_min=20)
+    sp = make_cohort("spatial", 12, 0, cfg)
+    assert [b.label for b in sp].count(1) == 6
+    for b in sp:
+        assert b.sites == "AB" and spatial_label(*b.centres, cfg) == b.label
+        assert chebyshev(*b.centres) <= 8 if b.label else chebyshev(*b.centres) >= 20
+    co = make_cohort("cooccur", 12, 0, cfg)
+    assert all((b.sites == "AB") == bool(b.label) for b in co)
+    assert {b.sites for b in co if not b.label} <= {"AA", "BB"}
+    again = make_cohort("spatial", 12, 0, cfg)
+    assert all(torch.equal(x.features, y.features) for x, y in zip(sp, again))  # seeded
+    with pytest.raises(ValueError, match="kind"):
+        make_bag(np.random.default_rng(0), "nearby", 1, cfg)
+
+
+# ----------------------------------------------------------------------------------- records, summary
+
+
+def test_auc_folds_and_interval():
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 50)
+    s = rng.random(50).round(1)  # ties
+    assert auc(y, s) == pytest.approx(roc_auc_score(y, s))
+    folds = folds_for(list(y), 5, seed=1)
+    assert sorted(i for f in folds for i in f) == list(range(50))
+    assert max(abs(sum(y[f]) - sum(y) / 5) for f in folds) <= 1
+    m, lo, hi = t_interval([0.8, 0.9, 1.0])
+    assert m == pytest.approx(0.9) and lo < 0.9 < hi and hi - 0.9 == pytest.approx(0.9 - lo)
+
+
+def _cv(label, model, seed, fold, ids, labels, probs, a=None):
+    return {"stage": "cv", "label": label, "model": model, "seed": seed, "fold": fold, "test_ids": ids,
+            "test_labels": labels, "test_probs": probs, "auc": auc(labels, probs) if a is None else a,
+            "epochs_run": 3, "train_cpu_s": 6.0, "steps": 30, "regions_kept": 0.15 if "querent" in model else None}
+
+
+def test_records_resume_and_summary(tmp_path):
+    path = tmp_path / "r.jsonl"
+    ids = [f"b{i}" for i in range(8)]
+    y = [1, 0] * 4
+    good = [0.9, 0.1] * 4  # perfect
+    bad = [0.4, 0.6, 0.6, 0.4, 0.5, 0.5, 0.7, 0.2]
+    for seed in (0, 1):
+        for fold in (0, 1):
+            sl = slice(4 * fold, 4 * fold + 4)
+            append_record(path, _cv("spatial", "dense", seed, fold, ids[sl], y[sl], good[sl]))
+            append_record(path, _cv("spatial", "querent_region", seed, fold, ids[sl], y[sl], good[sl]))
+            append_record(path, _cv("spatial", "abmil", seed, fold, ids[sl], y[sl], bad[sl]))
+    with open(path, "a") as f:
+        f.write('{"stage": "cv", "label": "spa')  # a killed run's torn last line
+    recs = read_records(path)
+    assert len(recs) == 12
+    assert record_key(recs["cv|spatial|0|1|abmil"]) == "cv|spatial|0|1|abmil"
+    with pytest.raises(ValueError, match="stage"):
+        record_key({"stage": "train"})
+    s = summarize(recs, labels=["spatial"], models=["dense", "querent_region", "abmil"], n_boot=200)
+    rows = {r["model"]: r for r in s["rows"]}
+    assert rows["dense"]["pooled_auc"] == 1.0 and rows["querent_region"]["minus_dense"] == 0.0
+    assert rows["abmil"]["pooled_auc"] == pytest.approx(auc(y, bad))
+    assert rows["abmil"]["minus_dense"] < 0 and rows["abmil"]["minus_dense_lo"] <= rows["abmil"]["minus_dense"]
+    assert rows["querent_region"]["runs"] == 4 and rows["querent_region"]["seeds"] == [0, 1]
+    t = s["targets"]
+    assert t["querent_region_spatial_within_1pt_of_dense"]["point_met"]
+    assert t["querent_region_above_abmil_on_spatial"]["point_met"]
+    # a seed missing a fold is left out of the pooled AUC, not mixed in
+    partial = [r for k, r in recs.items() if r["model"] == "abmil" and not (r["seed"] == 1 and r["fold"] == 1)]
+    assert pooled_auc_ci(partial, n_boot=10)["seeds"] == 1
+
+
+def test_quick_run_writes_json_and_curve(tmp_path):
+    out = tmp_path / "res.json"
+    argv = ["--quick", "--models", "mean,dense", "--records", str(tmp_path / "r.jsonl"), "--out", str(out),
+            "--work", str(tmp_path / "w"), "--approx-grid", "region:4:0,query:4:4", "--labels", "spatial",
+            "--bags", "10", "--no-progress", "--n-boot", "50"]
+    assert main(argv) == 0
+    d = json.loads(out.read_text())
+    assert {r["model"] for r in d["rows"]} == {"mean", "dense"}
+    assert {(a["selection"], a["topk"]) for a in d["approx"]} == {("region", 0), ("query", 4)}
+    assert all(0 < a["regions_kept"] < 1 and a["rel_error"] >= 0 for a in d["approx"])
+    assert d["speed"] and d["speed"][0]["dense_cpu_s"] > 0
+    assert (tmp_path / "res_curves.png").exists()
+    n = len(read_records(tmp_path / "r.jsonl"))
+    assert main(argv) == 0  # resumed: nothing is redone
+    assert len(read_records(tmp_path / "r.jsonl")) == n
