@@ -80,8 +80,8 @@ class GridBagConfig:
     side: int = 106  # patch grid side (the bag has about keep·side² patches)
     keep: float = 0.9  # share of grid cells that hold a patch (the rest are holes)
     in_dim: int = 16  # feature size
-    radius: float = 3.0  # pattern site radius (patches); a site holds ~π·r² patches
-    amplitude: float = 2.0  # length of the pattern direction added to a site's patches
+    radius: float = 8.0  # pattern site radius (patches); a site holds ~π·r² patches
+    amplitude: float = 3.0  # length of the pattern direction added to a site's patches
     texture: float = 1.0  # amplitude of the two smooth tissue fields
     near: tuple[int, int] = (24, 32)  # spatial label 1: Chebyshev distance of the two site centres
     far_min: int = 64  # spatial label 0: Chebyshev distance at least this
@@ -105,17 +105,18 @@ class GridBag:
     features: "torch.Tensor"  # (N, in_dim) float32  # noqa: F821
     coords: "torch.Tensor"  # (N, 2) int64 grid (x, y); patch_size_level0 = 1  # noqa: F821
     label: int
-    sites: str  # "AB", "AA" or "BB"
+    sites: str  # "AB", "AA", "BB" or "CC"
     centres: list[tuple[int, int]]  # (x, y) of the two sites
     bag_id: str = ""
 
 
 def pattern_directions(cfg: GridBagConfig) -> np.ndarray:
-    """(4, in_dim) unit vectors: μ_A, μ_B and the two tissue-field directions (fixed by ``pattern_seed``)."""
+    """(5, in_dim) unit vectors: μ_A, μ_B, the two tissue-field directions and μ_C (the decoy pattern),
+    fixed by ``pattern_seed``; orthonormal when ``in_dim >= 5``."""
     rng = np.random.default_rng(cfg.pattern_seed)
-    m = rng.standard_normal((4, cfg.in_dim))
-    q, _ = np.linalg.qr(m.T)  # orthonormal columns when in_dim >= 4
-    d = q.T if cfg.in_dim >= 4 else m / np.linalg.norm(m, axis=1, keepdims=True)
+    m = rng.standard_normal((5, cfg.in_dim))
+    q, _ = np.linalg.qr(m.T)
+    d = q.T if cfg.in_dim >= 5 else m / np.linalg.norm(m, axis=1, keepdims=True)
     return d.astype(np.float32)
 
 
@@ -148,8 +149,8 @@ def render_bag(rng: np.random.Generator, sites: str, centres: Sequence[Sequence[
     """Draw the holes, noise and tissue fields of a bag and paint the two sites at ``centres`` ((x, y) each)."""
     import torch
 
-    if len(sites) != 2 or set(sites) - {"A", "B"} or len(centres) != 2:
-        raise ValueError(f"sites ({sites!r}) must be two of 'A'/'B' with two centres, got {len(centres)} centres")
+    if len(sites) != 2 or set(sites) - {"A", "B", "C"} or len(centres) != 2:
+        raise ValueError(f"sites ({sites!r}) must be two of 'A'/'B'/'C' with two centres, got {len(centres)} centres")
     s = cfg.side
     dirs = pattern_directions(cfg)
     present = rng.random((s, s)) < cfg.keep
@@ -163,7 +164,7 @@ def render_bag(rng: np.random.Generator, sites: str, centres: Sequence[Sequence[
     feats += cfg.texture * _smooth_field(rng, s)[..., None].astype(np.float32) * dirs[2]
     feats += cfg.texture * _smooth_field(rng, s)[..., None].astype(np.float32) * dirs[3]
     for j, letter in enumerate(sites):
-        feats[site_of == j] += cfg.amplitude * dirs[0 if letter == "A" else 1]
+        feats[site_of == j] += cfg.amplitude * dirs[{"A": 0, "B": 1, "C": 4}[letter]]
     ys, xs = np.nonzero(present)  # row-major order
     f = torch.from_numpy(np.ascontiguousarray(feats[ys, xs]))
     c = torch.from_numpy(np.stack([xs, ys], 1).astype(np.int64))
@@ -201,7 +202,7 @@ def _near_partner(rng: np.random.Generator, anchor: tuple[int, int], cfg: GridBa
 def make_bag(rng: np.random.Generator, kind: str, label: int, cfg: GridBagConfig, bag_id: str = "") -> GridBag:
     """One bag of ``kind`` ("cooccur" or "spatial") with ``label`` (see the module docstring)."""
     if kind == "cooccur":
-        sites = "AB" if label else ("AA" if rng.random() < 0.5 else "BB")
+        sites = "AB" if label else ("AA", "BB", "CC")[int(rng.integers(3))]
         a, b = _far_pair(rng, cfg, int(2 * cfg.radius) + 2)  # anywhere, not overlapping
         return render_bag(rng, sites, [a, b], cfg, label, bag_id)
     if kind == "spatial":
@@ -785,8 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--side", type=int, default=106, help="patch grid side (~0.9·side² patches per bag)")
     p.add_argument("--keep", type=float, default=0.9)
     p.add_argument("--in-dim", type=int, default=16)
-    p.add_argument("--radius", type=float, default=3.0, help="pattern site radius in patches")
-    p.add_argument("--amplitude", type=float, default=2.0, help="length of the pattern direction in a site's features")
+    p.add_argument("--radius", type=float, default=8.0, help="pattern site radius in patches")
+    p.add_argument("--amplitude", type=float, default=3.0, help="length of the pattern direction in a site's features")
     p.add_argument("--near", default="24,32", help="spatial label 1: Chebyshev distance range of the site centres")
     p.add_argument("--far-min", type=int, default=64, help="spatial label 0: Chebyshev distance at least this")
     p.add_argument("--dim", type=int, default=16)
@@ -794,10 +795,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--region-size", type=int, default=8)
     p.add_argument("--topk", type=int, default=20)
-    p.add_argument("--epochs", type=int, default=8, help="most epochs (early stopping usually ends sooner)")
-    p.add_argument("--min-epochs", type=int, default=3)
-    p.add_argument("--patience", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--epochs", type=int, default=10, help="most epochs (early stopping usually ends sooner)")
+    p.add_argument("--min-epochs", type=int, default=6)
+    p.add_argument("--patience", type=int, default=3)
+    p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--val-share", type=float, default=0.2, help="share of each fold's training bags for early stopping")
     p.add_argument("--speed-side", type=int, default=270, help="grid side of the speed bag (270: ~65.6K patches)")
     p.add_argument("--speed-reps", type=int, default=2)

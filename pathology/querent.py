@@ -70,6 +70,7 @@ class QuerentConfig:
     selection: str = "region"  # "region": topk chosen per query region (max bound over its queries);
     # "query": topk chosen per query by its own bound; "dense": exact attention over all patches (no selection)
     dense_backend: str = "auto"  # core.attention backend of selection="dense" ("auto" is chunked on CPU for large bags)
+    query_group: int = 16  # selection="query": queries whose chosen regions are gathered together (cost knob, exact)
 
     def __post_init__(self) -> None:
         if self.in_dim < 1 or self.dim < 1:
@@ -82,6 +83,8 @@ class QuerentConfig:
             raise ValueError(f"region_size ({self.region_size}) must be >= 1")
         if self.topk < 0 or self.neighbourhood < 0:
             raise ValueError(f"topk ({self.topk}) and neighbourhood ({self.neighbourhood}) must be >= 0")
+        if self.query_group < 1:
+            raise ValueError(f"query_group ({self.query_group}) must be >= 1")
         if not self.select_budget_mb > 0:
             raise ValueError(f"select_budget_mb ({self.select_budget_mb}) must be > 0")
         if self.selection not in SELECTIONS:
@@ -268,29 +271,33 @@ def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLay
     return torch.where(out >= nr, -1, out)
 
 
-def _per_query_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, max_union: int, budget_bytes: int) -> int:
+def _per_query_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, max_union: int, budget_bytes: int,
+                     group: int) -> int:
     """Query regions per step of :func:`per_query_region_attention` so a step stays under ``budget_bytes``.
 
     A step over ``C`` regions holds bounds and selections against every region (``B·H·C·R²·NR``, fp32 and
-    bool) and, for the union of at most ``U`` chosen regions, the gathered keys and values
-    (``B·H·C·U·R²·2·head_dim`` fp32), the mask (bool) and the scores (fp32) of ``B·H·C·R²·U·R²`` pairs.
+    bool) and, per group of ``group`` queries and the union of at most ``U`` regions it chose, the gathered
+    keys and values (``U·R²·2·head_dim`` fp32), the mask (bool) and the scores (fp32) of ``group·U·R²`` pairs.
     """
     bs = layout.region_size**2
     nr = max(1, layout.num_regions)
-    per_region = B * H * (5 * bs * nr + 4 * max_union * bs * 2 * head_dim + 9 * bs * max_union * bs)
+    groups = bs // group
+    per_region = B * H * (5 * bs * nr + groups * (4 * max_union * bs * 2 * head_dim + 9 * group * max_union * bs))
     return max(1, min(nr, budget_bytes // max(1, per_region)))
 
 
 def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, layout: RegionLayout,
-                               topk: int, key_padding_mask: torch.Tensor,
-                               budget_bytes: int = 32 * 2**20) -> tuple[torch.Tensor, torch.Tensor]:
+                               topk: int, key_padding_mask: torch.Tensor, budget_bytes: int = 32 * 2**20,
+                               query_group: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Region attention with the ``topk`` regions chosen **per query** by its own Quest bound.
 
     Every query attends exactly to the keys of its region's neighbourhood (``layout.neighbours``) plus the
-    ``topk`` other regions with the highest bound ``Σ_i max(q_i·min_i, q_i·max_i)`` for that query. The
-    queries of one region are computed together over the union of their choices (gathered once), each
-    query masked to its own regions; the union is at most ``M + R²·topk`` regions, usually far fewer.
-    Query regions go a batch at a time, sized to ``budget_bytes`` for the worst-case union.
+    ``topk`` other regions with the highest bound ``Σ_i max(q_i·min_i, q_i·max_i)`` for that query. Groups
+    of ``query_group`` consecutive queries of a region are computed together over the union of their
+    choices (gathered once), each query masked to its own regions; the union is at most
+    ``M + query_group·topk`` regions (1 = no sharing: every query gathers its own keys; larger groups
+    gather less often but attend more masked keys). Query regions go a batch at a time, sized to
+    ``budget_bytes`` for the worst-case union.
 
     Args:
         q_BHSD, k_BHSD, v_BHSD: (B, H, S, hd) in the region-padded layout (S = NR·R²).
@@ -308,8 +315,10 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
     neigh = layout.neighbours  # (NR, M)
     M = neigh.shape[1]
     k_extra = min(topk, nr)
-    max_union = min(nr, M + bs * k_extra)
-    chunk = _per_query_chunk(layout, B, H, hd, max_union, budget_bytes)
+    g = math.gcd(bs, max(1, int(query_group)))  # queries per group; divides the region's R² slots
+    ng = bs // g  # groups per region
+    max_union = min(nr, M + g * k_extra)
+    chunk = _per_query_chunk(layout, B, H, hd, max_union, budget_bytes, g)
     kmin, kmax = _region_summaries(k_BHSD.detach(), key_padding_mask, bs, max(1, chunk))  # (B, H, NR, hd)
     k_blocks = k_BHSD.reshape(B, H, nr, bs, hd)
     v_blocks = v_BHSD.reshape(B, H, nr, bs, hd)
@@ -334,20 +343,22 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
             top = scores.topk(k_extra, dim=-1)
             # Entries whose bound is -inf (forced neighbours, empty regions) are not chosen: OR, never overwrite.
             sel |= torch.zeros_like(sel).scatter_(-1, top.indices, ~torch.isneginf(top.values))
-        union = sel.any(dim=3)  # (B, H, C, NR)
+        G = C * ng  # query groups in this chunk
+        sel_g = sel.view(B, H, G, g, nr)
+        union = sel_g.any(dim=3)  # (B, H, G, NR)
         U = max(1, int(union.sum(-1).max()))
-        u_val, u_idx = union.to(torch.int8).topk(U, dim=-1)  # (B, H, C, U) chosen ids first
+        u_val, u_idx = union.to(torch.int8).topk(U, dim=-1)  # (B, H, G, U) chosen ids first
         u_ok = u_val.bool()
-        kg = k_blocks[b_ar, h_ar, u_idx]  # (B, H, C, U, bs, hd)
+        kg = k_blocks[b_ar, h_ar, u_idx]  # (B, H, G, U, bs, hd)
         vg = v_blocks[b_ar, h_ar, u_idx]
-        member = sel.gather(-1, u_idx[:, :, :, None, :].expand(B, H, C, bs, U)) & u_ok[:, :, :, None, :]
-        key_ok = kvalid[b_ar, u_idx]  # (B, H, C, U, bs)
-        keep = (member[..., None] & key_ok[:, :, :, None]).reshape(B, H, C, bs, U * bs)
+        member = sel_g.gather(-1, u_idx[:, :, :, None, :].expand(B, H, G, g, U)) & u_ok[:, :, :, None, :]
+        key_ok = kvalid[b_ar, u_idx]  # (B, H, G, U, bs)
+        keep = (member[..., None] & key_ok[:, :, :, None]).reshape(B, H, G, g, U * bs)
         # A query whose regions hold no real key (only possible for empty slots) sees all: finite, unused.
         keep = keep | ~keep.any(-1, keepdim=True)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q_BHSD[:, :, c0 * bs : c1 * bs].reshape(B, H, C, bs, hd), kg.reshape(B, H, C, U * bs, hd),
-            vg.reshape(B, H, C, U * bs, hd), attn_mask=keep, scale=scale)  # (B, H, C, bs, hd)
+            q_BHSD[:, :, c0 * bs : c1 * bs].reshape(B, H, G, g, hd), kg.reshape(B, H, G, U * bs, hd),
+            vg.reshape(B, H, G, U * bs, hd), attn_mask=keep, scale=scale)  # (B, H, G, g, hd)
         outs.append(o.reshape(B, H, C * bs, hd))
         ids = torch.where(sel, torch.arange(nr, device=sel.device), nr)  # (B, H, C, bs, NR)
         kk = M + k_extra
@@ -414,7 +425,8 @@ class QuerentLayer(nn.Module):
             o = q.new_zeros(q.shape).index_copy(2, real, o_real)  # (B, H, S, hd)
             idx = None
         elif self.cfg.selection == "query":
-            o, idx = per_query_region_attention(q, k, v, layout, self.cfg.topk, pad_BS, budget)  # idx (B, H, S, K)
+            o, idx = per_query_region_attention(q, k, v, layout, self.cfg.topk, pad_BS, budget,
+                                                self.cfg.query_group)  # idx (B, H, S, K)
         else:
             idx = select_regions(q, k, layout, self.cfg.topk, pad_BS, self.cfg.region_score,
                                  budget_bytes=budget)  # (B, H, NR, K)

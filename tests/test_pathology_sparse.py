@@ -149,7 +149,7 @@ def test_cohorts_are_balanced_and_labels_mean_what_they_say():
         assert chebyshev(*b.centres) <= 8 if b.label else chebyshev(*b.centres) >= 20
     co = make_cohort("cooccur", 12, 0, cfg)
     assert all((b.sites == "AB") == bool(b.label) for b in co)
-    assert {b.sites for b in co if not b.label} <= {"AA", "BB"}
+    assert {b.sites for b in co if not b.label} <= {"AA", "BB", "CC"}
     again = make_cohort("spatial", 12, 0, cfg)
     assert all(torch.equal(x.features, y.features) for x, y in zip(sp, again))  # seeded
     with pytest.raises(ValueError, match="kind"):
