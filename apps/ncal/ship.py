@@ -56,18 +56,28 @@ def selection_text(meta: dict, sel: dict, entry: dict) -> str:
               f"NOT the same recipe: the selection runs used {sel['epochs']} epochs, encoder {sel['encoder']}, "
               f"context {sel['context']}; this run {s['epochs']} epochs, encoder {s['encoder']}, context {meta['context']}")
     miss = f"; classes without a validation item: {', '.join(vs['not_in_valid'])}" if vs["not_in_valid"] else ""
+    f1 = sorted((r["valid"]["macro_f1"] for r in entry["losses"].values()), reverse=True)
+    margin = 100 * (f1[0] - f1[1]) if len(f1) > 1 else None
+    close = ("" if margin is None or margin >= 1.0 else
+             f" The margin over the runner-up is {margin:.2f} macro-F1 points on {vs['n_valid']} validation items: "
+             "the losses near the top are not told apart by this split, and the rule picked one of them.")
+    per_class = ", ".join(f"{c} {n}" for c, n in vs["valid_counts"].items())
+    t = meta["test"]
     return f"""## How this model was chosen
 Without the test split. Each of the {len(entry['losses'])} losses ({', '.join(entry['losses'])}) was trained
 with seed {sel['seed']} on the train split minus a stratified hold-out of {100 * vs['frac']:.0f}% ({vs['n_valid']} of
 {vs['n_valid'] + vs['n_train']} items, split seed {vs['seed']}, the same items for every loss{miss}); rule: {sel['rule']}.
 Chosen: **{chosen}**. This model is the `{chosen}` benchmark run with seed {s['seed']} (seed 0 was fixed before
-any choice) trained on the full train split with {recipe}; its test numbers below were measured after the choice
-and played no part in it. Command: `python -m benchmarks.ncal_select` (`benchmarks/results/ncal/selection.json`,
-copied here as `{meta['dataset']}/selection.json`).
+any choice) trained on the full train split with {recipe}. It then got test accuracy {t['accuracy']:.4f} and
+macro-F1 {t['macro_f1']:.4f} (Evaluation below): measured after the choice, they played no part in it.{close}
+Command: `python -m benchmarks.ncal_select` (`benchmarks/results/ncal/selection.json`, copied here as
+`{meta['dataset']}/selection.json`).
 
 | loss | validation accuracy | validation macro-F1 | validation tail recall |
 |---|---|---|---|
 {rows}
+
+Validation items per class: {per_class}.
 
 """
 
