@@ -9,7 +9,8 @@ The test split is not loaded by these runs. The rule: the loss with the highest 
 go to the loss listed first in ``--losses``. ``--out`` (``benchmarks/results/ncal/selection.json``) gets, per
 dataset, every loss's validation metrics, the chosen loss, the rule, and the benchmark run to ship
 (``runs/ncal_bench/<dataset>_<loss>_<seed>``: the same recipe trained on the full train split, whose seed was
-fixed before any choice). It is rewritten after every run, with ``"complete": false`` until all runs are done.
+fixed before any choice). It is rewritten after every run, with ``"complete": false`` until all runs are done,
+and so is its table (``selection.md`` beside it: validation macro-F1 of every loss per dataset).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, write_json_atomic
+from core.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "choose", "RULE"]
+__all__ = ["build_parser", "main", "choose", "selection_markdown", "RULE"]
 
 RULE = ("highest validation macro-F1 (stratified hold-out of the train split, fixed split seed); "
         "ties go to the loss listed first")
@@ -58,6 +60,24 @@ def _entry(ds: str, losses: Sequence[str], per_loss: dict[str, dict], args) -> d
         if entry["complete"]:
             entry["ship_run"] = str(Path(args.bench_runs) / f"{ds}_{chosen}_{args.seed}")
     return entry
+
+
+def selection_markdown(result: dict) -> str:
+    """Validation macro-F1 (accuracy) of every loss per dataset, the chosen loss in bold, the hold-out sizes."""
+    losses = list(dict.fromkeys(loss for e in result["datasets"].values() for loss in e["losses"]))
+    lines = ["| dataset | validation items | " + " | ".join(losses) + " | chosen |",
+             "|---|---|" + "---|" * len(losses) + "---|"]
+    for ds, e in result["datasets"].items():
+        chosen = e.get("chosen")
+        cells = []
+        for loss in losses:
+            r = e["losses"].get(loss)
+            cell = "–" if r is None else f"{100 * r['valid']['macro_f1']:.1f} ({100 * r['valid']['accuracy']:.1f})"
+            cells.append(f"**{cell}**" if loss == chosen else cell)
+        vs = e["valid_split"]
+        lines.append(f"| {ds} | {vs['n_valid']} of {vs['n_valid'] + vs['n_train']} | " + " | ".join(cells)
+                     + f" | {chosen or 'not yet (' + str(len(e['losses'])) + ' of ' + str(len(losses)) + ' runs)'} |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             result["datasets"] = {d: _entry(d, args.losses, per[d], args) for d in args.datasets if per[d]}
             result["complete"] = all(per[d].keys() >= set(args.losses) for d in args.datasets)
             write_json_atomic(out, result)
+            write_text_atomic(out.with_suffix(".md"), selection_markdown(result) + "\n")
     for ds, e in result["datasets"].items():
         table = ", ".join(f"{loss} {100 * r['valid']['macro_f1']:.1f}" for loss, r in e["losses"].items())
         logger.info("%s: chosen %s (validation macro-F1: %s)", ds, e.get("chosen"), table)

@@ -158,6 +158,9 @@ def test_select_cli_trains_every_loss_on_validation_only(tmp_path, tiny_encoder_
     assert e["chosen"] == max(["ce", "la"], key=lambda k: (f1[k], -["ce", "la"].index(k)))
     assert e["ship_run"].endswith(f"toy_{e['chosen']}_0") and e["valid_split"]["n_valid"] == 15
     assert res["datasets"] == saved["datasets"]
+    md = (tmp_path / "selection.md").read_text(encoding="utf-8")
+    bold = f"**{100 * f1[e['chosen']]:.1f} ("
+    assert md.startswith("| dataset | validation items | ce | la | chosen |") and bold in md and md.count("**") == 2
     # rerun: finished runs are read back (same numbers, nothing retrained)
     mtime = (tmp_path / "runs" / "toy_ce_0" / "model.safetensors").stat().st_mtime_ns
     again = ncal_select.main(argv)
