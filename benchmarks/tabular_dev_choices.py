@@ -5,7 +5,7 @@ A choice (the readout, the temperature, the ensemble) is a set of named variants
 development-suite results are accepted: a report or reserved run is refused, so no choice can look at them.
 
 Per table (the tables where every variant finished every split): each variant's mean accuracy, balanced accuracy,
-ROC-AUC, log-loss, single-class splits and seconds, and the peers' accuracy from the same runs for context.
+ROC-AUC, log-loss, single-class splits, wall and CPU seconds, and the peers' accuracy from the same runs for context.
 Aggregates per variant: the mean of each metric, the mean rank among the variants (by accuracy, 1 = best, ties
 averaged), and against the reference variant (``--reference``, the current default): tables won / lost / tied on
 accuracy, the mean paired accuracy difference with a 95% bootstrap interval over tables (seed 0, 10,000 draws)
@@ -96,6 +96,7 @@ def compare(variants: dict[str, dict], *, reference: str, prefer: str, splits: i
         a = {f"mean_{k}": float(np.mean([means[v][t][k] for t in tables])) for k in METRICS}
         a["mean_rank"] = float(ranks[:, j].mean())
         a["mean_seconds"] = float(np.mean([means[v][t]["seconds"] for t in tables]))
+        a["mean_cpu_seconds"] = float(np.mean([means[v][t].get("cpu_seconds", np.nan) for t in tables]))
         a["single_class_tables"] = [t for t in tables if means[v][t]["single_class_splits"]]
         if v != reference:
             d = acc[:, j] - acc[:, names.index(reference)]
@@ -109,6 +110,7 @@ def compare(variants: dict[str, dict], *, reference: str, prefer: str, splits: i
     per = [{"table": t, **{f"{v}_{k}": means[v][t][k] for v in names for k in METRICS},
             **{f"{v}_single_class_splits": means[v][t]["single_class_splits"] for v in names},
             **{f"{v}_seconds": means[v][t]["seconds"] for v in names},
+            **{f"{v}_cpu_seconds": means[v][t].get("cpu_seconds") for v in names},
             **{p: peers.get(t, {}).get(p) for p in CONTEXT_PEERS}} for t in tables]
     peer_means = {p: float(np.mean([peers[t][p] for t in tables])) for p in CONTEXT_PEERS
                   if all(p in peers.get(t, {}) for t in tables)}
@@ -128,7 +130,7 @@ def markdown(name: str, c: dict) -> str:
         a = c["aggregates"][v]
         vs = a.get("vs_reference")
         rows.append({"variant": v, **{k: a[f"mean_{k}"] for k in METRICS}, "mean_rank": a["mean_rank"],
-                     "mean_seconds": a["mean_seconds"], "single_class_tables": len(a["single_class_tables"]),
+                     "mean_cpu_seconds": a["mean_cpu_seconds"], "single_class_tables": len(a["single_class_tables"]),
                      "won/lost/tied vs ref": "" if vs is None else f"{vs['wins']}/{vs['losses']}/{vs['ties']}",
                      "mean diff [95% CI]": "" if vs is None else
                      f"{vs['mean_difference']:+.4f} [{vs['ci95'][0]:+.4f}, {vs['ci95'][1]:+.4f}]",

@@ -594,3 +594,22 @@ def test_checkpoint_with_a_readout_predicts_in_batches_and_from_cache(tmp_path, 
     np.testing.assert_allclose(clf.predict_proba(X[80:]), p, rtol=0, atol=0)  # repeated call: the cached context
     small = TabICLClassifier(n_estimators=2, checkpoint=str(path), random_state=0, batch_size=7).fit(X[:80], y[:80])
     np.testing.assert_allclose(small.predict_proba(X[80:]), p, atol=1e-5)
+
+
+def test_default_checkpoint_is_the_one_the_development_suite_chose():
+    """The shipped default is the variant that benchmarks/results/tabular_dev_choices.json records as chosen on the
+    development suite (choice "readout": the in-context logistic readout or the plain head), by weights content."""
+    import json
+    from pathlib import Path
+
+    from core.jobs import file_identity
+    from tabular.weights_io import default_checkpoint
+
+    record = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tabular_dev_choices.json"
+    choice = json.loads(record.read_text())["choices"]["readout"]
+    assert json.loads(record.read_text())["suite"] == "dev"
+    chosen = choice["settings"][choice["chosen"]]["weights"]
+    assert file_identity(default_checkpoint()) == chosen
+    others = [v for v in choice["variants"] if v != choice["chosen"]]
+    assert others and all(choice["settings"][v]["weights"] != chosen for v in others)
+    assert TabICLClassifier().checkpoint is None  # None = default_checkpoint()
