@@ -24,6 +24,7 @@ model's library version, seed, tuning budget or TabICL weights) equals this run'
     python -m benchmarks.tabular_bench --suite dev --splits 3 --models LightGBM XGBoost
     python -m benchmarks.tabular_bench --suite dev --report-only       # aggregate the records found, fit nothing
     python -m benchmarks.tabular_bench --suite reserved --describe     # table sizes only, no model is fitted
+    python -m benchmarks.tabular_bench --suite report --merge-records runs/part2_records --report-only  # join runs
 
 Results: ``benchmarks/results/tabular_bench_<suite>.json`` and ``.md`` (aggregates, per-table accuracy, flags,
 the target lines for TabICL) and the records folder ``benchmarks/results/tabular_bench_<suite>_records/``.
@@ -195,6 +196,18 @@ class RecordStore:
         rec = self._load(model).get(f"{table}|{split}")
         return rec if rec is not None and rec.get("settings") == settings else None
 
+    def merge_from(self, folder: Path) -> int:
+        """Copy the records of another records folder (a run in parallel with its own ``--records``) that this
+        store lacks (same model, table and split); returns how many were added. Records here are kept."""
+        added = 0
+        for path in sorted(Path(folder).glob("*.json")):
+            theirs = (read_json(path) or {}).get("records", {})
+            for rec in theirs.values():
+                if f"{rec['table']}|{rec['split']}" not in self._load(rec["model"]):
+                    self.put(rec)
+                    added += 1
+        return added
+
     def put(self, rec: dict) -> None:
         recs = self._load(rec["model"])
         recs[f"{rec['table']}|{rec['split']}"] = rec
@@ -248,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default results/tabular_bench_<suite>.json)")
     p.add_argument("--records", type=Path, default=None, help="records folder (default: <out stem>_records)")
+    p.add_argument("--merge-records", type=Path, nargs="+", default=(), metavar="FOLDER",
+                   help="first copy in the records of these folders (runs made in parallel) that --records lacks")
     p.add_argument("--report-only", action="store_true", help="aggregate the matching records found; fit nothing")
     p.add_argument("--describe", action="store_true", help="write the suite's table records only; fit nothing")
     return p
@@ -333,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                                   finetune_steps=args.finetune_steps, tabicl_kwargs=args.tabicl_kwargs)
                 for m in models}
     store = RecordStore(records_dir)
+    for folder in args.merge_records:
+        logger.warning("merged %d record(s) from %s", store.merge_from(folder), folder)
     tables, records, failures = [], [], []
     bar = tqdm(total=len(specs) * args.splits * len(models), desc=f"tabular_bench {args.suite}", file=sys.stderr)
     for spec in specs:

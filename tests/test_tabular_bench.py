@@ -206,3 +206,14 @@ def test_tabicl_kwargs_reach_the_estimator_and_the_settings_only_when_given():
     assert "kwargs" not in plain  # a default run keeps the fingerprint of the records made before the option
     assert tabular_peers.model_settings("TabICL", **kw, tabicl_kwargs={"softmax_temperature": 1.0})["kwargs"] == {
         "softmax_temperature": 1.0}
+
+
+def test_records_of_a_parallel_run_are_merged_and_reused(tmp_path, counted):
+    base = ["--suite", "report", "--models", "LogReg", "--splits", "1"]
+    assert main([*base, "--tables", "iris", "--out", str(tmp_path / "a.json")]) == 0
+    assert main([*base, "--tables", "wine", "--out", str(tmp_path / "b.json")]) == 0
+    counted.clear()
+    assert main([*base, "--tables", "iris", "wine", "--out", str(tmp_path / "a.json"), "--merge-records",
+                 str(tmp_path / "b_records"), "--report-only"]) == 0
+    assert counted == {} and json.loads((tmp_path / "a.json").read_text())["complete_tables"] == ["iris", "wine"]
+    assert sorted(json.loads((tmp_path / "a_records" / "LogReg.json").read_text())["records"]) == ["iris|0", "wine|0"]
