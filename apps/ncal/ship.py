@@ -63,6 +63,11 @@ def selection_text(meta: dict, sel: dict, entry: dict) -> str:
              "the losses near the top are not told apart by this split, and the rule picked one of them.")
     per_class = ", ".join(f"{c} {n}" for c, n in vs["valid_counts"].items())
     t = meta["test"]
+    test_counts = sorted({sum(row) for row in t.get("confusion", [])})
+    if len(test_counts) == 1:  # a balanced test split against a hold-out with train's long tail
+        per_class += (f". The hold-out keeps the train split's long tail while the test split has {test_counts[0]} items of "
+                      "every class, so validation and test macro-F1 weigh the classes' precision differently and can "
+                      "rank the losses differently")
     return f"""## How this model was chosen
 Without the test split. Each of the {len(entry['losses'])} losses ({', '.join(entry['losses'])}) was trained
 with seed {sel['seed']} on the train split minus a stratified hold-out of {100 * vs['frac']:.0f}% ({vs['n_valid']} of
