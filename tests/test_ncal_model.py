@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -13,33 +12,17 @@ from apps.ncal.data import Example
 from apps.ncal.encoder import EncoderConfig, TextEncoder, pool_features
 from apps.ncal.losses import LOSSES, LossConfig, LongTailLoss
 from apps.ncal.tokenizer import CharTokenizer
-
-CLASSES = ("甲", "乙", "丙")
-WORDS = {"甲": "加减乘除", "乙": "面积周长", "丙": "速度时间"}
+from tests._ncal_toy import CLASSES, toy_examples, write_tiny_encoder
 
 
 def _toy(n_per=(24, 8, 4), seed=0) -> list[Example]:
-    rng = random.Random(seed)
-    out = []
-    for c, n in zip(CLASSES, n_per):
-        for i in range(n):
-            text = "".join(rng.choice(WORDS[c]) for _ in range(rng.randint(3, 12))) + rng.choice("，。？")
-            out.append(Example(text=text, label=c, id=f"{c}{i}", line=len(out) + 1))
-    rng.shuffle(out)
-    return out
+    return toy_examples(n_per, seed)
 
 
 @pytest.fixture(scope="module")
 def tiny_encoder_dir(tmp_path_factory):
-    """A tiny encoder folder, as apps.ncal.pretrain writes it (random weights)."""
-    from apps.ncal.pretrain import save_encoder
-
-    d = tmp_path_factory.mktemp("enc")
-    tok = CharTokenizer.train([e.text for e in _toy()] + ["小明有苹果"], min_freq=1, max_length=24)
-    torch.manual_seed(0)
-    enc = TextEncoder(EncoderConfig(vocab_size=len(tok), dim=16, num_layers=1, num_heads=2, max_length=24, dropout=0.0))
-    save_encoder(d, enc, tok, {"step": 0})
-    return d
+    """A tiny random encoder folder, as apps.ncal.pretrain writes it."""
+    return write_tiny_encoder(tmp_path_factory.mktemp("enc"), [e.text for e in _toy()] + ["小明有苹果"])
 
 
 @pytest.mark.parametrize("pool", ["mean", "cls", "last"])

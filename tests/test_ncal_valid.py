@@ -11,35 +11,17 @@ import pytest
 import torch
 
 from apps.ncal.data import Example, stratified_holdout
-
-CLASSES = ("甲", "乙", "丙")
-WORDS = {"甲": "加减乘除", "乙": "面积周长", "丙": "速度时间"}
+from tests._ncal_toy import CLASSES, toy_examples, write_tiny_encoder
 
 
 def _toy(n_per=(40, 12, 6), seed=0) -> list[Example]:
-    rng = random.Random(seed)
-    out = []
-    for c, n in zip(CLASSES, n_per):
-        for i in range(n):
-            text = "".join(rng.choice(WORDS[c]) for _ in range(rng.randint(3, 12))) + rng.choice("，。？")
-            out.append(Example(text=text, label=c, id=f"{c}{i}", line=len(out) + 1))
-    rng.shuffle(out)
-    return out
+    return toy_examples(n_per, seed)
 
 
 @pytest.fixture(scope="module")
 def tiny_encoder_dir(tmp_path_factory):
     """A tiny random encoder folder, as apps.ncal.pretrain writes it."""
-    from apps.ncal.encoder import EncoderConfig, TextEncoder
-    from apps.ncal.pretrain import save_encoder
-    from apps.ncal.tokenizer import CharTokenizer
-
-    d = tmp_path_factory.mktemp("enc")
-    tok = CharTokenizer.train([e.text for e in _toy()], min_freq=1, max_length=24)
-    torch.manual_seed(0)
-    enc = TextEncoder(EncoderConfig(vocab_size=len(tok), dim=16, num_layers=1, num_heads=2, max_length=24, dropout=0.0))
-    save_encoder(d, enc, tok, {"step": 0})
-    return d
+    return write_tiny_encoder(tmp_path_factory.mktemp("enc"), [e.text for e in _toy()])
 
 
 def test_holdout_is_stratified_deterministic_and_disjoint():
