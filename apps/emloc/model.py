@@ -8,8 +8,9 @@ Sequence layout (one demonstration = ``tokens_per_demo`` tokens)::
 Each image ``(size, size)`` is cut into ``P = (size / patch)²`` patches, each flattened and projected to
 ``dim`` (plus a learned patch-index embedding); a label token is the decoder's token embedding of its id.
 Optionally (``image_summary``) every image token and the demo's label token also carry a projection of the
-whole image (meant to let one attention hop match a query to its class's labels; in two short CPU runs it
-learned slower than without, so it is off by default). The
+whole image, scaled by ``summary_scale`` (it lets one attention hop match a query to its class's labels; at
+scale 1.0 the projection drowned the patch features and training stayed at ln 16, at 0.1 a 2-way host reached
+0.97+ accuracy after four shots within 100 steps; off by default until a host trained with it is measured). The
 output at an image's last patch predicts its label id (``0..num_labels-1``); the output at a label token is
 trained to predict ``next_id`` ("another image follows"), so every answer token has a well-defined output.
 
@@ -47,7 +48,8 @@ class HostConfig:
     depth: int = 4  # decoder layers
     num_heads: int = 4  # query heads
     num_kv_heads: int = 2  # key/value heads (GQA keeps the cache small)
-    image_summary: bool = False  # add a whole-image projection to every image token and to the demo's label token (off: in two short CPU runs it learned slower than without)
+    image_summary: bool = False  # add a whole-image projection to every image token and to the demo's label token
+    summary_scale: float = 0.1  # factor on that projection: at 1.0 it drowns the patch features and training stalls at ln(num_labels)
     tokens_per_image: int = field(init=False)  # derived: (image_size / patch)²
     next_id: int = field(init=False)  # derived: token id the label positions predict
     vocab_size: int = field(init=False)  # derived: num_labels + 1
@@ -55,6 +57,8 @@ class HostConfig:
     def __post_init__(self) -> None:
         if self.image_size % self.patch != 0:
             raise ValueError(f"patch ({self.patch}) must divide image_size ({self.image_size})")
+        if not self.summary_scale > 0:
+            raise ValueError(f"summary_scale must be > 0, got {self.summary_scale!r}")
         if not (isinstance(self.num_labels, int) and self.num_labels >= 2):
             raise ValueError(f"num_labels must be an int >= 2, got {self.num_labels!r}")
         self.tokens_per_image = (self.image_size // self.patch) ** 2
@@ -103,7 +107,7 @@ class EMLoCHost(nn.Module):
         tok = self.patch_proj(x) + self.patch_pos  # (N, P, dim)
         summary = None
         if c.image_summary:
-            summary = self.image_proj(x.flatten(1))  # (N, dim); pixel order does not matter for a Linear
+            summary = c.summary_scale * self.image_proj(x.flatten(1))  # (N, dim); pixel order does not matter for a Linear
             tok = tok + summary[:, None]
         tok = tok.reshape(*lead, c.tokens_per_image, c.dim)
         if return_summary:
@@ -158,6 +162,9 @@ class EMLoCHost(nn.Module):
             meta = f.metadata() or {}
         if meta.get("format") != HOST_FORMAT:
             raise ValueError(f"{path} is not an EMLoC host file (format {meta.get('format')!r}, expected {HOST_FORMAT!r})")
-        model = cls(HostConfig(**json.loads(meta["config"])))
+        cfg = json.loads(meta["config"])
+        if cfg.get("image_summary") and "summary_scale" not in cfg:
+            cfg["summary_scale"] = 1.0  # files from before the option used the projection unscaled
+        model = cls(HostConfig(**cfg))
         load_model(model, str(path), strict=True, device=str(device))
         return model.eval()
