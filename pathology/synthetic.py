@@ -240,6 +240,17 @@ def render_layout(spec: SlideSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # the second as far as possible from the first: the same amount of pattern tissue in every slide.
     r_pat = 0.07 * max(h, w)
     _place_sites(rng, classes, tissue, spec.sites, r_pat)
+    if spec.lesion and not (classes == CLASSES["lesion"]).any():
+        # rare on small slides: the blobs missed the tissue or the pattern sites covered them; the label must
+        # still hold, so plain tissue gets a small lesion disk (no random draw: other slides are unchanged)
+        ty, tx = np.nonzero(classes == CLASSES["tissue"])
+        if len(ty) == 0:
+            ty, tx = np.nonzero(tissue)
+        i = len(ty) // 2
+        disk = _disk((h, w), float(ty[i]), float(tx[i]), max(2.0, 0.02 * max(h, w)))
+        classes[disk & (classes == CLASSES["tissue"])] = CLASSES["lesion"]
+        if not (classes == CLASSES["lesion"]).any():
+            classes[ty[i], tx[i]] = CLASSES["lesion"]
     # Artifacts: pen strokes, dust specks, a tissue fold.
     art = np.zeros((h, w), np.uint8)
     for _ in range(int(rng.integers(0, 3))):

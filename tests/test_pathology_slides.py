@@ -489,3 +489,15 @@ def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
     res = json.loads((out / f"{specs[0].name}.json").read_text())
     assert res["n_patches"] == a.n_patches and set(res["probabilities"]) == {"neg", "pos"}
     assert (out / f"{specs[0].name}_heatmap.png").exists() and (out / f"{specs[0].name}_overview.png").exists()
+
+
+def test_lesion_label_always_has_lesion_pixels():
+    """A small slide whose lesion blobs the pattern sites covered (found by a randomly seeded run) keeps a
+    lesion: the label and the truth map must agree."""
+    from pathology.synthetic import SlideSpec, render_layout
+
+    spec = SlideSpec(name="slide_001", width=1792, height=1280, mpp=0.5, seed=1949464246, lesion=1, longrange=1,
+                     has_a=True, has_b=True, sites="AB")
+    classes, _, _ = render_layout(spec)
+    assert (classes == CLASSES["lesion"]).any()
+    assert (classes == CLASSES["pattern_a"]).any() and (classes == CLASSES["pattern_b"]).any()
