@@ -83,7 +83,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         title="EMLoC",
         summary="Training-free multimodal long-context compression of demonstrations under a JS-divergence bound.",
         package="apps/emloc/",
-        ui_module=None,
+        ui_module="apps.emloc.ui",
         status="in progress: compression pipeline, CLIs and benchmark work; a host with a scaled image summary now learns in context (0.95 on held-out 5-way classes after 32+ demonstrations) but the benchmark has not been rerun with it",
     ),
     AppSpec(

@@ -34,3 +34,42 @@ def test_bench_tiny_run_and_resume(tmp_path, capsys):
     rows = out.with_suffix(".rows.jsonl").read_text().splitlines()
     assert main(argv) == 0  # resumed: nothing recomputed
     assert out.with_suffix(".rows.jsonl").read_text().splitlines() == rows
+    png = tmp_path / "curves.png"
+    assert main(["--plot-from", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_rows_of_another_host_and_overwrite_restarts(tmp_path):
+    from benchmarks.emloc_bench import main
+
+    for seed, name in ((0, "a"), (1, "b")):
+        torch.manual_seed(seed)
+        EMLoCHost(HostConfig(dim=32, depth=2, num_heads=4, num_kv_heads=2)).save(tmp_path / f"{name}.safetensors")
+    out = tmp_path / "b.json"
+    common = ["--demos", "4", "--seeds", "0", "--episodes", "1", "--queries", "2", "--keep", "0.5", "--chunk-demos", "4",
+              "--memory-demos", "4", "--out", str(out)]
+    assert main(["--model", str(tmp_path / "a.safetensors"), *common]) == 0
+    fp_a = json.loads(out.read_text())["host_fingerprint"]
+    with pytest.raises(SystemExit, match="another host or settings"):
+        main(["--model", str(tmp_path / "b.safetensors"), *common])
+    with pytest.raises(SystemExit, match="another host or settings"):  # same host, another setting
+        main(["--model", str(tmp_path / "a.safetensors"), *common, "--delta", "0.01"])
+    assert main(["--model", str(tmp_path / "b.safetensors"), *common, "--overwrite"]) == 0
+    rows = [json.loads(l) for l in out.with_suffix(".rows.jsonl").read_text().splitlines()]
+    assert {r["run"]["host"] for r in rows} == {json.loads(out.read_text())["host_fingerprint"]} != {fp_a}
+
+
+def test_memory_probe_runs_in_fresh_processes(tmp_path):
+    from benchmarks.emloc_bench import MEMORY_POLICIES, main
+
+    torch.manual_seed(0)
+    EMLoCHost(HostConfig(dim=32, depth=2, num_heads=4, num_kv_heads=2)).save(tmp_path / "h.safetensors")
+    out = tmp_path / "m.json"
+    assert main(["--model", str(tmp_path / "h.safetensors"), "--peak-memory", "--skip-accuracy", "--memory-grid", "8,16",
+                 "--memory-demos", "8", "--chunk-demos", "4", "--out", str(out)]) == 0
+    pm = json.loads(out.read_text())["peak_memory"]
+    assert len(pm["rows"]) == 2 * len(MEMORY_POLICIES)
+    assert all("peak_mb" in r and r["peak_mb"] >= 0 for r in pm["rows"]), pm["rows"]
+    full16 = next(r for r in pm["rows"] if r["K"] == 16 and r["policy"] == "full")
+    assert full16["fraction"] == 1.0 and abs(next(r for r in pm["rows"] if r["K"] == 16 and r["policy"] == "snapkv")["fraction"] - 0.25) < 0.03
+    assert set(pm["max_demos_within_budget"]) == set(MEMORY_POLICIES)

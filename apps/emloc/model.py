@@ -35,6 +35,7 @@ from core.fileio import atomic_path
 __all__ = ["HostConfig", "EMLoCHost", "HOST_FORMAT"]
 
 HOST_FORMAT = "longctx.emloc.host.v1"
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "host.safetensors"  # shipped host (python -m apps.emloc.ship)
 
 
 @dataclass(kw_only=True)
@@ -150,12 +151,13 @@ class EMLoCHost(nn.Module):
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu") -> EMLoCHost:
-        """A host saved by :meth:`save` (strict keys), in eval mode."""
+    def load(cls, path: str | os.PathLike | None = None, *, device: torch.device | str = "cpu") -> EMLoCHost:
+        """A host saved by :meth:`save` (strict keys), in eval mode; without ``path`` the shipped default
+        (:data:`DEFAULT_WEIGHTS`, card beside it)."""
         from safetensors import safe_open
         from safetensors.torch import load_model
 
-        path = Path(path)
+        path = Path(DEFAULT_WEIGHTS if path is None else path)
         if not path.is_file():
             raise FileNotFoundError(f"no EMLoC host weights at {path}")
         with safe_open(str(path), framework="pt") as f:

@@ -78,6 +78,7 @@ class Trainer:
         self.episodes = EpisodeConfig(n_way=args.n_way)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
         self.step = 0
+        self.seconds = 0.0  # wall time of training so far, across resumes
 
     def lr_at(self, step: int) -> float:
         a = self.args
@@ -111,12 +112,13 @@ class Trainer:
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                "rng": torch.get_rng_state(), "args": vars(self.args)}
+                "rng": torch.get_rng_state(), "args": vars(self.args), "seconds": self.seconds}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.step = int(state["step"])
+        self.seconds = float(state.get("seconds", 0.0))  # checkpoints from before the field: unknown, counted from 0
         torch.set_rng_state(state["rng"])
 
 
@@ -177,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(args)
         if metrics.exists():
             metrics.unlink()
-    t0 = time.monotonic()
+    t0, base_seconds = time.monotonic(), trainer.seconds
 
     def checkpoint():
+        trainer.seconds = base_seconds + time.monotonic() - t0
         torch_save_atomic(trainer.state_dict(), ckpt)
         trainer.model.save(args.out / "model.safetensors", metadata={"step": str(trainer.step)})
 
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec = {"step": trainer.step, **m, **trainer.evaluate(args.eval_episodes, args.demos)}
                 logger.info("step %d: %s", trainer.step, {k: round(v, 3) for k, v in rec.items() if k.startswith("eval_")})
             if rec is not None:
+                rec["elapsed_s"] = round(base_seconds + time.monotonic() - t0, 1)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.2f}")

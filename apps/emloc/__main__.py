@@ -1,0 +1,5 @@
+"""EMLoC demo alone: ``python -m apps.emloc`` serves the EMLoC tab on 127.0.0.1:7860."""
+from apps.hub import main
+
+if __name__ == "__main__":
+    main(app="emloc")
