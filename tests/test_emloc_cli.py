@@ -99,3 +99,23 @@ def test_compress_function_survives_the_cli_module(setup):
     ctx = compress(EMLoCHost.load(root / "host.safetensors"), (ep.demo_images, ep.demo_labels), policy="full")
     assert ctx.num_demos == 12
     assert apps.emloc.compress is compress and (compress is api_compress or callable(compress))
+
+
+def test_cli_with_the_shipped_host_reads_labels_from_the_demos(tmp_path, capsys):
+    """No --model: the shipped host compresses a folder of held-out demos and labels held-out queries."""
+    from apps.emloc.cli import compress_main, predict_main
+
+    ep = make_episode(23, num_demos=40, num_queries=10, split="eval")
+    for i, (img, lab) in enumerate(zip(ep.demo_images, ep.demo_labels)):
+        d = tmp_path / "demos" / str(int(lab))
+        d.mkdir(parents=True, exist_ok=True)
+        np.save(d / f"{i}.npy", img.numpy())
+    (tmp_path / "q").mkdir()
+    for i, img in enumerate(ep.query_images):
+        np.save(tmp_path / "q" / f"{i:02d}.npy", img.numpy())
+    assert compress_main(["--demos", str(tmp_path / "demos"), "--out", str(tmp_path / "m.safetensors")]) == 0
+    capsys.readouterr()
+    assert predict_main(["--memory", str(tmp_path / "m.safetensors"), "--images", str(tmp_path / "q")]) == 0
+    out = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+    got = np.array([o["label"] for o in sorted(out, key=lambda o: o["image"])])
+    assert len(got) == 10 and (got == ep.query_labels.numpy()).mean() >= 0.7  # chance: 0.2

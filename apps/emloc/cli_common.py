@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from apps.emloc.model import EMLoCHost
+from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
 
 __all__ = ["DEFAULT_WEIGHTS", "load_host"]
-
-DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "emloc_host.safetensors"
 
 
 def load_host(path: Path | None) -> EMLoCHost:
