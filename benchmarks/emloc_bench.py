@@ -71,7 +71,7 @@ def run_episode(model: EMLoCHost, K: int, seed: int, e: int, args) -> list[dict]
     rows.append({**base, "policy": "full", "keep": 1.0, "fraction": 1.0, "acc": full_acc, "seconds": t_full,
                  "cache_bytes": _cache_bytes(full)})
     t = time.perf_counter()
-    em = compress(model, demos, policy="emloc", delta=args.delta, chunk_demos=args.chunk_demos)
+    em = compress(model, demos, policy="emloc", delta=args.delta, chunk_demos=args.chunk_demos, always_keep=args.always_keep)
     t_em = time.perf_counter() - t
     L = model.config.depth
     js = [statistics.fmean(r.js[i] for r in em.reports) for i in range(L)]
@@ -95,7 +95,7 @@ def run_episode(model: EMLoCHost, K: int, seed: int, e: int, args) -> list[dict]
     return rows
 
 
-ROW_SETTINGS = ("n_way", "queries", "delta", "chunk_demos", "keep", "baselines")
+ROW_SETTINGS = ("n_way", "queries", "delta", "chunk_demos", "always_keep", "keep", "baselines")
 
 
 def run_key(model: EMLoCHost, args) -> dict:
@@ -109,7 +109,7 @@ def probe_memory(model: EMLoCHost, K: int, policy: str, args) -> dict:
     """Peak RSS growth and wall time of compressing one K-demo episode with ``policy`` (run in a fresh process)."""
     ep = make_episode(7_000_000, num_demos=K, num_queries=1, split="eval", config=EpisodeConfig(n_way=args.n_way))
     demos = (ep.demo_images, ep.demo_labels)
-    opts = {"delta": args.delta, "chunk_demos": args.chunk_demos} if policy == "emloc" else {}
+    opts = {"delta": args.delta, "chunk_demos": args.chunk_demos, "always_keep": args.always_keep} if policy == "emloc" else {}
     if policy not in ("emloc", "full"):
         opts["keep"] = args.memory_keep
     torch.set_num_threads(1)
@@ -139,7 +139,7 @@ def run_memory(args) -> dict:
         for policy in MEMORY_POLICIES:
             argv = [sys.executable, "-m", "benchmarks.emloc_bench", "--model", str(args.model), "--probe", f"{K}:{policy}",
                     "--n-way", str(args.n_way), "--delta", str(args.delta), "--chunk-demos", str(args.chunk_demos),
-                    "--memory-keep", str(args.memory_keep)]
+                    "--always-keep", args.always_keep, "--memory-keep", str(args.memory_keep)]
             r = run_isolated(argv, timeout_s=1800, env={"OMP_NUM_THREADS": "1"})
             rows.append({"K": K, "policy": policy, **r})
     return memory_table(rows, args)
@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-way", type=int, default=5)
     p.add_argument("--delta", type=float, default=0.005)
     p.add_argument("--chunk-demos", type=int, default=16)
+    p.add_argument("--always-keep", choices=("label", "answer", "both"), default="label", help="EMLoC's always-kept tokens (apps.emloc.compress)")
     p.add_argument("--memory-demos", type=int, default=512, help="K whose full context (cache, peak prefill memory) is the fixed memory")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/emloc_bench.json"))
     p.add_argument("--overwrite", action="store_true", help="discard a rows file made with another host or settings")

@@ -452,10 +452,12 @@ def policy_emloc(
     model: Decoder,
     config: EMLoCConfig | None = None,
     report: ChunkReport | None = None,
+    keep_mask: torch.Tensor | None = None,
 ) -> Indices:
     """EMLoC on the last prefilled chunk (see module docs); ``obs`` from :func:`observe` with the chunk's
     answer tokens as ``query_index``. Slots before the chunk are kept as they are. ``report`` (optional) is
-    filled with the per-layer decisions."""
+    filled with the per-layer decisions. ``keep_mask`` (bool ``(n,)``, optional) names the chunk tokens that are
+    always kept; default: the answer tokens."""
     if budget is not None:
         raise ValueError(f"emloc has no token budget (its bound is EMLoCConfig.delta); pass budget=None, got {budget!r}")
     cfg = config or EMLoCConfig()
@@ -465,6 +467,11 @@ def policy_emloc(
     L = cache.num_layers
     answer = torch.zeros(n, dtype=torch.bool)
     answer[qi] = True
+    if keep_mask is not None:
+        keep_mask = torch.as_tensor(keep_mask).bool().reshape(-1).cpu()
+        if keep_mask.numel() != n:
+            raise ValueError(f"keep_mask has {keep_mask.numel()} entries for {n} chunk tokens")
+        answer = keep_mask
     n_ans = int(answer.sum())
     layers_kv = [(l.k, l.v) for l in cache.layers]
 
@@ -535,14 +542,18 @@ class Chunk:
 
     Attributes:
         input_ids: ``(B, S)`` token ids, or inputs_embeds ``(B, S, dim)`` (e.g. with image embeddings).
-        answer_mask: bool ``(S,)``, True = answer token (scores importance, always kept).
+        answer_mask: bool ``(S,)``, True = answer token (its attention scores importance, its output distribution
+            is what the JS bound protects, and it is always kept).
         position_ids: optional ``(S,)``/``(B, S)`` positions; default continues after the memory.
+        keep_mask: optional bool ``(S,)``: the tokens always kept, when they are not the answer tokens (e.g. a host
+            whose label token follows the position that predicts it).
     """
 
     input_ids: torch.Tensor | None = None
     inputs_embeds: torch.Tensor | None = None
     answer_mask: torch.Tensor
     position_ids: torch.Tensor | None = None
+    keep_mask: torch.Tensor | None = None
 
 
 def chunk_demonstrations(demos: list[tuple[torch.Tensor, torch.Tensor]], per_chunk: int) -> list[Chunk]:
@@ -600,7 +611,7 @@ def emloc_compress(
         if obs.num_new != ans.numel():
             raise ValueError(f"chunk {c}: answer_mask has {ans.numel()} entries for {obs.num_new} tokens")
         report = ChunkReport(num_tokens=obs.num_new, num_answer=int(ans.sum()))
-        cache = compress(out.cache, "emloc", None, obs, model=model, config=cfg, report=report)
+        cache = compress(out.cache, "emloc", None, obs, model=model, config=cfg, report=report, keep_mask=chunk.keep_mask)
         reports.append(report)
         logger.debug("emloc chunk %d: ratios %s, js %s", c, report.ratios, report.js)
         if progress is not None:

@@ -95,10 +95,16 @@ def test_emloc_respects_delta_and_saves_and_refuses_other_model(episode, tmp_pat
     assert ctx.keep_fraction() < 1.0  # something was pruned
     kept = ctx.kept_map()
     assert kept.shape == (3, 2, 24 * 5)
-    ans = m.answer_mask(24)
-    assert bool(kept[:, :, ans].all())  # answer tokens always kept
+    lab = torch.arange(24 * 5) % 5 == 4
+    assert bool(kept[:, :, lab].all())  # label tokens (the demonstrations' answers) always kept, by default
+    ans_ctx = compress(m, demos(episode), delta=0.01, chunk_demos=8, always_keep="answer")
+    assert bool(ans_ctx.kept_map()[:, :, m.answer_mask(24)].all()) and ans_ctx.settings["always_keep"] == "answer"
+    both = compress(m, demos(episode), delta=0.01, chunk_demos=8, always_keep="both").kept_map()
+    assert bool(both[:, :, lab | m.answer_mask(24)].all())
+    with pytest.raises(ValueError, match="always_keep must be"):
+        compress(m, demos(episode), always_keep="labels")
     path = ctx.save(tmp_path / "mem.safetensors")
-    back = CompressedContext.load(path, m, settings={"delta": 0.01})
+    back = CompressedContext.load(path, m, settings={"delta": 0.01, "always_keep": "label"})
     torch.testing.assert_close(back.logits(episode.query_images), ctx.logits(episode.query_images))
     assert back.settings["chunk_demos"] == 8
     with pytest.raises(ValueError, match="another model"):

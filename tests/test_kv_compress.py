@@ -286,6 +286,35 @@ def test_emloc_delta_controls_pruning():
 
 
 @torch.no_grad()
+def test_emloc_keep_mask_names_the_always_kept_tokens():
+    """A keep mask other than the answer tokens: exactly those tokens survive in every pruned layer and head,
+    the answer positions are prunable, and the JS bound still holds."""
+    model = make_model(depth=3)
+    chunks = chunk_demonstrations(demos(4, seed=3), 2)
+    masked = []
+    for c in chunks:
+        keep = torch.roll(c.answer_mask, 1)  # the token after each answer token (a label after its predictor)
+        masked.append(Chunk(input_ids=c.input_ids, answer_mask=c.answer_mask, keep_mask=keep))
+    res = emloc_compress(model, masked, config=EMLoCConfig(delta=math.log(2), ratios=(0.2,)))
+    start = 0
+    for c, rep in zip(masked, res.reports):
+        n = c.input_ids.shape[1]
+        kept_pos = set((start + c.keep_mask.nonzero()[:, 0]).tolist())
+        assert all(j <= math.log(2) for j in rep.js) and rep.num_answer == int(c.keep_mask.sum())
+        for l, r in zip(res.cache.layers, rep.ratios):
+            vis = l.visible()
+            for h in range(2):
+                chunk_pos = {p for p in l.pos[0, vis[0, h]].tolist() if start <= p < start + n}
+                assert kept_pos <= chunk_pos
+                if r < 1.0:
+                    assert len(chunk_pos) == max(len(kept_pos), math.ceil(r * n))
+        start += n
+    with pytest.raises(ValueError, match="keep_mask has"):
+        c = masked[0]
+        emloc_compress(model, [Chunk(input_ids=c.input_ids, answer_mask=c.answer_mask, keep_mask=c.keep_mask[:-1])])
+
+
+@torch.no_grad()
 def test_reloaded_compressed_prefix_gives_same_logits(tmp_path):
     model = make_model()
     result = emloc_compress(model, chunk_demonstrations(demos(4), 2))

@@ -221,6 +221,7 @@ def compress(
     keep: float | None = None,
     window: int = 8,
     seed: int = 0,
+    always_keep: str = "label",
     progress: Callable[[int, int], None] | None = None,
 ) -> CompressedContext:
     """Compress demonstrations into a :class:`CompressedContext`.
@@ -235,6 +236,10 @@ def compress(
         keep: for budgeted policies, the fraction of demo tokens kept per layer and KV head, in (0, 1].
         window: observation window (last tokens) for snapkv/pyramidkv/fastv probes.
         seed: for ``random``.
+        always_keep: EMLoC's always-kept tokens: ``"label"`` (each demo's label token: the demonstration's answer,
+            as the method keeps answer tokens), ``"answer"`` (each demo's last image patch, the position whose
+            output predicts the label and where the JS bound is measured) or ``"both"``. The answer positions
+            score importance and carry the JS bound whichever is kept.
         progress: called with ``(chunks_done, chunks_total)``.
     """
     if policy not in POLICIES:
@@ -251,12 +256,18 @@ def compress(
             raise ValueError(f"delta must be a number > 0 (JS divergence in nats, e.g. 0.005), got {delta!r}")
         if not (isinstance(chunk_demos, int) and chunk_demos >= 1):
             raise ValueError(f"chunk_demos must be a positive int, got {chunk_demos!r}")
+        if always_keep not in ("answer", "label", "both"):
+            raise ValueError(f"always_keep must be 'answer', 'label' or 'both', got {always_keep!r}")
         cfg = EMLoCConfig(delta=float(delta), ratios=tuple(ratios))
         T = model.config.tokens_per_demo * chunk_demos
-        chunks = [Chunk(inputs_embeds=x[:, s : s + T], answer_mask=ans[s : s + T]) for s in range(0, n_tok, T)]
+        lab = torch.arange(n_tok) % model.config.tokens_per_demo == model.config.tokens_per_image  # label tokens
+        keep = {"answer": ans, "label": lab, "both": ans | lab}[always_keep]
+        chunks = [Chunk(inputs_embeds=x[:, s : s + T], answer_mask=ans[s : s + T],
+                        keep_mask=None if always_keep == "answer" else keep[s : s + T]) for s in range(0, n_tok, T)]
         res = emloc_compress(model.decoder, chunks, config=cfg,
                              progress=None if progress is None else (lambda i, r: progress(i + 1, len(chunks))))
-        settings = {"policy": "emloc", "delta": float(delta), "ratios": list(cfg.ratios), "chunk_demos": chunk_demos}
+        settings = {"policy": "emloc", "delta": float(delta), "ratios": list(cfg.ratios), "chunk_demos": chunk_demos,
+                    "always_keep": always_keep}
         return CompressedContext(model=model, cache=res.cache, label_ids=label_ids, num_demos=K, num_tokens=n_tok,
                                  settings=settings, reports=res.reports)
     settings: dict = {"policy": policy}

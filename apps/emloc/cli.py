@@ -50,6 +50,8 @@ def build_compress_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.1, 0.2, 0.5),
                    help="keep ratios tried per layer, comma-separated")
     p.add_argument("--chunk-demos", type=int, default=16, help="demonstrations per chunk")
+    p.add_argument("--always-keep", choices=("label", "answer", "both"), default="label",
+                   help="tokens EMLoC never prunes: each demo's label token (default), its answer position, or both")
     return p
 
 
@@ -67,7 +69,8 @@ def compress_main(argv: list[str] | None = None) -> int:
         bar.n = done
         bar.refresh()
 
-    ctx = compress(model, (images, labels), delta=args.delta, ratios=args.ratios, chunk_demos=args.chunk_demos, progress=progress)
+    ctx = compress(model, (images, labels), delta=args.delta, ratios=args.ratios, chunk_demos=args.chunk_demos,
+                   always_keep=args.always_keep, progress=progress)
     bar.close()
     ctx.save(args.out)
     print(json.dumps({"memory": str(args.out), "demos": ctx.num_demos, "tokens": ctx.num_tokens,
