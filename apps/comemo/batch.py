@@ -5,8 +5,8 @@ image, the decoder's token ids with image slots (context path), the position ids
 (all image tokens, memory path) with its position ids, the padding masks and the labels (answer tokens).
 
 Sequence of one example (context variants): ``<s>``, then for each ``<image>`` of the prompt that image's
-tokens (tiles row-major then thumbnail, ``T*T`` tokens each), then the question, then the answer and
-``</s>``. The flamingo variant keeps the ``<image>`` token as a marker instead.
+tokens (tiles row-major then thumbnail, ``T*T`` tokens each; ``cfg.image_labels`` puts the text label
+``image K`` before or after image K), then the question, then the answer and ``</s>``. The flamingo variant keeps the ``<image>`` token as a marker instead.
 
 Positions: ``lvlm-1d`` and ``flamingo`` count every sequence token (0, 1, 2, ...); ``lvlm-dhr`` and
 ``comemo`` give an image's tokens RoPE-DHR ids starting at the current position (``T*T`` ids per image) and
@@ -126,7 +126,7 @@ def build_batch(examples: list[Example], tok: CoMemoTokenizer, cfg: CoMemoConfig
     for e, (images, question, answer) in enumerate(examples):
         if len(images) > cfg.max_images:
             raise ValueError(f"example {e} has {len(images)} images; the model takes at most {cfg.max_images} (max_images)")
-        prompt, ans = tok.encode_example(len(images), question, answer)
+        prompt, ans = tok.encode_example(len(images), question, answer, image_labels=cfg.image_labels)
         ids, slots, pos, labels, spans, mem_idx, mem_pos = [], [], [], [], [], [], []
         p = 0
         k = 0

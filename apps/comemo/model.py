@@ -37,6 +37,7 @@ from einops import rearrange
 from torch import nn
 from torch.nn import functional as F
 
+from apps.comemo.tokenizer import IMAGE_LABELS
 from core.decoder import Decoder, DecoderConfig
 from core.layers import SelfAttentionBlock
 from core.fileio import atomic_path
@@ -100,6 +101,13 @@ class CoMemoConfig:
     max_context: int = 4096  # most tokens in the decoder sequence (prompt + answer)
     max_pixels: int = 1_048_576  # largest accepted image (width * height) before tiling
     backend: str = "auto"  # attention backend (core.attention)
+    # a text label "image K" next to each image in the prompt: "before" (InternVL's "Image-K: <image>") or
+    # "after" it (the label's tokens then see their image), so answers that name an image copy a label instead
+    # of counting images; "none" keeps the original layout (and old files)
+    image_labels: str = "none"
+    # factor on the projected image tokens: at initialisation they are ~10x the norm of the token embeddings
+    # (std 0.02), which drowns the text in the residual stream; 1.0 keeps the original (and old files)
+    image_token_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, dict):
@@ -112,6 +120,12 @@ class CoMemoConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.min_tiles > self.max_tiles:
             raise ValueError(f"min_tiles ({self.min_tiles}) must be <= max_tiles ({self.max_tiles})")
+        if isinstance(self.image_labels, bool):  # files from the first version of the option (a flag: before)
+            self.image_labels = "before" if self.image_labels else "none"
+        if self.image_labels not in IMAGE_LABELS:
+            raise ValueError(f"unknown image_labels {self.image_labels!r}; choose one of {list(IMAGE_LABELS)}")
+        if not (isinstance(self.image_token_scale, (int, float)) and self.image_token_scale > 0):
+            raise ValueError(f"image_token_scale must be a positive number, got {self.image_token_scale!r}")
         if self.uses_memory and not (isinstance(self.cross_every, int) and self.cross_every > 0):
             raise ValueError(f"variant {self.variant!r} needs cross_every > 0, got {self.cross_every!r}")
 
@@ -232,7 +246,8 @@ class CoMemoModel(nn.Module):
         if tiles_N3HW.shape[0] == 0:
             return tiles_N3HW.new_zeros(0, self.cfg.dim)
         feats = pixel_shuffle(self.vision(tiles_N3HW), self.cfg.vision.shuffle)  # (N, T*T, C*s*s)
-        return self.projector(feats).flatten(0, 1)  # (N*T*T, dim)
+        img = self.projector(feats).flatten(0, 1)  # (N*T*T, dim)
+        return img * self.cfg.image_token_scale if self.cfg.image_token_scale != 1.0 else img
 
     def decoder_inputs(self, batch) -> dict:
         """Keyword arguments of :meth:`Decoder.forward` for a :class:`~apps.comemo.batch.Batch`."""

@@ -7,7 +7,12 @@ with the Metaspace pre-tokenizer (``▁`` marks a word start), so ``decode(encod
 with single spaces.
 
 Prompt layout (:func:`prompt_text`): ``<s>`` + one ``<image>`` per image + `` question``; the target is
-`` answer</s>``. Prompt and target are encoded separately and concatenated.
+`` answer</s>``. With ``image_labels="before"`` each image is preceded by its text label, as in InternVL's
+multi-image prompts (``Image-1: <image>``): ``<s> image 1<image> image 2<image> question``; with
+``"after"`` the label follows its image: ``<s><image> image 1<image> image 2 question``. Either way an
+answer that names an image ("image 3 shows 1") can copy a label instead of counting images; "after" lets the
+label tokens see their own image (attention is causal), so the answer finds the right label in one hop.
+Prompt and target are encoded separately and concatenated.
 """
 
 from __future__ import annotations
@@ -19,14 +24,24 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SPECIAL_TOKENS", "CoMemoTokenizer", "train_tokenizer", "prompt_text"]
+__all__ = ["SPECIAL_TOKENS", "IMAGE_LABELS", "CoMemoTokenizer", "train_tokenizer", "prompt_text"]
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<image>", "<img_ctx>")
 PAD, BOS, EOS, UNK, IMAGE, IMG_CTX = range(len(SPECIAL_TOKENS))
 
 
-def prompt_text(n_images: int, question: str) -> str:
-    """``<s><image>...<image> question`` (one ``<image>`` per image)."""
+IMAGE_LABELS = ("none", "before", "after")
+
+
+def prompt_text(n_images: int, question: str, *, image_labels: str = "none") -> str:
+    """``<s><image>...<image> question`` (one ``<image>`` per image); ``image_labels`` (one of
+    :data:`IMAGE_LABELS`) puts the text label ``image K`` before or after image K."""
+    if image_labels == "before":
+        return "<s>" + "".join(f" image {i + 1}<image>" for i in range(n_images)) + " " + question.strip()
+    if image_labels == "after":
+        return "<s>" + "".join(f"<image> image {i + 1}" for i in range(n_images)) + " " + question.strip()
+    if image_labels != "none":
+        raise ValueError(f"unknown image_labels {image_labels!r}; choose one of {list(IMAGE_LABELS)}")
     return "<s>" + "<image>" * n_images + " " + question.strip()
 
 
@@ -53,9 +68,11 @@ class CoMemoTokenizer:
         """Text of ``ids`` without special tokens."""
         return self.tok.decode(list(int(i) for i in ids), skip_special_tokens=True)
 
-    def encode_example(self, n_images: int, question: str, answer: str | None = None) -> tuple[list[int], list[int]]:
-        """``(prompt_ids, answer_ids)``; ``answer_ids`` ends with ``</s>`` (empty when ``answer`` is None)."""
-        prompt = self.encode(prompt_text(n_images, question))
+    def encode_example(self, n_images: int, question: str, answer: str | None = None, *,
+                       image_labels: str = "none") -> tuple[list[int], list[int]]:
+        """``(prompt_ids, answer_ids)``; ``answer_ids`` ends with ``</s>`` (empty when ``answer`` is None).
+        ``image_labels``: a text label ``image K`` before or after each image (see :func:`prompt_text`)."""
+        prompt = self.encode(prompt_text(n_images, question, image_labels=image_labels))
         if prompt.count(IMAGE) != n_images:
             raise ValueError(f"the question must not contain '<image>' (found {prompt.count(IMAGE) - n_images} extra)")
         ans = [] if answer is None else self.encode(" " + answer.strip()) + [EOS]

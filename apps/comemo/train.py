@@ -37,7 +37,7 @@ import torch
 from apps.comemo.batch import build_batch
 from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, lm_loss
 from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
-from apps.comemo.tokenizer import CoMemoTokenizer, train_tokenizer
+from apps.comemo.tokenizer import IMAGE_LABELS, CoMemoTokenizer, train_tokenizer
 from core.fileio import write_text_atomic
 from core.fileio import torch_save_atomic
 
@@ -49,7 +49,7 @@ STAGES = (0, 1, 2, 3)
 #: Arguments that define the run; on --resume they are taken from the checkpoint.
 _RECIPE_KEYS = ("variant", "stage", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed", "max_images",
                 "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth",
-                "encoder", "encoder_kwargs")
+                "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale")
 
 
 def set_stage(model: CoMemoModel, stage: int) -> list[str]:
@@ -76,14 +76,17 @@ def set_stage(model: CoMemoModel, stage: int) -> list[str]:
 
 
 def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: list[str], tile: int,
-                  text_only: bool = False) -> list[tuple]:
-    """Samples ``start .. start+count-1`` of the stream ``seed`` as ``(images, question, answer)``."""
+                  text_only: bool = False, min_images: int = 1) -> list[tuple]:
+    """Samples ``start .. start+count-1`` of the stream ``seed`` as ``(images, question, answer)``, each with
+    ``min_images..max_images`` images (drawn uniformly from the sample's seed)."""
+    if not 1 <= min_images <= max_images:
+        raise ValueError(f"need 1 <= min_images <= max_images, got min_images={min_images}, max_images={max_images}")
     out = []
     for i in range(start, start + count):
         s_seed = sample_seed(seed, i)
         r = random.Random(s_seed)
         task = tasks[r.randrange(len(tasks))]
-        n = r.randint(1, max_images)
+        n = r.randint(min_images, max_images)
         s = make_sample(task, n, s_seed, tile=tile)
         out.append(([] if text_only else s.images, s.question, s.answer))
     return out
@@ -92,7 +95,7 @@ def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: 
 def model_config(args, vocab_size: int) -> CoMemoConfig:
     return CoMemoConfig(
         variant=args.variant, vocab_size=vocab_size, dim=args.dim, depth=args.depth, num_heads=args.heads,
-        cross_every=args.cross_every,
+        cross_every=args.cross_every, image_labels=args.image_labels, image_token_scale=args.image_token_scale,
         vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth,
                             encoder=args.encoder, encoder_weights=None if args.encoder_weights is None else str(args.encoder_weights),
                             encoder_kwargs=json.loads(args.encoder_kwargs)),
@@ -148,7 +151,7 @@ class Trainer:
         a = self.args
         start = (step * self.world + rank) * a.batch_size
         return draw_examples(a.seed, start, a.batch_size, max_images=a.max_images, tasks=a.tasks, tile=a.tile,
-                             text_only=a.stage == 0)
+                             text_only=a.stage == 0, min_images=a.min_images)
 
     def train_step(self) -> dict[str, float]:
         self.model.train()
@@ -210,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample stream")
     p.add_argument("--max-images", type=int, default=8, help="train on 1..N images per sample")
+    p.add_argument("--min-images", type=int, default=1, help="train on --min-images..--max-images images per sample")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to train on")
+    p.add_argument("--image-labels", default="none", choices=IMAGE_LABELS,
+                   help="a text label 'image K' before (InternVL's layout) or after each image in the prompt")
+    p.add_argument("--image-token-scale", type=float, default=1.0,
+                   help="factor on the projected image tokens (they start ~10x the norm of token embeddings)")
     p.add_argument("--dim", type=int, default=128, help="decoder width")
     p.add_argument("--depth", type=int, default=4, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="decoder heads")
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown --variant {args.variant!r}; choose one of {list(VARIANTS)}")
     if args.stage not in STAGES:
         raise SystemExit(f"unknown --stage {args.stage}; choose one of {list(STAGES)}")
-    for name in ("steps", "batch_size", "max_images", "val_every", "val_samples", "ckpt_every", "warmup"):
+    for name in ("steps", "batch_size", "max_images", "min_images", "val_every", "val_samples", "ckpt_every", "warmup"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -303,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= trainer.step]
             write_text_atomic(metrics_path, "".join(ln + "\n" for ln in lines))
         val_examples = draw_examples(10**6 + args.seed, 0, args.val_samples, max_images=args.max_images,
-                                     tasks=args.tasks, tile=args.tile, text_only=args.stage == 0)
+                                     tasks=args.tasks, tile=args.tile, text_only=args.stage == 0,
+                                     min_images=args.min_images)
     logger.info("variant %s stage %d: %d trained tensors, %d parameters in all", args.variant, args.stage,
                 len(trainer.trained), sum(p.numel() for p in trainer.model.parameters()))
     bar = None
