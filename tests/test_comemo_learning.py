@@ -152,3 +152,24 @@ def test_vision_pretrain_learns_and_chains_into_training(tmp_path):
     # one step moved the ViT from the pretrained weights, but only a little
     moved = (m.state_dict()["vision.pos"] - vit["vision.pos"]).abs().max()
     assert 0 < float(moved) < 0.1
+
+
+def test_vision_lr_scale_slows_the_vision_encoder(tmp_path):
+    base = [*TINY, "--variant", "comemo", "--stage", "3", "--steps", "1", "--batch-size", "2", "--max-images", "2",
+            "--val-samples", "2", "--lr", "1e-3", "--warmup", "1", "--seed", "3"]
+    assert train_main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert train_main([*base, "--out", str(tmp_path / "b"), "--vision-lr-scale", "0"]) == 0
+    state = torch.load(tmp_path / "b" / "last.pt", weights_only=False)
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [1e-3, 0.0]
+    one = torch.load(tmp_path / "a" / "last.pt", weights_only=False)
+    assert len(one["optimizer"]["param_groups"]) == 1  # the default keeps the single group of older checkpoints
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    torch.manual_seed(3)  # the trainer seeds the weights with --seed; the ViT is built first
+    init = CoMemoModel(CoMemoConfig(variant="comemo", dim=32, depth=2, num_heads=2, cross_every=1,
+                                    vision=VisionConfig(tile=16, dim=16, depth=1))).state_dict()
+    vit = [k for k in a if k.startswith("vision.")]
+    assert vit and all(torch.equal(b[k], init[k]) for k in vit)  # lr 0: the ViT did not move
+    assert not all(torch.equal(a[k], init[k]) for k in vit)  # full lr: it did
+    assert not torch.equal(b["projector.fc1.weight"], init["projector.fc1.weight"])  # the rest trains
+    with pytest.raises(SystemExit, match="vision-lr-scale"):
+        train_main([*base, "--out", str(tmp_path / "c"), "--vision-lr-scale", "-1"])

@@ -49,7 +49,7 @@ STAGES = (0, 1, 2, 3)
 #: Arguments that define the run; on --resume they are taken from the checkpoint.
 _RECIPE_KEYS = ("variant", "stage", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed", "max_images",
                 "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth",
-                "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale")
+                "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale", "vision_lr_scale")
 
 
 def set_stage(model: CoMemoModel, stage: int) -> list[str]:
@@ -125,8 +125,15 @@ class Trainer:
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=self.args.lr, weight_decay=self.args.weight_decay, betas=(0.9, 0.95))
+        vision = [p for n, p in self.model.named_parameters() if p.requires_grad and n.startswith("vision.")]
+        rest = [p for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith("vision.")]
+        scale = getattr(self.args, "vision_lr_scale", 1.0)  # a pretrained ViT (stage -1) can move slower
+        if scale == 1.0:  # one group, as before the option (checkpoints of that time resume)
+            groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "lr": self.args.lr}]
+        else:
+            groups = [g for g in ({"params": rest, "lr": self.args.lr}, {"params": vision, "lr": self.args.lr * scale})
+                      if g["params"]]
+        self.opt = torch.optim.AdamW(groups, lr=self.args.lr, weight_decay=self.args.weight_decay, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
 
     def _lr_factor(self, step: int) -> float:
@@ -209,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="samples per step and rank")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    p.add_argument("--vision-lr-scale", type=float, default=1.0,
+                   help="factor on --lr for the vision encoder (e.g. 0.1 to keep a stage -1 ViT close to its weights)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample stream")
@@ -272,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown --variant {args.variant!r}; choose one of {list(VARIANTS)}")
     if args.stage not in STAGES:
         raise SystemExit(f"unknown --stage {args.stage}; choose one of {list(STAGES)}")
+    if not args.vision_lr_scale >= 0:
+        raise SystemExit(f"--vision-lr-scale must be >= 0, got {args.vision_lr_scale}")
     for name in ("steps", "batch_size", "max_images", "min_images", "val_every", "val_samples", "ckpt_every", "warmup"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
