@@ -85,8 +85,9 @@ def load_behaviour(env_id: str, path: str | os.PathLike | None = None) -> Behavi
 
 
 def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLike = WEIGHTS_DIR,
-               command: str | None = None) -> Path:
-    """Copy a SAC run's snapshots into ``out_dir`` with a card choosing the quality snapshots."""
+               command: str | None = None, name: str | None = None) -> Path:
+    """Copy a SAC run's snapshots into ``out_dir`` with a card choosing the quality snapshots; the file is
+    ``<name>.safetensors`` (default ``behaviour_<env family>``, the one :func:`load_behaviour` finds by itself)."""
     from safetensors.torch import load_file, save_file
 
     run_dir = Path(run_dir)
@@ -124,7 +125,9 @@ def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLi
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fam = env_family(env_id)
-    st = out_dir / f"behaviour_{fam}.safetensors"
+    if name is not None and (not name or "/" in name or name.endswith(".safetensors")):
+        raise ValueError(f"name must be a bare file stem such as 'behaviour_{fam}_long', got {name!r}")
+    st = out_dir / f"{name or f'behaviour_{fam}'}.safetensors"
     tensors = load_file(str(run_dir / "snapshots.safetensors"))
     tmp = st.with_name(st.name + ".tmp")
     save_file(tensors, str(tmp))
@@ -142,13 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", required=True)
     p.add_argument("--out", default=str(WEIGHTS_DIR))
     p.add_argument("--command", default=None, help="the exact training command, recorded in the card")
+    p.add_argument("--name", default=None, help="file stem (default behaviour_<env family>: the default behaviour)")
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    path = export_run(args.run, args.env, args.out, command=args.command)
+    path = export_run(args.run, args.env, args.out, command=args.command, name=args.name)
     logging.getLogger(__name__).info("wrote %s", path)
 
 

@@ -64,3 +64,13 @@ def test_sac_resume_continues_from_checkpoint(behaviour, tmp_path):
                      eval_episodes=1, batch_size=16, actor_hidden=8, critic_hidden=16)
     meta = train_sac(cfg2, tmp_path, progress=False)
     assert [s["step"] for s in meta["snapshots"]] == [60, 120, 180]
+
+
+def test_export_under_another_name(behaviour, tmp_path):
+    meta, path = behaviour
+    run = path.parent.parent / "run"
+    other = export_run(run, "Hopper-v5", tmp_path, command="test", name="behaviour_hopper_long")
+    assert other.name == "behaviour_hopper_long.safetensors" and other.with_suffix(".json").exists()
+    assert load_behaviour("Hopper-v5", other).snapshot_names == load_behaviour("Hopper-v5", path).snapshot_names
+    with pytest.raises(ValueError, match="bare file stem"):
+        export_run(run, "Hopper-v5", tmp_path, name="a/b")
