@@ -19,12 +19,12 @@ NUM_QUERIES = 50
 
 
 def _fig_to_array(fig):
+    """Render a pyplot figure to an ``(H, W, 3)`` uint8 array and close it."""
+    import matplotlib.pyplot as plt
     import numpy as np
 
     fig.canvas.draw()
     img = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    import matplotlib.pyplot as plt
-
     plt.close(fig)
     return img
 
