@@ -57,12 +57,12 @@ def _cache_bytes(ctx) -> int:
     return int(sum(float(c.sum()) for c in ctx.cache.kept_counts()) * 2 * hd * 4)
 
 
-def run_episode(model: EMLoCHost, K: int, seed: int, e: int, args) -> list[dict]:
-    """All rows of one episode."""
+def run_episode(model: EMLoCHost, K: int, seed: int, e: int, args, run_id: dict) -> list[dict]:
+    """All rows of one episode (each tagged with ``run_id``, see :func:`run_key`)."""
     ep = make_episode(seed * 100_003 + e + 7_000_000, num_demos=K, num_queries=args.queries, split="eval",
                       config=EpisodeConfig(n_way=args.n_way))
     demos = (ep.demo_images, ep.demo_labels)
-    base = {"K": K, "seed": seed, "episode": e, "run": run_key(model, args)}
+    base = {"K": K, "seed": seed, "episode": e, "run": run_id}
     rows = []
     t = time.perf_counter()
     full = compress(model, demos, policy="full")
@@ -98,11 +98,17 @@ def run_episode(model: EMLoCHost, K: int, seed: int, e: int, args) -> list[dict]
 ROW_SETTINGS = ("n_way", "queries", "delta", "chunk_demos", "always_keep", "keep", "baselines")
 
 
-def run_key(model: EMLoCHost, args) -> dict:
+def run_key(fingerprint: str, args) -> dict:
     """What a row depends on besides (K, seed, episode): the host's fingerprint and the row-shaping settings."""
-    if not hasattr(args, "_fingerprint"):
-        args._fingerprint = model.fingerprint()
-    return {"host": args._fingerprint, **{k: getattr(args, k) for k in ROW_SETTINGS}}
+    return {"host": fingerprint, **{k: getattr(args, k) for k in ROW_SETTINGS}}
+
+
+PROBE_SETTINGS = ("n_way", "delta", "chunk_demos", "always_keep", "memory_keep")
+
+
+def probe_key(fingerprint: str, args) -> dict:
+    """What a memory probe depends on: the host and the compression settings."""
+    return {"host": fingerprint, **{k: getattr(args, k) for k in PROBE_SETTINGS}}
 
 
 def probe_memory(model: EMLoCHost, K: int, policy: str, args) -> dict:
@@ -128,7 +134,7 @@ def probe_memory(model: EMLoCHost, K: int, policy: str, args) -> dict:
 MEMORY_POLICIES = ("full", "emloc", "snapkv", "h2o", "streaming")
 
 
-def run_memory(args) -> dict:
+def run_memory(args, settings: dict) -> dict:
     """Every (K, policy) of the memory grid in its own process; the measured demos-within-memory table."""
     import sys
 
@@ -142,10 +148,10 @@ def run_memory(args) -> dict:
                     "--always-keep", args.always_keep, "--memory-keep", str(args.memory_keep)]
             r = run_isolated(argv, timeout_s=1800, env={"OMP_NUM_THREADS": "1"})
             rows.append({"K": K, "policy": policy, **r})
-    return memory_table(rows, args)
+    return memory_table(rows, args, settings)
 
 
-def memory_table(rows: list[dict], args) -> dict:
+def memory_table(rows: list[dict], args, settings: dict) -> dict:
     """The demos-within-memory table from the probe rows: budget = full context's peak at ``--memory-demos``."""
     ok = {(r["K"], r["policy"]): r for r in rows if "peak_mb" in r}
     budget = ok.get((args.memory_demos, "full"), {}).get("peak_mb")
@@ -154,7 +160,7 @@ def memory_table(rows: list[dict], args) -> dict:
         for policy in MEMORY_POLICIES:
             fits = [K for (K, pol), r in ok.items() if pol == policy and r["peak_mb"] <= budget]
             within[policy] = max(fits) if fits else None
-    return {"rows": rows, "budget": {"K": args.memory_demos, "policy": "full", "peak_mb": budget},
+    return {"settings": settings, "rows": rows, "budget": {"K": args.memory_demos, "policy": "full", "peak_mb": budget},
             "max_demos_within_budget": within, "keep": args.memory_keep, "grid": sorted({r["K"] for r in rows})}
 
 
@@ -312,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_curves([json.loads(p.read_text()) for p in args.plot_from], args.plot))
         return 0
     model = EMLoCHost.load(args.model)
+    fingerprint = model.fingerprint()
     if args.probe is not None:
         K, policy = args.probe.split(":")
         print(json.dumps(probe_memory(model, int(K), policy, args)))
@@ -322,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.peak_memory:
             raise SystemExit("--skip-accuracy needs --peak-memory")
         summary = json.loads(args.out.read_text()) if args.out.exists() else {}
-        summary["peak_memory"] = run_memory(args)
+        summary["peak_memory"] = run_memory(args, probe_key(fingerprint, args))
         write_json_atomic(args.out, summary)
         print(json.dumps(summary["peak_memory"]["max_demos_within_budget"]))
         return 0
     rows_path = args.out.with_suffix(".rows.jsonl")
     rows = [json.loads(l) for l in rows_path.read_text().splitlines() if l.strip()] if rows_path.exists() else []
-    run_id = run_key(model, args)
+    run_id = run_key(fingerprint, args)
     stale = [r for r in rows if r.get("run") != run_id]
     if stale:
         if not args.overwrite:
@@ -342,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(K, s, e) for K in args.demos for s in args.seeds for e in range(args.episodes) if (K, s, e) not in done]
     with open(rows_path, "a") as f:
         for K, s, e in tqdm(todo, desc="episodes"):
-            new = run_episode(model, K, s, e, args)
+            new = run_episode(model, K, s, e, args, run_id)
             f.write("".join(json.dumps(r) + "\n" for r in new))
             f.flush()
             rows.extend(new)
@@ -355,14 +362,15 @@ def main(argv: list[str] | None = None) -> int:
             unique.append(r)
     rows = unique
     summary = summarize(rows, args)
-    summary["settings"] = {k: v for k, v in portable_args(args).items() if not k.startswith("_")}
-    summary["host_fingerprint"] = run_id["host"]
+    summary["settings"] = portable_args(args)
+    summary["host_fingerprint"] = fingerprint
+    probe = probe_key(fingerprint, args)
     if args.peak_memory:
-        summary["peak_memory"] = run_memory(args)
-    else:  # keep an earlier probe of the same host, its budget table recomputed for this --memory-demos
+        summary["peak_memory"] = run_memory(args, probe)
+    else:  # keep an earlier probe made with the same host and settings, its budget table recomputed for --memory-demos
         old = json.loads(args.out.read_text()) if args.out.exists() else {}
-        if old.get("host_fingerprint") == run_id["host"] and "peak_memory" in old:
-            summary["peak_memory"] = memory_table(old["peak_memory"]["rows"], args)
+        if old.get("peak_memory", {}).get("settings") == probe:
+            summary["peak_memory"] = memory_table(old["peak_memory"]["rows"], args, probe)
     write_json_atomic(args.out, summary)
     print(f"{'K':>4} {'policy':>10} {'keep':>13} {'kept':>6} {'acc':>13} {'sec':>8}")
     for r in summary["table"]:
