@@ -25,6 +25,10 @@ Selections (``mode``):
         (``RoutingConfig.train_selection = "prefix"``); the count per sample varies.
     ``"aux"``: the auxiliary predictor's per-token decision (evaluation).
     ``"auto"``: ``train_selection`` in ``train()``, ``"aux"`` in ``eval()``.
+    ``RoutingConfig.random_selection`` (a control, not the method): the router's scores choose nothing;
+        ``"topk"`` keeps ``k = round(c * S)`` uniformly random tokens, ``"prefix"`` and ``"aux"`` keep each token
+        independently with probability ``c`` (causal), ``c`` the fixed ``capacity``; the router still weighs
+        the selected tokens' updates, and the auxiliary predictor is not trained.
 
 How the capacity predictor gets gradient (the published code cast ``k`` with ``.long()``, which cuts it): the
 forward pass uses the hard mask ``M``, and the backward pass a straight-through soft mask
@@ -95,8 +99,11 @@ class RoutingConfig:
     # selected tokens only, which cannot learn that adding a token helps); 4 = 2 T covers the soft mask's slope
     probe_tokens: int = 4
     train_selection: str = "topk"  # mode "auto" in train(): "topk" (whole sequence) or "prefix" (causal prefix top-k)
+    random_selection: bool = False  # control: random tokens at the fixed `capacity` (module docstring); needs learn_capacity False
 
     def __post_init__(self) -> None:
+        if self.random_selection and self.learn_capacity:
+            raise ValueError("random_selection=True routes at the fixed capacity: set learn_capacity=False")
         if self.dim <= 0:
             raise ValueError(f"dim must be positive, got {self.dim}")
         if not 0.0 < self.min_capacity <= self.max_capacity <= 1.0:
@@ -321,7 +328,16 @@ class RoutedBlock(nn.Module):
             else ~key_padding_mask
         zero = x_BSD.new_zeros(())
         probe_BS = torch.zeros_like(valid_BS)
-        if mode in ("topk", "prefix"):
+        if cfg.random_selection:
+            cap_B = torch.full((B,), cfg.capacity, device=x_BSD.device, dtype=x_BSD.dtype)
+            if mode == "topk":
+                k_B = torch.minimum(torch.round(cap_B * n_B).long().clamp(min=1), n_B)
+                mask_BS = token_ranks(torch.rand_like(scores_BS), key_padding_mask) < k_B[:, None]
+            else:
+                mask_BS = (torch.rand_like(scores_BS) < cfg.capacity) & valid_BS
+            gate_BS = mask_BS.to(x_BSD.dtype)
+            aux_loss, cost = zero, cap_B.mean()
+        elif mode in ("topk", "prefix"):
             if self.capacity_predictor is None:
                 cap_B = torch.full((B,), cfg.capacity, device=x_BSD.device, dtype=x_BSD.dtype)
                 cap_soft = cap_B

@@ -41,6 +41,8 @@ __all__ = [
     "validate_arrays",
     "check_env_compat",
     "split_trajectories",
+    "holdout_split",
+    "from_trajectories",
     "returns_to_go",
     "to_mdp_dataset",
 ]
@@ -242,6 +244,41 @@ def split_trajectories(ds: OfflineDataset) -> list[Trajectory]:
                                 rewards=ds.rewards[sl], terminal=bool(ds.terminals[e])))
         start = e + 1
     return trajs
+
+
+def from_trajectories(trajs: list[Trajectory], metadata: dict | None = None) -> OfflineDataset:
+    """An ``OfflineDataset`` of the given episodes, in order (a non-terminal episode ends with a timeout)."""
+    if not trajs:
+        raise ValueError("from_trajectories needs at least one trajectory")
+    term = [np.zeros(t.length, bool) for t in trajs]
+    tout = [np.zeros(t.length, bool) for t in trajs]
+    for t, te, to in zip(trajs, term, tout):
+        (te if t.terminal else to)[-1] = True
+    return OfflineDataset(observations=np.concatenate([t.observations for t in trajs]),
+                          actions=np.concatenate([t.actions for t in trajs]),
+                          rewards=np.concatenate([t.rewards for t in trajs]), terminals=np.concatenate(term),
+                          timeouts=np.concatenate(tout), metadata=dict(metadata or {}))
+
+
+def holdout_split(ds: OfflineDataset, fraction: float, seed: int) -> tuple[OfflineDataset, list[Trajectory], list[int]]:
+    """Hold out ``round(fraction * episodes)`` whole episodes, drawn with ``numpy.random.default_rng(seed)``.
+
+    Returns ``(train, heldout, heldout_indices)``: the training dataset (the other episodes, in file order, its
+    metadata noting the split), the held-out episodes and their sorted indices in ``ds.trajectories()``. At
+    least one episode stays in each part when ``fraction > 0``.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"holdout fraction must be in [0, 1), got {fraction}")
+    trajs = ds.trajectories()
+    n_out = 0 if fraction == 0 else min(len(trajs) - 1, max(1, round(fraction * len(trajs))))
+    if fraction > 0 and n_out < 1:
+        raise ValueError(f"cannot hold out episodes of a dataset with {len(trajs)} episode(s)")
+    idx = sorted(int(i) for i in np.random.default_rng(seed).choice(len(trajs), size=n_out, replace=False))
+    keep = sorted(set(range(len(trajs))) - set(idx))
+    meta = {**ds.metadata, "holdout": {"fraction": fraction, "seed": seed, "indices": idx, "episodes": len(trajs)}}
+    if "episode_returns" in meta:
+        meta["episode_returns"] = [trajs[i].ret for i in keep]
+    return from_trajectories([trajs[i] for i in keep], meta), [trajs[i] for i in idx], idx
 
 
 def returns_to_go(rewards: np.ndarray, gamma: float = 1.0) -> np.ndarray:

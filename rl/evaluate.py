@@ -23,7 +23,7 @@ from rl.references import normalized_score
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EpisodeResult", "rollout", "evaluate_returns", "load_policy", "write_video", "shipped_policies",
+__all__ = ["EpisodeResult", "rollout", "evaluate_returns", "heldout_action_mse", "load_policy", "write_video", "shipped_policies",
            "build_parser", "main"]
 
 
@@ -41,11 +41,15 @@ class EpisodeResult:
 @torch.no_grad()
 def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed: int = 0,
             max_steps: int | None = None, render: bool = False, render_every: int = 1,
-            width: int = 320, height: int = 240, progress=None, routing: str = "aux") -> EpisodeResult:
+            width: int = 320, height: int = 240, progress=None, routing: str = "aux",
+            obs_transform=None) -> EpisodeResult:
     """Run ``episodes`` episodes with ``model`` conditioned on ``target_return``.
 
     ``routing`` is the routed layers' causal selection when acting: ``"aux"`` (the auxiliary predictor, the
     default) or ``"prefix"`` (causal prefix top-k, what a DM trained with ``train_selection="prefix"`` used).
+
+    ``obs_transform`` (optional): maps the observations ``(E, obs_dim)`` before the policy sees them (e.g.
+    :func:`rl.partial.mask_observations` for a partially observed task); returns stay the environment's.
 
     With ``render=True`` only one episode may run; frames come from MuJoCo's offscreen renderer
     (``MUJOCO_GL=egl`` on a machine without a display).
@@ -82,7 +86,8 @@ def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed
     if render:
         frames.append(env.render())
     for t in range(max_steps):
-        states = torch.cat([states, torch.as_tensor(obs, dtype=torch.float32)[:, None]], 1)[:, -K:]
+        seen = obs if obs_transform is None else obs_transform(np.asarray(obs))
+        states = torch.cat([states, torch.as_tensor(seen, dtype=torch.float32)[:, None]], 1)[:, -K:]
         actions = torch.cat([actions, torch.zeros(E, 1, A)], 1)[:, -K:]
         rtg = torch.cat([rtg, cur_rtg[:, None]], 1)[:, -K:]
         times = torch.cat([times, torch.full((E, 1), t, dtype=torch.long)], 1)[:, -K:]
@@ -120,14 +125,58 @@ def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed
 
 
 def evaluate_returns(model, env_id: str, *, target_return: float, episodes: int, seed: int = 0,
-                     batch: int = 10, routing: str = "aux") -> np.ndarray:
-    """Returns of ``episodes`` episodes, run ``batch`` at a time (``routing``: see :func:`rollout`)."""
+                     batch: int = 10, routing: str = "aux", obs_transform=None) -> np.ndarray:
+    """Returns of ``episodes`` episodes, run ``batch`` at a time (``routing``, ``obs_transform``: see :func:`rollout`)."""
     out = []
     for start in range(0, episodes, batch):
         n = min(batch, episodes - start)
         out.append(rollout(model, env_id, target_return=target_return, episodes=n, seed=seed + start,
-                           routing=routing).returns)
+                           routing=routing, obs_transform=obs_transform).returns)
     return np.concatenate(out)
+
+
+@torch.no_grad()
+def heldout_action_mse(model, trajectories, *, batch: int = 256, routing: str = "aux") -> float:
+    """Mean squared action error of ``model`` in evaluation mode on whole trajectories it was not trained on.
+
+    Each trajectory is cut into consecutive segments of ``context`` steps from its first step (the last one
+    shorter, right-padded); the model sees the true states, returns-to-go and past actions, and predicts every
+    action causally (a position sees only earlier tokens of its segment; a Decision Mixer routes with the causal
+    ``routing`` it uses when acting, ``"aux"`` by default). The MSE is averaged over all steps and action dims.
+    """
+    from rl.data import returns_to_go
+
+    if routing not in ("aux", "prefix"):
+        raise ValueError(f"routing must be 'aux' or 'prefix' (causal selections), got {routing!r}")
+    model.eval()
+    K = model.config.context
+    segs = []
+    for tr in trajectories:
+        rtg = returns_to_go(tr.rewards)
+        for start in range(0, tr.length, K):
+            sl = slice(start, min(start + K, tr.length))
+            segs.append((tr.observations[sl], tr.actions[sl], rtg[sl], np.arange(sl.start, sl.stop)))
+    if not segs:
+        raise ValueError("heldout_action_mse needs at least one trajectory")
+    total, count = 0.0, 0
+    for b0 in range(0, len(segs), batch):
+        chunk = segs[b0:b0 + batch]
+        n = len(chunk)
+        s = np.zeros((n, K, model.config.state_dim), np.float32)
+        a = np.zeros((n, K, model.config.act_dim), np.float32)
+        r = np.zeros((n, K, 1), np.float32)
+        ts = np.zeros((n, K), np.int64)
+        valid = np.zeros((n, K), bool)
+        for i, (so, ac, rt, tt) in enumerate(chunk):
+            m = len(tt)
+            s[i, :m], a[i, :m], r[i, :m, 0], ts[i, :m], valid[i, :m] = so, ac, rt, tt, True
+        a_t, v_t = torch.from_numpy(a), torch.from_numpy(valid)
+        pred, _ = model(torch.from_numpy(s), a_t, torch.from_numpy(r), torch.from_numpy(ts), valid_BT=v_t,
+                        mode=routing)
+        err = ((pred - a_t) ** 2).sum(-1)[v_t]
+        total += float(err.sum())
+        count += int(v_t.sum()) * model.config.act_dim
+    return total / count
 
 
 def load_policy(checkpoint: str | os.PathLike):

@@ -78,6 +78,8 @@ class DMConfig(DTConfig):
     # routing in training: "topk" over the whole segment (later tokens, the predicted action among them, decide
     # whether a state token is routed) or "prefix" (causal prefix top-k: what acting can see)
     train_selection: str = "topk"
+    # control arm: routed tokens drawn at random at the fixed `capacity` (core.routing); needs learn_capacity False
+    random_routing: bool = False
     router_hidden: int = 64  # width of the capacity and auxiliary predictors
     aux_loss_weight: float = 0.1  # weight of the auxiliary predictor's BCE in the training loss
     capacity_cost_weight: float = 0.0  # weight of the mean predicted capacity (compute cost) in the loss; 0 chosen by `python -m rl.tune` on hopper-medium (rl/README.md)
@@ -100,7 +102,7 @@ class DMConfig(DTConfig):
                              min_capacity=self.min_capacity, max_capacity=self.max_capacity,
                              capacity_hidden=self.router_hidden, aux_hidden=self.router_hidden,
                              soft_rank_temperature=self.soft_rank_temperature, probe_tokens=self.probe_tokens,
-                             train_selection=self.train_selection)
+                             train_selection=self.train_selection, random_selection=self.random_routing)
 
 
 class _CausalBlock(nn.Module):
