@@ -7,8 +7,10 @@ trained with ``apps.comemo.train`` (stage ``--stage``, same seed, sizes and step
 holds ``model.safetensors``; then, on held-out samples (stream seed ``--eval-seed``, not the training stream):
 
 - exact-match accuracy of greedy answers by number of images (``--images``; training used at most
-  ``--max-images``) and, for the needle task, by needle position decile (``floor(10 * pos / N)``); the
-  needle is placed at evenly spread positions so every decile is filled;
+  ``--max-images``) and, for the needle task, by needle position decile (``floor(10 * pos / N)``) and third
+  (first / middle / last); the needle is placed at evenly spread positions so every decile is filled;
+- the issue's checks (``targets`` in the JSON, :func:`issue_targets`): comemo against lvlm-1d on the middle
+  and end thirds at the longest count, lvlm-dhr against lvlm-1d beyond the trained image count;
 - attention mass per image position on the context path: the attention probability that the last prompt
   token gives to each image's tokens, averaged over layers and heads, binned by the image's position decile
   (the "lost in the middle" curve); summed per sample so a bin is the mean mass per image in that decile;
@@ -32,13 +34,47 @@ from benchmarks.common import env_info, format_table, portable_args, write_json_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "evaluate_variant"]
+__all__ = ["build_parser", "main", "evaluate_variant", "issue_targets"]
 
 VARIANTS = ("lvlm-1d", "lvlm-dhr", "flamingo", "comemo")
 
 
 def _deciles(pos: int, n: int) -> int:
     return min(9, pos * 10 // n)
+
+
+def _third(pos: int, n: int) -> int:
+    """0 (first third of the images), 1 (middle third) or 2 (last third)."""
+    return min(2, pos * 3 // n)
+
+
+def issue_targets(variants: dict, *, max_images: int) -> dict:
+    """The issue's checks, from ``evaluate_variant`` results (None where a variant or count is missing).
+
+    - ``comemo_middle_gain``: comemo minus lvlm-1d needle accuracy on the middle third of positions at the
+      longest image count (target >= 0.10); ``comemo_end_gaps``: the same for the first and last thirds (target:
+      both within 0.02 of lvlm-1d, or better);
+    - ``dhr_beyond_training``: mean needle accuracy over the image counts above ``max_images`` (trained length),
+      lvlm-dhr and lvlm-1d (target: lvlm-dhr >= lvlm-1d).
+    """
+    out: dict = {"longest": None, "comemo_middle_gain": None, "comemo_end_gaps": None, "dhr_beyond_training": None}
+    one, co, dhr = variants.get("lvlm-1d"), variants.get("comemo"), variants.get("lvlm-dhr")
+    if one is None or "needle_accuracy_by_third" not in one:
+        return out
+    counts = sorted(int(n) for n in one["needle_accuracy_by_third"])
+    if counts:
+        longest = str(counts[-1])
+        out["longest"] = int(longest)
+        if co is not None and longest in co.get("needle_accuracy_by_third", {}):
+            a, b = co["needle_accuracy_by_third"][longest], one["needle_accuracy_by_third"][longest]
+            if None not in a + b:
+                out["comemo_middle_gain"] = a[1] - b[1]
+                out["comemo_end_gaps"] = [a[0] - b[0], a[2] - b[2]]
+    beyond = [str(n) for n in sorted(int(k) for k in one["accuracy"].get("needle", {})) if n > max_images]
+    if dhr is not None and beyond and all(n in dhr["accuracy"].get("needle", {}) for n in beyond):
+        mean = lambda v: sum(v["accuracy"]["needle"][n] for n in beyond) / len(beyond)  # noqa: E731
+        out["dhr_beyond_training"] = {"counts": [int(n) for n in beyond], "lvlm-dhr": mean(dhr), "lvlm-1d": mean(one)}
+    return out
 
 
 @torch.no_grad()
@@ -65,6 +101,7 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
 
     acc: dict[str, dict[str, list[int]]] = {}
     needle_dec: dict[str, list[list[int]]] = {}
+    needle_third: dict[str, list[list[int]]] = {}
     attn_dec: dict[str, list[list[float]]] = {}
     times = []
     index = 0
@@ -81,6 +118,7 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
                 hits.append(ok)
                 if task == "needle":
                     needle_dec.setdefault(str(n), [[] for _ in range(10)])[_deciles(s.needle, n)].append(ok)
+                    needle_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(ok)
                     if k < 4:  # attention curve on a few samples per count
                         mass = attention_by_position(model, tok, s.images, s.question)
                         if mass is not None:
@@ -95,6 +133,8 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
         "accuracy": {t: {n: mean(h) for n, h in d.items()} for t, d in acc.items()},
         "samples": {t: {n: len(h) for n, h in d.items()} for t, d in acc.items()},
         "needle_accuracy_by_decile": {n: [mean(b) for b in bins] for n, bins in needle_dec.items()},
+        "needle_accuracy_by_third": {n: [mean(b) for b in bins] for n, bins in needle_third.items()},
+        "needle_samples_by_third": {n: [len(b) for b in bins] for n, bins in needle_third.items()},
         "attention_mass_by_decile": {n: [mean(b) for b in bins] for n, bins in attn_dec.items()},
         "seconds_per_answer": mean(times),
         "gates": model.gates(),
@@ -157,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     columns = ["variant", "params", "s/answer"] + [c for c in rows[0] if "@" in c] if rows else []
     print(format_table(rows, columns))
+    results["targets"] = issue_targets(results["variants"], max_images=args.max_images)
+    thirds = [{"variant": v, **{f"needle@{n} {part}": t[i] for n, t in r.get("needle_accuracy_by_third", {}).items()
+                                for i, part in enumerate(("first", "middle", "last"))}}
+              for v, r in results["variants"].items()]
+    if thirds and len(thirds[0]) > 1:
+        print(format_table(thirds, list(thirds[0])))
+    logger.info("issue targets: %s", results["targets"])
     write_json_atomic(args.out, results)
     return 0
 

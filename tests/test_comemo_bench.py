@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.comemo_bench import main
+from benchmarks.comemo_bench import issue_targets, main
 
 TINY_TRAIN = ("--dim 32 --depth 2 --heads 2 --cross-every 1 --tile 16 --vision-dim 16 --vision-depth 1 "
               "--batch-size 2 --val-samples 2 --device cpu")
@@ -23,15 +23,39 @@ def test_bench_tiny(tmp_path, capsys):
         assert v["samples"]["needle"]["3"] == 3 and v["samples"]["detail"] == {"1": 3}
         dec = v["needle_accuracy_by_decile"]["3"]
         assert len(dec) == 10 and sum(x is not None for x in dec) == 3  # positions 0, 1, 2 of 3 -> deciles 0, 3, 6
+        assert v["needle_samples_by_third"]["3"] == [1, 1, 1]  # positions 0, 1, 2 of 3: one per third
+        assert all(x in (0, 1) for x in v["needle_accuracy_by_third"]["3"])
         mass = v["attention_mass_by_decile"]["3"]
         assert all(m is None or 0 < m <= 1 for m in mass)
         assert v["seconds_per_answer"] > 0 and v["parameters"] > 0
     assert res["variants"]["comemo"]["gates"] and not res["variants"]["lvlm-1d"]["gates"]
     assert res["variants"]["comemo"]["parameters"] > res["variants"]["lvlm-1d"]["parameters"]
     table = capsys.readouterr().out
-    assert "| variant |" in table and "needle@3" in table
+    assert "| variant |" in table and "needle@3" in table and "needle@3 middle" in table
+    t = res["targets"]
+    one, co = res["variants"]["lvlm-1d"], res["variants"]["comemo"]
+    assert t["longest"] == 3
+    assert t["comemo_middle_gain"] == co["needle_accuracy_by_third"]["3"][1] - one["needle_accuracy_by_third"]["3"][1]
+    assert t["dhr_beyond_training"] is None  # no lvlm-dhr in this run
     # a second run reuses the trained folders (no retraining): the results match
     first = res["variants"]["comemo"]["accuracy"]
     assert main(["--runs", str(tmp_path / "runs"), "--variants", "comemo", "--images", "1", "3", "--tasks", "needle",
                  "detail", "--per-count", "3", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 0
     assert json.loads(out.read_text())["variants"]["comemo"]["accuracy"] == first
+
+
+def test_issue_targets_compare_the_right_cells():
+    def v(thirds, needle):
+        return {"needle_accuracy_by_third": thirds, "accuracy": {"needle": needle}}
+
+    res = issue_targets({
+        "lvlm-1d": v({"8": [0.9, 0.5, 0.9], "32": [0.8, 0.2, 0.7]}, {"8": 0.8, "16": 0.3, "32": 0.2}),
+        "lvlm-dhr": v({"8": [1, 1, 1], "32": [0.5, 0.5, 0.5]}, {"8": 0.9, "16": 0.6, "32": 0.4}),
+        "comemo": v({"8": [1, 1, 1], "32": [0.85, 0.45, 0.69]}, {"8": 1.0, "16": 0.5, "32": 0.6}),
+    }, max_images=8)
+    assert res["longest"] == 32
+    assert abs(res["comemo_middle_gain"] - 0.25) < 1e-9
+    assert [round(x, 6) for x in res["comemo_end_gaps"]] == [0.05, -0.01]
+    assert res["dhr_beyond_training"]["counts"] == [16, 32]
+    assert abs(res["dhr_beyond_training"]["lvlm-dhr"] - 0.5) < 1e-9 and abs(res["dhr_beyond_training"]["lvlm-1d"] - 0.25) < 1e-9
+    assert issue_targets({"comemo": v({}, {})}, max_images=8)["longest"] is None
