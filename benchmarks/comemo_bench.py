@@ -142,6 +142,42 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
     }
 
 
+def plot_needle_curves(results: dict, path: Path) -> Path:
+    """PNG: needle accuracy by position decile (left) and attention mass by decile (right), one line per
+    variant, one row per image count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = results["variants"]
+    counts = sorted({int(n) for v in variants.values() for n in v.get("needle_accuracy_by_decile", {})})
+    if not counts:
+        raise ValueError("no needle results to plot")
+    fig, axes = plt.subplots(len(counts), 2, figsize=(9, 2.2 * len(counts)), squeeze=False)
+    for row, n in zip(axes, counts):
+        for name, v in variants.items():
+            for ax, key in zip(row, ("needle_accuracy_by_decile", "attention_mass_by_decile")):
+                ys = v.get(key, {}).get(str(n))
+                if ys:
+                    xs = [i for i, y in enumerate(ys) if y is not None]
+                    ax.plot(xs, [ys[i] for i in xs], marker="o", label=name)
+        row[0].set_ylabel(f"{n} images")
+        row[0].set_ylim(-0.05, 1.05)
+    axes[0][0].set_title("needle exact match by position decile")
+    axes[0][1].set_title("attention mass per image by decile")
+    axes[0][0].legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("needle / image position decile")
+    fig.tight_layout()
+    from core.fileio import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")
+    plt.close(fig)
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.comemo_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=Path, default=Path("runs/comemo_bench"), help="one run folder per variant")
@@ -157,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200, help="longest generated answer")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/comemo_bench.json"), help="JSON results")
+    p.add_argument("--plot", type=Path, help="also write a PNG of the needle and attention curves")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p
 
@@ -205,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(thirds, list(thirds[0])))
     logger.info("issue targets: %s", results["targets"])
     write_json_atomic(args.out, results)
+    if args.plot is not None and any(v.get("needle_accuracy_by_decile") for v in results["variants"].values()):
+        plot_needle_curves(results, args.plot)
     return 0
 
 

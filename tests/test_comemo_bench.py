@@ -14,8 +14,10 @@ def test_bench_tiny(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["--runs", str(tmp_path / "runs"), "--variants", "lvlm-1d", "comemo", "--train-steps", "1",
                  "--train-args", TINY_TRAIN, "--max-images", "2", "--images", "1", "3", "--tasks", "needle", "detail",
-                 "--per-count", "3", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 0
+                 "--per-count", "3", "--max-new-tokens", "4", "--out", str(out), "--no-progress",
+                 "--plot", str(tmp_path / "c.png")]) == 0
     res = json.loads(out.read_text())
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(res["variants"]) == {"lvlm-1d", "comemo"}
     for name, v in res["variants"].items():
         assert set(v["accuracy"]) == {"needle", "detail"} and set(v["accuracy"]["needle"]) == {"1", "3"}
