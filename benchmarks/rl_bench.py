@@ -441,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rl.train import SEGMENT_ANCHORS
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.rl_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny pipeline check (random Hopper data, 1 seed)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny pipeline check (random Hopper data, 1 seed; cases run with other settings are redone)")
     p.add_argument("--datasets", default="hopper-medium,halfcheetah-medium,walker2d-medium-replay")
     p.add_argument("--dataset-steps", type=int, default=200_000, help="transitions per generated dataset")
     p.add_argument("--seeds", default="0,1,2")
@@ -543,6 +544,7 @@ def main(argv=None) -> None:
         args.embed_dim, args.context, args.dm_layers, args.dt_layers, args.routed_layers = 32, 10, 4, 2, "1,3"
         args.warmup, args.batch_size, args.timing_steps = 10, 16, min(args.timing_steps, 10)
         args.timing_warmup = min(args.timing_warmup, 20)
+        args.on_mismatch = "redo"  # a pipeline check: cases of an older quick run are rerun, not refused
         if args.out == build_parser().get_default("out"):
             args.out = "benchmarks/results/rl_bench_quick.json"
         args.work_dir = args.work_dir + "_quick"

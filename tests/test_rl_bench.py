@@ -168,3 +168,38 @@ def test_arm_overrides_and_bad_flags():
         rl_bench.main(["--algos", "dm,dt-large"])
     with pytest.raises(SystemExit, match="--random-capacity must be a number"):
         rl_bench.main(["--algos", "dm", "--random-capacity", "half"])
+
+
+def test_parts_run_in_parallel_processes_merge_only_with_the_same_settings(full_run, monkeypatch):
+    from benchmarks import rl_bench
+
+    ran = []
+
+    def fake(algo, prep, seed, *a, **k):
+        ran.append((algo, seed))
+        return {"score": 10.0 * seed + (algo == "dm"), "sec_per_1k_steps": 1.0, "cpu_sec_per_1k_steps": 1.0,
+                "heldout_mse": 0.5, "routed_fraction": 0.3 if algo == "dm" else None}
+
+    monkeypatch.setattr(rl_bench, "_run_ours", fake)
+    tmp = full_run["tmp"]
+    base = list(full_run["args"])
+    base[base.index("--algos") + 1] = "dm,dt"
+    i = base.index("--out")
+
+    def with_(seeds, out, *extra):
+        a = list(base)
+        a[a.index("--seeds") + 1] = seeds
+        a[i + 1] = str(tmp / out)
+        return a + list(extra)
+
+    rl_bench.main(with_("0", "p0.json"))
+    rl_bench.main(with_("1", "p1.json", "--lr", "0.01"))  # other settings
+    rl_bench.main(with_("1", "p2.json"))
+    assert ran == [("dm", 0), ("dt", 0), ("dm", 1), ("dt", 1), ("dm", 1), ("dt", 1)]
+    ran.clear()
+    rl_bench.main(with_("0,1", "all.json", "--merge", f"{tmp / 'p1.json'},{tmp / 'p0.json'},{tmp / 'p2.json'}"))
+    assert ran == []  # p1's seed-1 cases (other lr) were replaced by p2's
+    res = json.loads((tmp / "all.json").read_text())
+    assert res["cases"]["hopper-random-po/dt/1"]["settings"]["lr"] == 0.0001
+    assert res["bootstrap"]["intervals"]["dm - dt/score"]["hopper-random-po"] == \
+        {"mean": 1.0, "lo": 1.0, "hi": 1.0, "seeds": 2}
