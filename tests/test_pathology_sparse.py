@@ -227,3 +227,17 @@ def test_quick_run_writes_json_and_curve(tmp_path):
     n = len(read_records(tmp_path / "r.jsonl"))
     assert main(argv) == 0  # resumed: nothing is redone
     assert len(read_records(tmp_path / "r.jsonl")) == n
+
+
+def test_dev_probe_cli_records_per_epoch_history(tmp_path):
+    import json
+
+    from benchmarks.pathology_sparse_dev import main
+
+    out = tmp_path / "dev.jsonl"
+    assert main(["--side", "16", "--radius", "2", "--near", "4,5", "--far-min", "10", "--bags", "6", "--val", "4",
+                 "--epochs", "2", "--region-size", "4", "--topk", "2", "--dim", "8", "--heads", "1",
+                 "--models", "dense,abmil", "--out", str(out)]) == 0
+    recs = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["model"] for r in recs] == ["dense", "abmil"]
+    assert all(len(r["history"]) == 2 and r["settings"]["bags"] == 6 for r in recs)
