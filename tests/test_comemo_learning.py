@@ -173,3 +173,27 @@ def test_vision_lr_scale_slows_the_vision_encoder(tmp_path):
     assert not torch.equal(b["projector.fc1.weight"], init["projector.fc1.weight"])  # the rest trains
     with pytest.raises(SystemExit, match="vision-lr-scale"):
         train_main([*base, "--out", str(tmp_path / "c"), "--vision-lr-scale", "-1"])
+
+
+def test_label_range_renumbers_labels_question_and_answer(tok):
+    plain = draw_examples(5, 0, 30, min_images=1, max_images=4, tasks=["needle", "count"], tile=16)
+    moved = draw_examples(5, 0, 30, min_images=1, max_images=4, tasks=["needle", "count"], tile=16, label_range=64)
+    starts = [m[3] for m in moved]
+    assert len(set(starts)) > 5 and all(1 <= s and s + len(m[0]) - 1 <= 64 for s, m in zip(starts, moved))
+    for p, m in zip(plain, moved):
+        assert len(p[0]) == len(m[0]) and all((a == b).all() for a, b in zip(p[0], m[0]))  # same images
+        if p[2].startswith("image "):  # needle / compare answers name an image: shifted by start - 1
+            k = int(p[2].split()[1])
+            assert m[2].split()[1] == str(k + m[3] - 1) and m[2].split()[2:] == p[2].split()[2:]
+        else:
+            assert m[2] == p[2]
+    # the prompt numbers its labels from the start
+    cfg = _cfg("lvlm-1d", image_labels="after")
+    images, q, a, start = next(m for m in moved if m[1].startswith("which image shows") and len(m[0]) >= 2)
+    b = build_batch([(images, q, a, start)], tok, cfg)
+    for k, (_, e) in enumerate(b.image_spans[0]):
+        assert tok.decode(b.input_ids[0, e:e + 2].tolist()).split() == ["image", str(start + k)]
+    with pytest.raises(ValueError, match="label_range"):
+        draw_examples(5, 0, 1, max_images=8, tasks=["needle"], tile=16, label_range=4)
+    with pytest.raises(SystemExit, match="label-range"):
+        train_main([*TINY, "--variant", "lvlm-1d", "--stage", "3", "--out", "unused", "--label-range", "16"])

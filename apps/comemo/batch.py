@@ -31,7 +31,7 @@ from core.rope import rope_dhr_position_ids
 
 __all__ = ["Batch", "Example", "load_image", "build_batch"]
 
-Example = tuple  # (images: list, question: str, answer: str | None)
+Example = tuple  # (images: list, question: str, answer: str | None[, label_start: int]) (label_start: first image label)
 
 
 @dataclass
@@ -113,7 +113,8 @@ def build_batch(examples: list[Example], tok: CoMemoTokenizer, cfg: CoMemoConfig
     """Tile, tokenise and lay out ``examples`` for ``cfg.variant`` (see module docs).
 
     Args:
-        examples: ``(images, question, answer)`` triples; ``answer=None`` for a prompt to continue.
+        examples: ``(images, question, answer)`` triples; ``answer=None`` for a prompt to continue; an optional
+            fourth item numbers the image labels from there (``cfg.image_labels``; default 1).
         tok: the tokenizer.
         cfg: model config (variant, tiling, limits).
         label_prompt: also put the prompt's text tokens in the labels (text-only language-model stage).
@@ -123,10 +124,12 @@ def build_batch(examples: list[Example], tok: CoMemoTokenizer, cfg: CoMemoConfig
     all_tiles: list[np.ndarray] = []
     seqs = []
     n_img_tokens = 0
-    for e, (images, question, answer) in enumerate(examples):
+    for e, (images, question, answer, *rest) in enumerate(examples):
+        label_start = rest[0] if rest else 1
         if len(images) > cfg.max_images:
             raise ValueError(f"example {e} has {len(images)} images; the model takes at most {cfg.max_images} (max_images)")
-        prompt, ans = tok.encode_example(len(images), question, answer, image_labels=cfg.image_labels)
+        prompt, ans = tok.encode_example(len(images), question, answer, image_labels=cfg.image_labels,
+                                         label_start=label_start)
         ids, slots, pos, labels, spans, mem_idx, mem_pos = [], [], [], [], [], [], []
         p = 0
         k = 0

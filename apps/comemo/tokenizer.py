@@ -33,13 +33,14 @@ PAD, BOS, EOS, UNK, IMAGE, IMG_CTX = range(len(SPECIAL_TOKENS))
 IMAGE_LABELS = ("none", "before", "after")
 
 
-def prompt_text(n_images: int, question: str, *, image_labels: str = "none") -> str:
+def prompt_text(n_images: int, question: str, *, image_labels: str = "none", label_start: int = 1) -> str:
     """``<s><image>...<image> question`` (one ``<image>`` per image); ``image_labels`` (one of
-    :data:`IMAGE_LABELS`) puts the text label ``image K`` before or after image K."""
+    :data:`IMAGE_LABELS`) puts the text label ``image K`` before or after image K, numbered from
+    ``label_start`` (1 at inference; training may shift it so that large numbers are seen)."""
     if image_labels == "before":
-        return "<s>" + "".join(f" image {i + 1}<image>" for i in range(n_images)) + " " + question.strip()
+        return "<s>" + "".join(f" image {i + label_start}<image>" for i in range(n_images)) + " " + question.strip()
     if image_labels == "after":
-        return "<s>" + "".join(f"<image> image {i + 1}" for i in range(n_images)) + " " + question.strip()
+        return "<s>" + "".join(f"<image> image {i + label_start}" for i in range(n_images)) + " " + question.strip()
     if image_labels != "none":
         raise ValueError(f"unknown image_labels {image_labels!r}; choose one of {list(IMAGE_LABELS)}")
     return "<s>" + "<image>" * n_images + " " + question.strip()
@@ -69,10 +70,10 @@ class CoMemoTokenizer:
         return self.tok.decode(list(int(i) for i in ids), skip_special_tokens=True)
 
     def encode_example(self, n_images: int, question: str, answer: str | None = None, *,
-                       image_labels: str = "none") -> tuple[list[int], list[int]]:
+                       image_labels: str = "none", label_start: int = 1) -> tuple[list[int], list[int]]:
         """``(prompt_ids, answer_ids)``; ``answer_ids`` ends with ``</s>`` (empty when ``answer`` is None).
-        ``image_labels``: a text label ``image K`` before or after each image (see :func:`prompt_text`)."""
-        prompt = self.encode(prompt_text(n_images, question, image_labels=image_labels))
+        ``image_labels``, ``label_start``: text labels ``image K`` next to the images (see :func:`prompt_text`)."""
+        prompt = self.encode(prompt_text(n_images, question, image_labels=image_labels, label_start=label_start))
         if prompt.count(IMAGE) != n_images:
             raise ValueError(f"the question must not contain '<image>' (found {prompt.count(IMAGE) - n_images} extra)")
         ans = [] if answer is None else self.encode(" " + answer.strip()) + [EOS]

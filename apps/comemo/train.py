@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import random
+import re
 import shlex
 import sys
 import time
@@ -49,7 +50,7 @@ STAGES = (0, 1, 2, 3)
 #: Arguments that define the run; on --resume they are taken from the checkpoint.
 _RECIPE_KEYS = ("variant", "stage", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed", "max_images",
                 "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth",
-                "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale", "vision_lr_scale")
+                "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale", "vision_lr_scale", "label_range")
 
 
 def set_stage(model: CoMemoModel, stage: int) -> list[str]:
@@ -75,12 +76,23 @@ def set_stage(model: CoMemoModel, stage: int) -> list[str]:
     return names
 
 
+_IMAGE_REF = re.compile(r"\bimage (\d+)\b")
+
+
 def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: list[str], tile: int,
-                  text_only: bool = False, min_images: int = 1) -> list[tuple]:
+                  text_only: bool = False, min_images: int = 1, label_range: int = 0) -> list[tuple]:
     """Samples ``start .. start+count-1`` of the stream ``seed`` as ``(images, question, answer)``, each with
-    ``min_images..max_images`` images (drawn uniformly from the sample's seed)."""
+    ``min_images..max_images`` images (drawn uniformly from the sample's seed).
+
+    ``label_range`` > 0 (for prompts with image labels): the labels of a sample start at a number drawn
+    uniformly so that they stay within ``1..label_range``, and every ``image K`` of the question and answer
+    is renumbered alike; the items are then ``(images, question, answer, label_start)``. Answers then name
+    labels up to ``label_range`` although a sample has at most ``max_images`` images.
+    """
     if not 1 <= min_images <= max_images:
         raise ValueError(f"need 1 <= min_images <= max_images, got min_images={min_images}, max_images={max_images}")
+    if label_range and label_range < max_images:
+        raise ValueError(f"label_range ({label_range}) must be 0 (off) or >= max_images ({max_images})")
     out = []
     for i in range(start, start + count):
         s_seed = sample_seed(seed, i)
@@ -88,7 +100,12 @@ def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: 
         task = tasks[r.randrange(len(tasks))]
         n = r.randint(min_images, max_images)
         s = make_sample(task, n, s_seed, tile=tile)
-        out.append(([] if text_only else s.images, s.question, s.answer))
+        if not label_range:
+            out.append(([] if text_only else s.images, s.question, s.answer))
+            continue
+        first = r.randint(1, label_range - n + 1)
+        shift = lambda text: _IMAGE_REF.sub(lambda m: f"image {int(m.group(1)) + first - 1}", text)  # noqa: E731
+        out.append(([] if text_only else s.images, shift(s.question), shift(s.answer), first))
     return out
 
 
@@ -158,7 +175,7 @@ class Trainer:
         a = self.args
         start = (step * self.world + rank) * a.batch_size
         return draw_examples(a.seed, start, a.batch_size, max_images=a.max_images, tasks=a.tasks, tile=a.tile,
-                             text_only=a.stage == 0, min_images=a.min_images)
+                             text_only=a.stage == 0, min_images=a.min_images, label_range=a.label_range)
 
     def train_step(self) -> dict[str, float]:
         self.model.train()
@@ -226,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to train on")
     p.add_argument("--image-labels", default="none", choices=IMAGE_LABELS,
                    help="a text label 'image K' before (InternVL's layout) or after each image in the prompt")
+    p.add_argument("--label-range", type=int, default=0,
+                   help="with --image-labels: number a sample's labels from a random start within 1..N (0: from 1)")
     p.add_argument("--image-token-scale", type=float, default=1.0,
                    help="factor on the projected image tokens (they start ~10x the norm of token embeddings)")
     p.add_argument("--dim", type=int, default=128, help="decoder width")
@@ -281,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown --variant {args.variant!r}; choose one of {list(VARIANTS)}")
     if args.stage not in STAGES:
         raise SystemExit(f"unknown --stage {args.stage}; choose one of {list(STAGES)}")
+    if args.label_range and args.image_labels == "none":
+        raise SystemExit("--label-range needs --image-labels before or after (there are no labels to number)")
+    if args.label_range and args.label_range < args.max_images:
+        raise SystemExit(f"--label-range ({args.label_range}) must be 0 or >= --max-images ({args.max_images})")
     if not args.vision_lr_scale >= 0:
         raise SystemExit(f"--vision-lr-scale must be >= 0, got {args.vision_lr_scale}")
     for name in ("steps", "batch_size", "max_images", "min_images", "val_every", "val_samples", "ckpt_every", "warmup"):
