@@ -155,13 +155,14 @@ def plot_needle_curves(results: dict, path: Path) -> Path:
     if not counts:
         raise ValueError("no needle results to plot")
     fig, axes = plt.subplots(len(counts), 2, figsize=(9, 2.2 * len(counts)), squeeze=False)
+    colours = {name: f"C{i}" for i, name in enumerate(VARIANTS)}  # the same colour in every panel
     for row, n in zip(axes, counts):
         for name, v in variants.items():
             for ax, key in zip(row, ("needle_accuracy_by_decile", "attention_mass_by_decile")):
                 ys = v.get(key, {}).get(str(n))
                 if ys:
                     xs = [i for i, y in enumerate(ys) if y is not None]
-                    ax.plot(xs, [ys[i] for i in xs], marker="o", label=name)
+                    ax.plot(xs, [ys[i] for i in xs], marker="o", label=name, color=colours.get(name), alpha=0.8)
         row[0].set_ylabel(f"{n} images")
         row[0].set_ylim(-0.05, 1.05)
     axes[0][0].set_title("needle exact match by position decile")
