@@ -9,8 +9,11 @@ holds ``model.safetensors``; then, on held-out samples (stream seed ``--eval-see
 - exact-match accuracy of greedy answers by number of images (``--images``; training used at most
   ``--max-images``) and, for the needle task, by needle position decile (``floor(10 * pos / N)``) and third
   (first / middle / last); the needle is placed at evenly spread positions so every decile is filled;
+- retrieval alone: the needle answer's digit right whatever image number it names, by third of positions
+  (``needle_digit_accuracy_by_third``);
 - the issue's checks (``targets`` in the JSON, :func:`issue_targets`): comemo against lvlm-1d on the middle
-  and end thirds at the longest count, lvlm-dhr against lvlm-1d beyond the trained image count;
+  and end thirds at the longest count (full answer, and digit alone), lvlm-dhr against lvlm-1d beyond the
+  trained image count;
 - attention mass per image position on the context path: the attention probability that the last prompt
   token gives to each image's tokens, averaged over layers and heads, binned by the image's position decile
   (the "lost in the middle" curve); summed per sample so a bin is the mean mass per image in that decile;
@@ -57,7 +60,8 @@ def issue_targets(variants: dict, *, max_images: int) -> dict:
     - ``dhr_beyond_training``: mean needle accuracy over the image counts above ``max_images`` (trained length),
       lvlm-dhr and lvlm-1d (target: lvlm-dhr >= lvlm-1d).
     """
-    out: dict = {"longest": None, "comemo_middle_gain": None, "comemo_end_gaps": None, "dhr_beyond_training": None}
+    out: dict = {"longest": None, "comemo_middle_gain": None, "comemo_end_gaps": None, "dhr_beyond_training": None,
+                 "digit_comemo_middle_gain": None, "digit_comemo_end_gaps": None}
     one, co, dhr = variants.get("lvlm-1d"), variants.get("comemo"), variants.get("lvlm-dhr")
     if one is None or "needle_accuracy_by_third" not in one:
         return out
@@ -70,6 +74,10 @@ def issue_targets(variants: dict, *, max_images: int) -> dict:
             if None not in a + b:
                 out["comemo_middle_gain"] = a[1] - b[1]
                 out["comemo_end_gaps"] = [a[0] - b[0], a[2] - b[2]]
+            a, b = co.get("needle_digit_accuracy_by_third", {}).get(longest), one.get("needle_digit_accuracy_by_third", {}).get(longest)
+            if a is not None and b is not None and None not in a + b:
+                out["digit_comemo_middle_gain"] = a[1] - b[1]
+                out["digit_comemo_end_gaps"] = [a[0] - b[0], a[2] - b[2]]
     beyond = [str(n) for n in sorted(int(k) for k in one["accuracy"].get("needle", {})) if n > max_images]
     if dhr is not None and beyond and all(n in dhr["accuracy"].get("needle", {}) for n in beyond):
         mean = lambda v: sum(v["accuracy"]["needle"][n] for n in beyond) / len(beyond)  # noqa: E731
@@ -102,6 +110,7 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
     acc: dict[str, dict[str, list[int]]] = {}
     needle_dec: dict[str, list[list[int]]] = {}
     needle_third: dict[str, list[list[int]]] = {}
+    digit_third: dict[str, list[list[int]]] = {}
     attn_dec: dict[str, list[list[float]]] = {}
     times = []
     index = 0
@@ -119,6 +128,10 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
                 if task == "needle":
                     needle_dec.setdefault(str(n), [[] for _ in range(10)])[_deciles(s.needle, n)].append(ok)
                     needle_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(ok)
+                    # retrieval alone: the digit of "image K shows D" right, whatever K
+                    got, want = res["answer"].split(), s.answer.split()
+                    digit_ok = int(len(got) == len(want) and got[-1] == want[-1] and got[2] == want[2])
+                    digit_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(digit_ok)
                     if k < 4:  # attention curve on a few samples per count
                         mass = attention_by_position(model, tok, s.images, s.question)
                         if mass is not None:
@@ -135,6 +148,7 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
         "needle_accuracy_by_decile": {n: [mean(b) for b in bins] for n, bins in needle_dec.items()},
         "needle_accuracy_by_third": {n: [mean(b) for b in bins] for n, bins in needle_third.items()},
         "needle_samples_by_third": {n: [len(b) for b in bins] for n, bins in needle_third.items()},
+        "needle_digit_accuracy_by_third": {n: [mean(b) for b in bins] for n, bins in digit_third.items()},
         "attention_mass_by_decile": {n: [mean(b) for b in bins] for n, bins in attn_dec.items()},
         "seconds_per_answer": mean(times),
         "gates": model.gates(),
@@ -241,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
               for v, r in results["variants"].items()]
     if thirds and len(thirds[0]) > 1:
         print(format_table(thirds, list(thirds[0])))
+    digits = [{"variant": v, **{f"digit@{n} {part}": t[i] for n, t in r.get("needle_digit_accuracy_by_third", {}).items()
+                                for i, part in enumerate(("first", "middle", "last"))}}
+              for v, r in results["variants"].items()]
+    if digits and len(digits[0]) > 1:
+        print(format_table(digits, list(digits[0])))
     logger.info("issue targets: %s", results["targets"])
     write_json_atomic(args.out, results)
     if args.plot is not None and any(v.get("needle_accuracy_by_decile") for v in results["variants"].values()):

@@ -27,6 +27,8 @@ def test_bench_tiny(tmp_path, capsys):
         assert len(dec) == 10 and sum(x is not None for x in dec) == 3  # positions 0, 1, 2 of 3 -> deciles 0, 3, 6
         assert v["needle_samples_by_third"]["3"] == [1, 1, 1]  # positions 0, 1, 2 of 3: one per third
         assert all(x in (0, 1) for x in v["needle_accuracy_by_third"]["3"])
+        # the digit part is right whenever the whole answer is
+        assert all(d >= a for d, a in zip(v["needle_digit_accuracy_by_third"]["3"], v["needle_accuracy_by_third"]["3"]))
         mass = v["attention_mass_by_decile"]["3"]
         assert all(m is None or 0 < m <= 1 for m in mass)
         assert v["seconds_per_answer"] > 0 and v["parameters"] > 0
