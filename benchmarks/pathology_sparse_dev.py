@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region-size", type=int, default=8)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/pathology_sparse_dev.jsonl"))
     return p
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                         amplitude=a.amplitude)
     train, val = make_cohort(a.kind, a.bags, 100, cfg), make_cohort(a.kind, a.val, 200, cfg)
     mc = QuerentConfig(in_dim=cfg.in_dim, dim=a.dim, depth=a.depth, num_heads=a.heads, region_size=a.region_size, topk=a.topk,
-                       dropout=0.1, num_classes=2, pool_hidden=a.dim, mlp_ratio=2.0)
+                       dropout=a.dropout, num_classes=2, pool_hidden=a.dim, mlp_ratio=2.0)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     for name in a.models.split(","):
         t = time.time()
