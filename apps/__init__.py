@@ -76,7 +76,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Dual-path vision-language model (image context + gated cross-attention memory) with RoPE-DHR.",
         package="apps/comemo/",
         ui_module=None,
-        status="in progress: model with four variants, tiling, tokenizer, synthetic data and staged training work; not yet trained to answer, no shipped weights or demo",
+        status="in progress: all four variants trained with one recipe answer the needle task at 2-8 images (0.95-0.975); beyond the trained 8 images every variant fails to name the image, while on the digit alone comemo keeps the middle of 64 images (0.85 against 0.46 for the context-only model, one seed); no shipped weights or demo yet",
     ),
     AppSpec(
         key="emloc",
