@@ -109,6 +109,19 @@ def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: 
     return out
 
 
+def add_size_args(p: argparse.ArgumentParser) -> None:
+    """The model-size options shared by this CLI and ``apps.comemo.vision_pretrain`` (same names, same defaults)."""
+    p.add_argument("--dim", type=int, default=128, help="decoder width")
+    p.add_argument("--depth", type=int, default=4, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="decoder heads")
+    p.add_argument("--cross-every", type=int, default=2, help="a gated cross-attention block before every k-th layer")
+    p.add_argument("--tile", type=int, default=32, help="tile side in pixels")
+    p.add_argument("--patch", type=int, default=4, help="ViT patch side in pixels")
+    p.add_argument("--vision-dim", type=int, default=96, help="ViT width")
+    p.add_argument("--vision-depth", type=int, default=2, help="ViT blocks")
+    p.add_argument("--vocab-size", type=int, default=320, help="tokenizer size when one is trained here")
+
+
 def model_config(args, vocab_size: int) -> CoMemoConfig:
     return CoMemoConfig(
         variant=args.variant, vocab_size=vocab_size, dim=args.dim, depth=args.depth, num_heads=args.heads,
@@ -247,18 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --image-labels: number a sample's labels from a random start within 1..N (0: from 1)")
     p.add_argument("--image-token-scale", type=float, default=1.0,
                    help="factor on the projected image tokens (they start ~10x the norm of token embeddings)")
-    p.add_argument("--dim", type=int, default=128, help="decoder width")
-    p.add_argument("--depth", type=int, default=4, help="decoder layers")
-    p.add_argument("--heads", type=int, default=4, help="decoder heads")
-    p.add_argument("--cross-every", type=int, default=2, help="a gated cross-attention block before every k-th layer")
-    p.add_argument("--tile", type=int, default=32, help="tile side in pixels")
-    p.add_argument("--patch", type=int, default=4, help="ViT patch side in pixels")
-    p.add_argument("--vision-dim", type=int, default=96, help="ViT width")
-    p.add_argument("--vision-depth", type=int, default=2, help="ViT blocks")
+    add_size_args(p)
     p.add_argument("--encoder", default="vit", help="vision encoder: vit (built here), timm:<name> or open_clip:<name>")
     p.add_argument("--encoder-weights", type=Path, help="local weights file of a timm/open_clip encoder")
     p.add_argument("--encoder-kwargs", default="{}", help='JSON constructor kwargs of the encoder, e.g. \'{"img_size": 32}\'')
-    p.add_argument("--vocab-size", type=int, default=320, help="tokenizer size when one is trained (stage 0 without --init-from)")
     p.add_argument("--val-every", type=int, default=50, help="validation loss every N steps")
     p.add_argument("--val-samples", type=int, default=32, help="fixed validation samples (seed stream 10**6 + seed)")
     p.add_argument("--ckpt-every", type=int, default=50, help="write last.pt every N steps")

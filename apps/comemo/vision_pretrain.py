@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, normalise_tiles, pixel_shuffle
 from apps.comemo.synthetic import (COLOURS, POSITIONS, SHAPES, _background, _digit, _draw_shape, _paste_digit,
                                    _quadrant_box, sample_seed)
+from apps.comemo.train import add_size_args
 
 logger = logging.getLogger(__name__)
 
@@ -151,15 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="tiles per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW; warm-up 5%%, linear decay)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tile stream")
-    p.add_argument("--dim", type=int, default=128, help="decoder width (of the saved file)")
-    p.add_argument("--depth", type=int, default=4, help="decoder layers (of the saved file)")
-    p.add_argument("--heads", type=int, default=4, help="decoder heads (of the saved file)")
-    p.add_argument("--cross-every", type=int, default=2, help="cross blocks every k-th layer (of the saved file)")
-    p.add_argument("--tile", type=int, default=32, help="tile side in pixels")
-    p.add_argument("--patch", type=int, default=4, help="ViT patch side in pixels")
-    p.add_argument("--vision-dim", type=int, default=96, help="ViT width")
-    p.add_argument("--vision-depth", type=int, default=2, help="ViT blocks")
-    p.add_argument("--vocab-size", type=int, default=320, help="size of the tokenizer trained here")
+    add_size_args(p)  # the saved file's sizes, as apps.comemo.train names them
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
