@@ -75,8 +75,8 @@ REGISTRY: tuple[AppSpec, ...] = (
         title="CoMemo",
         summary="Dual-path vision-language model (image context + gated cross-attention memory) with RoPE-DHR.",
         package="apps/comemo/",
-        ui_module=None,
-        status="in progress: all four variants trained with one recipe answer the needle task at 2-8 images (0.95-0.975); beyond the trained 8 images every variant fails to name the image, while on the digit alone comemo keeps the middle of 64 images (0.85 against 0.46 for the context-only model, one seed); no shipped weights or demo yet",
+        ui_module="apps.comemo.ui",
+        status="in progress: a small shipped comemo model answers the needle question about 1-8 images (0.95-0.975); beyond the trained 8 images every variant fails to name the image, while on the digit alone comemo keeps the middle of 64 images (0.85 against 0.46 for the context-only model, one seed)",
     ),
     AppSpec(
         key="emloc",

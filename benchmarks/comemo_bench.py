@@ -26,7 +26,10 @@ Results: a Markdown table on stdout and JSON written atomically to ``--out``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -102,8 +105,9 @@ def attention_by_position(model, tok, images, question) -> list[float] | None:
 
 
 def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_count: int, seed: int, tile: int,
-                     max_new_tokens: int, progress=None) -> dict:
-    """Exact-match accuracy by task, image count and needle decile; attention mass by image decile; time."""
+                     max_new_tokens: int, progress=None, image_grid: tuple[int, int] = (1, 1)) -> dict:
+    """Exact-match accuracy by task, image count and needle decile; attention mass by image decile; time.
+    ``image_grid``: tiles per needle image (high-resolution needles)."""
     from apps.comemo.infer import generate_answer
     from apps.comemo.synthetic import make_sample, sample_seed
 
@@ -119,7 +123,8 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
             hits = []
             for k in range(per_count):
                 needle = (k * n // per_count) if task == "needle" else None
-                s = make_sample(task, n, sample_seed(seed, index), tile=tile, needle=needle)
+                grid_kw = {"image_grid": image_grid} if task == "needle" else {}
+                s = make_sample(task, n, sample_seed(seed, index), tile=tile, needle=needle, **grid_kw)
                 index += 1
                 res = generate_answer(model, tok, s.images, s.question, max_new_tokens=max_new_tokens)
                 times.append(res["seconds"])
@@ -193,6 +198,48 @@ def plot_needle_curves(results: dict, path: Path) -> Path:
     return path
 
 
+_NOT_COMPARED = {"--out": 1, "--threads": 1, "--no-progress": 0, "--resume": 0}  # options that do not change the weights
+
+
+def training_key(argv: list[str]) -> list[str]:
+    """A training command's arguments without those that leave the weights unchanged (output folder, threads)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _NOT_COMPARED:
+            i += 1 + _NOT_COMPARED[argv[i]]
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def recorded_training(weights: Path) -> list[str] | None:
+    """The training arguments recorded in a run's weights (first command), or None when none are recorded."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        meta = f.metadata() or {}
+    try:
+        command = json.loads(meta["commands"])[0]["command"]
+    except (KeyError, IndexError, ValueError, TypeError):
+        return None
+    words = shlex.split(command)
+    return training_key(words[3:] if words[:3] == ["python", "-m", "apps.comemo.train"] else words)
+
+
+def parse_variant_args(items: list[str]) -> dict[str, str]:
+    """``["lvlm-1d=--mlp-ratio 7", ...]`` -> ``{"lvlm-1d": "--mlp-ratio 7"}`` (a variant named twice is refused)."""
+    out: dict[str, str] = {}
+    for item in items:
+        variant, sep, extra = item.partition("=")
+        if not sep or variant not in VARIANTS:
+            raise SystemExit(f"--variant-args {item!r}: expected VARIANT=ARGS with VARIANT one of {list(VARIANTS)}")
+        if variant in out:
+            raise SystemExit(f"--variant-args: {variant} given twice")
+        out[variant] = extra
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.comemo_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=Path, default=Path("runs/comemo_bench"), help="one run folder per variant")
@@ -200,9 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-steps", type=int, default=300, help="training steps per variant (the same for all)")
     p.add_argument("--stage", type=int, default=3, help="training stage used for every variant (3: all parameters)")
     p.add_argument("--train-args", default="", help="extra arguments for apps.comemo.train (sizes, lr), same for all")
+    p.add_argument("--variant-args", action="append", default=[], metavar="VARIANT=ARGS",
+                   help="extra training arguments for one variant only, after --train-args (repeatable), e.g. "
+                        "'lvlm-1d=--mlp-ratio 7' to give a context-only variant the memory variants' parameter count")
+    p.add_argument("--overwrite", action="store_true",
+                   help="retrain a variant whose run folder was trained with other arguments (default: refuse)")
     p.add_argument("--max-images", type=int, default=8, help="training uses 1..N images per sample")
     p.add_argument("--images", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64], help="image counts evaluated")
     p.add_argument("--tasks", nargs="+", default=["needle", "count", "describe", "detail"], help="tasks evaluated")
+    p.add_argument("--image-grid", default="1x1", metavar="RxC",
+                   help="tiles per needle image in the evaluation (as apps.comemo.train --image-grid; pass the same "
+                        "value in --train-args to train on it)")
     p.add_argument("--per-count", type=int, default=20, help="samples per task and image count")
     p.add_argument("--eval-seed", type=int, default=777, help="stream seed of the evaluation samples")
     p.add_argument("--max-new-tokens", type=int, default=200, help="longest generated answer")
@@ -214,32 +269,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import shlex
-
     from tqdm import tqdm
 
     from apps.comemo.api import CoMemo
     from apps.comemo.train import main as train_main
+    from apps.comemo.train import parse_grid
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     results = {"args": portable_args(args), "env": env_info(), "variants": {}}
     rows = []
+    extra = parse_variant_args(args.variant_args)
+    try:
+        grid = parse_grid(args.image_grid)
+    except ValueError as e:
+        raise SystemExit(f"--image-grid: {e}") from None
     for variant in args.variants:
         run = args.runs / variant
+        train_argv = ["--variant", variant, "--stage", str(args.stage), "--out", str(run), "--steps",
+                      str(args.train_steps), "--max-images", str(args.max_images), "--threads", str(args.threads),
+                      *(["--no-progress"] if args.no_progress else []), *shlex.split(args.train_args),
+                      *shlex.split(extra.get(variant, ""))]
+        if (run / "model.safetensors").is_file():
+            recorded = recorded_training(run / "model.safetensors")
+            if recorded is not None and recorded != training_key(train_argv):
+                if not args.overwrite:
+                    raise SystemExit(f"{run} was trained with other arguments:\n  recorded:  {' '.join(recorded)}\n"
+                                     f"  requested: {' '.join(training_key(train_argv))}\n"
+                                     "choose another --runs folder, or pass --overwrite to retrain it")
+                logger.warning("%s: trained with other arguments; retraining (--overwrite)", run)
+                shutil.rmtree(run)
         if not (run / "model.safetensors").is_file():
             t0 = time.time()
-            train_main(["--variant", variant, "--stage", str(args.stage), "--out", str(run), "--steps",
-                        str(args.train_steps), "--max-images", str(args.max_images), "--threads", str(args.threads),
-                        *(["--no-progress"] if args.no_progress else []), *shlex.split(args.train_args)])
+            train_main(train_argv)
             logger.info("trained %s in %.0f s", variant, time.time() - t0)
         model = CoMemo.load(run)
         n_eval = args.per_count * sum(1 if t == "detail" else len(args.images) for t in args.tasks)
         with tqdm(total=n_eval, desc=f"eval {variant}", disable=args.no_progress) as bar:
             res = evaluate_variant(model.model, model.tokenizer, images=args.images, tasks=args.tasks,
                                    per_count=args.per_count, seed=args.eval_seed, tile=model.model.cfg.vision.tile,
-                                   max_new_tokens=args.max_new_tokens, progress=bar)
+                                   max_new_tokens=args.max_new_tokens, progress=bar,
+                                   image_grid=grid)
         results["variants"][variant] = res
         write_json_atomic(args.out, results)  # partial results survive an interrupted run
         row = {"variant": variant, "params": res["parameters"], "s/answer": res["seconds_per_answer"]}

@@ -39,9 +39,11 @@ def test_import_does_no_work():
     assert out == ["False", "False"]
 
 
-def test_default_weights_are_not_shipped_yet():
-    with pytest.raises(FileNotFoundError, match="no default CoMemo weights"):
-        CoMemo.load()
+def test_default_weights_load_and_answer():
+    model = CoMemo.load()  # no path: the shipped default
+    assert model.variant == "comemo"
+    s = make_sample("needle", 3, 123, tile=model.model.cfg.vision.tile, needle=1)
+    assert isinstance(model.answer(s.images, s.question), str)
 
 
 def test_answer_accepts_paths_pil_and_arrays(run_dir):
@@ -92,5 +94,5 @@ def test_predict_cli(run_dir, tmp_path, capsys):
     bad.write_text("x")
     assert predict_main(["--weights", str(run_dir), "--question", "q ?", "--images", str(bad)]) == 2
     assert "not a readable image" in capsys.readouterr().err
-    assert predict_main(["--question", "q ?", "--images", str(bad)]) == 2  # no shipped default
-    assert "no default" in capsys.readouterr().err
+    assert predict_main(["--question", "q ?", "--images", str(bad)]) == 2  # the shipped default, same refusal
+    assert "not a readable image" in capsys.readouterr().err

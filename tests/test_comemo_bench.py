@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.comemo_bench import issue_targets, main
+import pytest
+
+from benchmarks.comemo_bench import issue_targets, main, recorded_training
 
 TINY_TRAIN = ("--dim 32 --depth 2 --heads 2 --cross-every 1 --tile 16 --vision-dim 16 --vision-depth 1 "
               "--batch-size 2 --val-samples 2 --device cpu")
@@ -15,7 +17,7 @@ def test_bench_tiny(tmp_path, capsys):
     assert main(["--runs", str(tmp_path / "runs"), "--variants", "lvlm-1d", "comemo", "--train-steps", "1",
                  "--train-args", TINY_TRAIN, "--max-images", "2", "--images", "1", "3", "--tasks", "needle", "detail",
                  "--per-count", "3", "--max-new-tokens", "4", "--out", str(out), "--no-progress",
-                 "--plot", str(tmp_path / "c.png")]) == 0
+                 "--plot", str(tmp_path / "c.png"), "--variant-args", "lvlm-1d=--mlp-ratio 7"]) == 0
     res = json.loads(out.read_text())
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(res["variants"]) == {"lvlm-1d", "comemo"}
@@ -41,11 +43,23 @@ def test_bench_tiny(tmp_path, capsys):
     assert t["longest"] == 3
     assert t["comemo_middle_gain"] == co["needle_accuracy_by_third"]["3"][1] - one["needle_accuracy_by_third"]["3"][1]
     assert t["dhr_beyond_training"] is None  # no lvlm-dhr in this run
-    # a second run reuses the trained folders (no retraining): the results match
+    rec = recorded_training(tmp_path / "runs" / "lvlm-1d" / "model.safetensors")
+    assert rec[-2:] == ["--mlp-ratio", "7"] and "--mlp-ratio" not in recorded_training(tmp_path / "runs" / "comemo" / "model.safetensors")
+    # a second run with the same training arguments reuses the trained folders (no retraining): the results match
     first = res["variants"]["comemo"]["accuracy"]
-    assert main(["--runs", str(tmp_path / "runs"), "--variants", "comemo", "--images", "1", "3", "--tasks", "needle",
-                 "detail", "--per-count", "3", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 0
+    same = ["--runs", str(tmp_path / "runs"), "--variants", "comemo", "--train-steps", "1", "--train-args", TINY_TRAIN,
+            "--max-images", "2", "--images", "1", "3", "--tasks", "needle", "detail", "--per-count", "3",
+            "--max-new-tokens", "4", "--out", str(out), "--no-progress"]
+    assert main(same) == 0
     assert json.loads(out.read_text())["variants"]["comemo"]["accuracy"] == first
+    # other training arguments: the old folder is not reused (refused, or retrained with --overwrite)
+    other = [a if a != TINY_TRAIN else TINY_TRAIN + " --seed 5" for a in same]
+    with pytest.raises(SystemExit, match="trained with other arguments"):
+        main(other)
+    assert main(other + ["--overwrite"]) == 0
+    assert recorded_training(tmp_path / "runs" / "comemo" / "model.safetensors")[-2:] == ["--seed", "5"]
+    with pytest.raises(SystemExit, match="VARIANT=ARGS"):
+        main(same + ["--variant-args", "nope=--seed 1"])
 
 
 def test_issue_targets_compare_the_right_cells():

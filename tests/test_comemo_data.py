@@ -111,3 +111,23 @@ def test_cli_writes_jsonl_and_pngs(tmp_path):
     assert all((tmp_path / "images" / n).is_file() for r in rows for n in r["images"])
     needles = [r["needle"] for r in rows if r["task"] == "needle" and len(r["images"]) == 3]
     assert needles == [0, 1]
+
+
+@pytest.mark.parametrize("grid", [(1, 2), (2, 1), (2, 2)])
+def test_high_resolution_needles_put_the_digit_in_one_tile_of_the_named_image(grid):
+    rows, cols = grid
+    s = make_sample("needle", 5, 21, tile=32, needle=3, image_grid=grid)
+    assert all(im.shape == (rows * 32, cols * 32, 3) for im in s.images) and s.answer.startswith("image 4 shows ")
+    white = [_white(im).reshape(rows, 32, cols, 32).sum(axis=(1, 3)) for im in s.images]
+    assert int(np.argmax([w.max() for w in white])) == 3  # the digit is in the needle image
+    r, c = np.unravel_index(int(np.argmax(white[3])), white[3].shape)
+    assert r * cols + c == s.meta["tile"]
+
+
+def test_image_grid_default_keeps_the_original_samples_and_bad_grids_are_refused():
+    a, b = make_sample("needle", 4, 12), make_sample("needle", 4, 12, image_grid=(1, 1))
+    assert a.answer == b.answer and all((x == y).all() for x, y in zip(a.images, b.images))
+    with pytest.raises(ValueError, match="needle task only"):
+        make_sample("count", 2, 1, image_grid=(1, 2))
+    with pytest.raises(ValueError, match="positive entries"):
+        make_sample("needle", 2, 1, image_grid=(0, 2))

@@ -197,3 +197,18 @@ def test_label_range_renumbers_labels_question_and_answer(tok):
         draw_examples(5, 0, 1, max_images=8, tasks=["needle"], tile=16, label_range=4)
     with pytest.raises(SystemExit, match="label-range"):
         train_main([*TINY, "--variant", "lvlm-1d", "--stage", "3", "--out", "unused", "--label-range", "16"])
+
+
+def test_image_grid_option_reaches_the_training_samples(tmp_path):
+    from apps.comemo.train import draw_examples, main, parse_grid
+
+    assert parse_grid("1x2") == (1, 2) and parse_grid("3X1") == (3, 1)
+    for bad in ("2", "0x1", "axb", "1x2x3"):
+        with pytest.raises(ValueError, match="RxC"):
+            parse_grid(bad)
+    ex = draw_examples(11, 0, 6, max_images=3, tasks=["needle", "count"], tile=16, image_grid=(1, 2))
+    for images, question, _ in ex:
+        wide = question.startswith("which image shows a digit")
+        assert all(im.shape[:2] == ((16, 32) if wide else (16, 16)) for im in images)
+    with pytest.raises(SystemExit, match="--image-grid"):
+        main(["--variant", "lvlm-1d", "--stage", "3", "--out", str(tmp_path / "r"), "--image-grid", "1by2"])

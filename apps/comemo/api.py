@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CoMemo", "DEFAULT_WEIGHTS"]
 
-#: Where the shipped default would live (none is shipped yet).
+#: The shipped default (the ``comemo`` variant; ``tokenizer.json`` beside it; card ``comemo.md``; made by
+#: ``python -m apps.comemo.ship``).
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "comemo.safetensors"
 
 
@@ -42,8 +43,8 @@ class CoMemo:
             path = DEFAULT_WEIGHTS
             if not path.is_file():
                 raise FileNotFoundError(
-                    f"no default CoMemo weights are shipped yet ({path}); train one with "
-                    "`python -m apps.comemo.train` and pass its model.safetensors"
+                    f"the shipped CoMemo weights are missing ({path}); restore them from the repository, or train "
+                    "a model with `python -m apps.comemo.train` and pass its model.safetensors"
                 )
         path = Path(path)
         if path.is_dir():

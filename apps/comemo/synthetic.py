@@ -129,11 +129,33 @@ def _shape_image(rng: random.Random, nrng: np.random.Generator, tile: int, n_sha
     return np.asarray(img), objs
 
 
-def _needle(rng, nrng, n_images, tile, needle):
+def _tiled_shapes(rng, nrng, tile: int, grid: tuple[int, int]) -> np.ndarray:
+    """A ``rows*tile x cols*tile`` image: one shape image per tile, row-major."""
+    rows, cols = grid
+    return np.concatenate([np.concatenate([_shape_image(rng, nrng, tile)[0] for _ in range(cols)], axis=1)
+                           for _ in range(rows)], axis=0)
+
+
+def _needle(rng, nrng, n_images, tile, needle, grid=(1, 1)):
     if needle is None:
         needle = rng.randrange(n_images)
     if not 0 <= needle < n_images:
         raise ValueError(f"needle position must be in [0, {n_images}), got {needle}")
+    if tuple(grid) != (1, 1):  # high-resolution needles: every image is rows x cols tiles, the digit in one tile
+        rows, cols = grid
+        images = [_tiled_shapes(rng, nrng, tile, grid) for _ in range(n_images)]
+        img = images[needle].copy()
+        target = rng.randrange(rows * cols)
+        r, c = divmod(target, cols)
+        cell = _background(nrng, tile, tile)
+        digit, glyph = _digit(rng)
+        size = tile * 3 // 4
+        _paste_digit(cell, glyph, rng.randint(0, tile - size), rng.randint(0, tile - size), size)
+        img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] = np.asarray(cell)
+        images[needle] = img
+        return Sample("needle", images, "which image shows a digit and what digit is it ?",
+                      f"image {needle + 1} shows {digit}", needle=needle,
+                      meta={"digit": digit, "grid": [rows, cols], "tile": target})
     images = [_shape_image(rng, nrng, tile)[0] for _ in range(n_images)]
     img = _background(nrng, tile, tile)
     digit, glyph = _digit(rng)
@@ -185,7 +207,7 @@ def _describe(rng, nrng, n_images, tile):
 
 
 def make_sample(task: str, n_images: int, seed: int, *, tile: int = 32, needle: int | None = None,
-                grid: tuple[int, int] | None = None) -> Sample:
+                grid: tuple[int, int] | None = None, image_grid: tuple[int, int] = (1, 1)) -> Sample:
     """One sample of ``task`` with ``n_images`` images (the detail task always has one), from ``seed``.
 
     Args:
@@ -195,6 +217,9 @@ def make_sample(task: str, n_images: int, seed: int, *, tile: int = 32, needle: 
         tile: side of one image (one tile) in pixels, >= 16.
         needle: needle position for the needle task (default: drawn).
         grid: tile grid of the detail task (default: drawn from ``DETAIL_GRIDS``).
+        image_grid: ``(rows, cols)`` tiles of every image of the needle task (high-resolution needles: each
+            image is ``rows*tile x cols*tile``, the digit in one of its tiles); ``(1, 1)`` (default) keeps
+            one-tile images and the original samples.
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {list(TASKS)}")
@@ -202,10 +227,18 @@ def make_sample(task: str, n_images: int, seed: int, *, tile: int = 32, needle: 
         raise ValueError(f"n_images must be a positive int, got {n_images!r}")
     if not (isinstance(tile, int) and tile >= 16):
         raise ValueError(f"tile must be an int >= 16, got {tile!r}")
+    try:
+        image_grid = (int(image_grid[0]), int(image_grid[1]))
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"image_grid must be a pair (rows, cols) of ints, got {image_grid!r}") from None
+    if min(image_grid) < 1:
+        raise ValueError(f"image_grid must have positive entries, got {image_grid!r}")
+    if image_grid != (1, 1) and task != "needle":
+        raise ValueError(f"image_grid applies to the needle task only, got task {task!r}")
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
     if task == "needle":
-        return _needle(rng, nrng, n_images, tile, needle)
+        return _needle(rng, nrng, n_images, tile, needle, image_grid)
     if task == "detail":
         return _detail(rng, nrng, tile, grid)
     if task == "count":

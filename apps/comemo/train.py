@@ -44,13 +44,14 @@ from core.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STAGES", "Trainer", "set_stage", "draw_examples", "build_parser", "main"]
+__all__ = ["STAGES", "Trainer", "set_stage", "draw_examples", "parse_grid", "build_parser", "main"]
 
 STAGES = (0, 1, 2, 3)
 #: Arguments that define the run; on --resume they are taken from the checkpoint.
 _RECIPE_KEYS = ("variant", "stage", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed", "max_images",
                 "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth",
-                "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale", "vision_lr_scale", "label_range")
+                "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale", "vision_lr_scale", "label_range",
+                "mlp_ratio", "image_grid")
 
 
 def set_stage(model: CoMemoModel, stage: int) -> list[str]:
@@ -79,8 +80,20 @@ def set_stage(model: CoMemoModel, stage: int) -> list[str]:
 _IMAGE_REF = re.compile(r"\bimage (\d+)\b")
 
 
+def parse_grid(text: str) -> tuple[int, int]:
+    """``"1x2"`` -> ``(1, 2)``; a clear error for anything else."""
+    try:
+        rows, cols = (int(v) for v in str(text).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"image grid must be RxC with positive ints (e.g. 1x2), got {text!r}") from None
+    if rows < 1 or cols < 1:
+        raise ValueError(f"image grid must be RxC with positive ints (e.g. 1x2), got {text!r}")
+    return rows, cols
+
+
 def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: list[str], tile: int,
-                  text_only: bool = False, min_images: int = 1, label_range: int = 0) -> list[tuple]:
+                  text_only: bool = False, min_images: int = 1, label_range: int = 0,
+                  image_grid: tuple[int, int] = (1, 1)) -> list[tuple]:
     """Samples ``start .. start+count-1`` of the stream ``seed`` as ``(images, question, answer)``, each with
     ``min_images..max_images`` images (drawn uniformly from the sample's seed).
 
@@ -88,6 +101,7 @@ def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: 
     uniformly so that they stay within ``1..label_range``, and every ``image K`` of the question and answer
     is renumbered alike; the items are then ``(images, question, answer, label_start)``. Answers then name
     labels up to ``label_range`` although a sample has at most ``max_images`` images.
+    ``image_grid``: tiles per image of the needle task (:func:`apps.comemo.synthetic.make_sample`).
     """
     if not 1 <= min_images <= max_images:
         raise ValueError(f"need 1 <= min_images <= max_images, got min_images={min_images}, max_images={max_images}")
@@ -99,7 +113,7 @@ def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: 
         r = random.Random(s_seed)
         task = tasks[r.randrange(len(tasks))]
         n = r.randint(min_images, max_images)
-        s = make_sample(task, n, s_seed, tile=tile)
+        s = make_sample(task, n, s_seed, tile=tile, **({"image_grid": image_grid} if task == "needle" else {}))
         if not label_range:
             out.append(([] if text_only else s.images, s.question, s.answer))
             continue
@@ -114,6 +128,8 @@ def add_size_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=128, help="decoder width")
     p.add_argument("--depth", type=int, default=4, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="decoder heads")
+    p.add_argument("--mlp-ratio", type=float, default=4.0,
+                   help="decoder MLP width / dim (7 gives a context-only variant the parameters of the memory variants)")
     p.add_argument("--cross-every", type=int, default=2, help="a gated cross-attention block before every k-th layer")
     p.add_argument("--tile", type=int, default=32, help="tile side in pixels")
     p.add_argument("--patch", type=int, default=4, help="ViT patch side in pixels")
@@ -124,7 +140,7 @@ def add_size_args(p: argparse.ArgumentParser) -> None:
 
 def model_config(args, vocab_size: int) -> CoMemoConfig:
     return CoMemoConfig(
-        variant=args.variant, vocab_size=vocab_size, dim=args.dim, depth=args.depth, num_heads=args.heads,
+        variant=args.variant, vocab_size=vocab_size, dim=args.dim, depth=args.depth, num_heads=args.heads, mlp_ratio=args.mlp_ratio,
         cross_every=args.cross_every, image_labels=args.image_labels, image_token_scale=args.image_token_scale,
         vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth,
                             encoder=args.encoder, encoder_weights=None if args.encoder_weights is None else str(args.encoder_weights),
@@ -188,7 +204,8 @@ class Trainer:
         a = self.args
         start = (step * self.world + rank) * a.batch_size
         return draw_examples(a.seed, start, a.batch_size, max_images=a.max_images, tasks=a.tasks, tile=a.tile,
-                             text_only=a.stage == 0, min_images=a.min_images, label_range=a.label_range)
+                             text_only=a.stage == 0, min_images=a.min_images, label_range=a.label_range,
+                             image_grid=parse_grid(a.image_grid))
 
     def train_step(self) -> dict[str, float]:
         self.model.train()
@@ -258,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a text label 'image K' before (InternVL's layout) or after each image in the prompt")
     p.add_argument("--label-range", type=int, default=0,
                    help="with --image-labels: number a sample's labels from a random start within 1..N (0: from 1)")
+    p.add_argument("--image-grid", default="1x1", metavar="RxC",
+                   help="tiles per image of the needle task: RxC gives high-resolution needles (rows x cols tiles "
+                        "each, the digit in one tile; with RoPE-DHR an image keeps one tile's ids); 1x1: one tile")
     p.add_argument("--image-token-scale", type=float, default=1.0,
                    help="factor on the projected image tokens (they start ~10x the norm of token embeddings)")
     add_size_args(p)
@@ -309,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--label-range needs --image-labels before or after (there are no labels to number)")
     if args.label_range and args.label_range < args.max_images:
         raise SystemExit(f"--label-range ({args.label_range}) must be 0 or >= --max-images ({args.max_images})")
+    try:
+        parse_grid(args.image_grid)
+    except ValueError as e:
+        raise SystemExit(f"--image-grid: {e}") from None
     if not args.vision_lr_scale >= 0:
         raise SystemExit(f"--vision-lr-scale must be >= 0, got {args.vision_lr_scale}")
     for name in ("steps", "batch_size", "max_images", "min_images", "val_every", "val_samples", "ckpt_every", "warmup"):

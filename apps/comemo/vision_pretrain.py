@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = train_tokenizer(corpus_texts(), vocab_size=args.vocab_size)
     torch.manual_seed(args.seed)
     cfg = CoMemoConfig(variant=args.variant, vocab_size=tok.vocab_size, dim=args.dim, depth=args.depth,
-                       num_heads=args.heads, cross_every=args.cross_every,
+                       num_heads=args.heads, mlp_ratio=args.mlp_ratio, cross_every=args.cross_every,
                        vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth))
     model = CoMemoModel(cfg)
     args.out.mkdir(parents=True, exist_ok=True)
