@@ -116,6 +116,7 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
     needle_third: dict[str, list[list[int]]] = {}
     digit_third: dict[str, list[list[int]]] = {}
     attn_dec: dict[str, list[list[float]]] = {}
+    records: dict[str, list[list[int]]] = {}
     times = []
     index = 0
     for task in tasks:
@@ -137,6 +138,7 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
                     got, want = res["answer"].split(), s.answer.split()
                     digit_ok = int(len(got) == len(want) and got[-1] == want[-1] and got[2] == want[2])
                     digit_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(digit_ok)
+                    records.setdefault(str(n), []).append([s.needle, ok, digit_ok])
                     if k < 4:  # attention curve on a few samples per count
                         mass = attention_by_position(model, tok, s.images, s.question)
                         if mass is not None:
@@ -154,6 +156,8 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
         "needle_accuracy_by_third": {n: [mean(b) for b in bins] for n, bins in needle_third.items()},
         "needle_samples_by_third": {n: [len(b) for b in bins] for n, bins in needle_third.items()},
         "needle_digit_accuracy_by_third": {n: [mean(b) for b in bins] for n, bins in digit_third.items()},
+        # per sample, in evaluation order: [needle position, full answer right, digit right] (for paired intervals)
+        "needle_records": records,
         "attention_mass_by_decile": {n: [mean(b) for b in bins] for n, bins in attn_dec.items()},
         "seconds_per_answer": mean(times),
         "gates": model.gates(),

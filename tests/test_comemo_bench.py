@@ -28,6 +28,8 @@ def test_bench_tiny(tmp_path, capsys):
         dec = v["needle_accuracy_by_decile"]["3"]
         assert len(dec) == 10 and sum(x is not None for x in dec) == 3  # positions 0, 1, 2 of 3 -> deciles 0, 3, 6
         assert v["needle_samples_by_third"]["3"] == [1, 1, 1]  # positions 0, 1, 2 of 3: one per third
+        assert [r[0] for r in v["needle_records"]["3"]] == [0, 1, 2]
+        assert [r[1] for r in v["needle_records"]["3"]] == [int(x) for x in v["needle_accuracy_by_third"]["3"]]
         assert all(x in (0, 1) for x in v["needle_accuracy_by_third"]["3"])
         # the digit part is right whenever the whole answer is
         assert all(d >= a for d, a in zip(v["needle_digit_accuracy_by_third"]["3"], v["needle_accuracy_by_third"]["3"]))

@@ -1,0 +1,182 @@
+"""Pool CoMemo benchmark runs over training seeds, with paired bootstrap intervals for the issue's checks.
+
+``python -m benchmarks.comemo_summary s11.json s12.json s13.json --out benchmarks/results/comemo_seeds.json``
+
+Each input is a ``benchmarks.comemo_bench`` JSON of one training seed, evaluated on the same evaluation stream
+(same ``--eval-seed``, ``--per-count``, image counts and ``--image-grid``; checked), so sample ``i`` at count
+``n`` is the same prompt for every variant and seed, and differences are paired by sample. For every variant
+and image count: exact-match and digit-only accuracy by third of needle positions (first / middle / last),
+pooled over seeds, and the per-seed values. For every variant against ``lvlm-1d`` (the context-only
+baseline): the difference per third with a 95% interval from a two-level bootstrap (seeds with replacement,
+then samples within each drawn seed with replacement, the same draw for both variants). The issue's targets
+are read at the longest count: comemo's middle-third gain >= +0.10 and both end gaps >= -0.02; and, over the
+counts beyond the trained image count, lvlm-dhr >= lvlm-1d.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import format_table, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_runs", "summarise", "build_parser", "main"]
+
+BASELINE = "lvlm-1d"
+THIRDS = ("first", "middle", "last")
+_SAME = ("eval_seed", "per_count", "images", "image_grid", "max_images")
+
+
+def load_runs(paths: list[Path]) -> list[dict]:
+    """The benchmark JSONs, checked to share one evaluation stream and to carry per-sample records."""
+    runs = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        for v, res in data.get("variants", {}).items():
+            if "needle_records" not in res:
+                raise SystemExit(f"{p}: variant {v} has no needle_records (rerun the benchmark with this version)")
+        runs.append(data)
+    if not runs:
+        raise SystemExit("give at least one benchmark JSON")
+    ref = {k: runs[0]["args"].get(k, "1x1" if k == "image_grid" else None) for k in _SAME}
+    for p, r in zip(paths[1:], runs[1:]):
+        got = {k: r["args"].get(k, "1x1" if k == "image_grid" else None) for k in _SAME}
+        if got != ref:
+            raise SystemExit(f"{p}: evaluated with {got}, but {paths[0]} with {ref}: not the same evaluation stream")
+    return runs
+
+
+def _third(pos: int, n: int) -> int:
+    return min(2, pos * 3 // n)
+
+
+def _arrays(runs: list[dict], variant: str, n: str):
+    """Per seed: (thirds, full, digit) int arrays of the variant's records at count ``n``."""
+    out = []
+    for r in runs:
+        rec = np.asarray(r["variants"][variant]["needle_records"][n])
+        out.append((np.array([_third(int(p), int(n)) for p in rec[:, 0]]), rec[:, 1], rec[:, 2]))
+    return out
+
+
+def _boot_diff(a_runs, b_runs, part: int, col: int, *, reps: int, rng: np.random.Generator) -> list[float]:
+    """95% two-level bootstrap interval of mean(a) - mean(b) on third ``part`` (col 1: full, 2: digit)."""
+    S = len(a_runs)
+    diffs = []
+    per_seed = [(a[col][a[0] == part], b[col][b[0] == part]) for a, b in zip(a_runs, b_runs)]
+    for _ in range(reps):
+        tot, cnt = 0.0, 0
+        for s in rng.integers(0, S, S):
+            a, b = per_seed[s]
+            if len(a) == 0:
+                continue
+            idx = rng.integers(0, len(a), len(a))
+            tot += float((a[idx] - b[idx]).sum())
+            cnt += len(a)
+        if cnt:
+            diffs.append(tot / cnt)
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def summarise(runs: list[dict], *, reps: int = 2000, seed: int = 0) -> dict:
+    """Pooled accuracies, paired differences against lvlm-1d with intervals, and the targets."""
+    rng = np.random.default_rng(seed)
+    variants = [v for v in runs[0]["variants"] if all(v in r["variants"] for r in runs)]
+    counts = list(runs[0]["variants"][variants[0]]["needle_records"]) if variants else []
+    max_images = int(runs[0]["args"]["max_images"])
+    out: dict = {"seeds": [r["args"]["train_args"] for r in runs], "n_seeds": len(runs), "variants": {}, "vs_baseline": {}}
+    for v in variants:
+        res: dict = {}
+        for n in counts:
+            arrs = _arrays(runs, v, n)
+            t = np.concatenate([a[0] for a in arrs])
+            full = np.concatenate([a[1] for a in arrs])
+            dig = np.concatenate([a[2] for a in arrs])
+            res[n] = {"full": float(full.mean()), "digit": float(dig.mean()),
+                      "full_by_third": [float(full[t == i].mean()) for i in range(3)],
+                      "digit_by_third": [float(dig[t == i].mean()) for i in range(3)],
+                      "full_per_seed": [float(a[1].mean()) for a in arrs],
+                      "samples_by_third": [int((t == i).sum()) for i in range(3)]}
+        out["variants"][v] = res
+    if BASELINE in variants:
+        for v in variants:
+            if v == BASELINE:
+                continue
+            cmp: dict = {}
+            for n in counts:
+                a_runs, b_runs = _arrays(runs, v, n), _arrays(runs, BASELINE, n)
+                cell = {}
+                for col, name in ((1, "full"), (2, "digit")):
+                    va, vb = out["variants"][v][n][f"{name}_by_third"], out["variants"][BASELINE][n][f"{name}_by_third"]
+                    cell[name] = [{"diff": va[i] - vb[i], "ci95": _boot_diff(a_runs, b_runs, i, col, reps=reps, rng=rng)}
+                                  for i in range(3)]
+                cmp[n] = cell
+            out["vs_baseline"][v] = cmp
+    longest = max(counts, key=int) if counts else None
+    targets: dict = {"longest": None if longest is None else int(longest)}
+    co = out["vs_baseline"].get("comemo")
+    if co is not None and longest is not None:
+        for name in ("full", "digit"):
+            mid, first, last = co[longest][name][1], co[longest][name][0], co[longest][name][2]
+            targets[f"comemo_{name}"] = {
+                "middle_gain": mid, "middle_met": mid["diff"] >= 0.10,
+                "end_gaps": [first, last], "ends_met": first["diff"] >= -0.02 and last["diff"] >= -0.02,
+            }
+    dhr = out["vs_baseline"].get("lvlm-dhr")
+    beyond = [n for n in counts if int(n) > max_images]
+    if dhr is not None and beyond:
+        a = np.mean([out["variants"]["lvlm-dhr"][n]["full"] for n in beyond])
+        b = np.mean([out["variants"][BASELINE][n]["full"] for n in beyond])
+        targets["dhr_beyond_training"] = {"counts": [int(n) for n in beyond], "lvlm-dhr": float(a), "lvlm-1d": float(b),
+                                          "met": bool(a >= b)}
+    out["targets"] = targets
+    return out
+
+
+def tables(summary: dict) -> str:
+    """Markdown: accuracy by count (pooled), then differences against lvlm-1d by third at every count."""
+    rows = []
+    for v, res in summary["variants"].items():
+        rows.append({"variant": v, **{f"@{n}": f"{r['full']:.2f} ({r['digit']:.2f})" for n, r in res.items()}})
+    text = format_table(rows, list(rows[0])) if rows else ""
+    drows = []
+    for v, cmp in summary["vs_baseline"].items():
+        for n, cell in cmp.items():
+            for name in ("full", "digit"):
+                drows.append({"variant - lvlm-1d": v, "images": n, "answer": name,
+                              **{t: f"{c['diff']:+.2f} [{c['ci95'][0]:+.2f}, {c['ci95'][1]:+.2f}]"
+                                 for t, c in zip(THIRDS, cell[name])}})
+    if drows:
+        text += "\n\n" + format_table(drows, list(drows[0]))
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.comemo_summary", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", type=Path, nargs="+", help="comemo_bench JSONs, one per training seed")
+    p.add_argument("--out", type=Path, required=True, help="summary JSON")
+    p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    summary = summarise(load_runs(args.runs), reps=args.reps)
+    summary["inputs"] = [str(p) for p in args.runs]
+    write_json_atomic(args.out, summary)
+    print(tables(summary))
+    logger.info("targets: %s", json.dumps(summary["targets"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
