@@ -202,23 +202,20 @@ def plot_needle_curves(results: dict, path: Path) -> Path:
     return path
 
 
-_NOT_COMPARED = {"--out": 1, "--threads": 1, "--no-progress": 0, "--resume": 0}  # options that do not change the weights
+_NOT_COMPARED = ("out", "threads", "no_progress", "resume", "device", "max_minutes")  # they leave the weights unchanged
 
 
-def training_key(argv: list[str]) -> list[str]:
-    """A training command's arguments without those that leave the weights unchanged (output folder, threads)."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] in _NOT_COMPARED:
-            i += 1 + _NOT_COMPARED[argv[i]]
-            continue
-        out.append(argv[i])
-        i += 1
-    return out
+def training_key(argv: list[str]) -> dict:
+    """A training command's settings as ``apps.comemo.train`` parses them (defaults filled in, order of the options
+    irrelevant), without those that leave the weights unchanged (output folder, threads, progress bars)."""
+    from apps.comemo.train import build_parser as train_parser
+
+    ns = vars(train_parser().parse_args(argv))
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(ns.items()) if k not in _NOT_COMPARED}
 
 
-def recorded_training(weights: Path) -> list[str] | None:
-    """The training arguments recorded in a run's weights (first command), or None when none are recorded."""
+def recorded_training(weights: Path) -> dict | None:
+    """The training settings recorded in a run's weights (its first command), or None when none are recorded."""
     from safetensors import safe_open
 
     with safe_open(str(weights), "pt") as f:
@@ -229,6 +226,11 @@ def recorded_training(weights: Path) -> list[str] | None:
         return None
     words = shlex.split(command)
     return training_key(words[3:] if words[:3] == ["python", "-m", "apps.comemo.train"] else words)
+
+
+def _differences(recorded: dict, requested: dict) -> str:
+    keys = sorted(k for k in set(recorded) | set(requested) if recorded.get(k) != requested.get(k))
+    return ", ".join(f"{k}: {recorded.get(k)!r} (recorded) vs {requested.get(k)!r} (requested)" for k in keys)
 
 
 def parse_variant_args(items: list[str]) -> dict[str, str]:
@@ -299,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             recorded = recorded_training(run / "model.safetensors")
             if recorded is not None and recorded != training_key(train_argv):
                 if not args.overwrite:
-                    raise SystemExit(f"{run} was trained with other arguments:\n  recorded:  {' '.join(recorded)}\n"
-                                     f"  requested: {' '.join(training_key(train_argv))}\n"
+                    raise SystemExit(f"{run} was trained with other arguments: "
+                                     f"{_differences(recorded, training_key(train_argv))}; "
                                      "choose another --runs folder, or pass --overwrite to retrain it")
                 logger.warning("%s: trained with other arguments; retraining (--overwrite)", run)
                 shutil.rmtree(run)
