@@ -41,6 +41,8 @@ def _pyplot():
 
 def tiles_figure(images, tile: int, *, min_tiles: int = 1, max_tiles: int = 6):
     """Every image as the model sees it: its tiles (row-major, numbered) and, for several tiles, the thumbnail."""
+    import numpy as np
+
     from apps.comemo.tiling import tile_image
 
     plt = _pyplot()
@@ -54,8 +56,6 @@ def tiles_figure(images, tile: int, *, min_tiles: int = 1, max_tiles: int = 6):
     for i, lay in enumerate(lays):
         ax = axes.flat[i]
         r, c = lay.grid
-        import numpy as np
-
         canvas = np.full((r * (tile + 2), c * (tile + 2) + (tile + 4 if lay.thumbnail is not None else 0), 3), 255, np.uint8)
         for t, im in enumerate(lay.tiles):
             tr, tc = divmod(t, c)
@@ -71,6 +71,8 @@ def tiles_figure(images, tile: int, *, min_tiles: int = 1, max_tiles: int = 6):
 
 def dhr_figure(image, tile: int, tokens_per_side: int, *, index: int = 0, max_tiles: int = 6):
     """Heatmap of the RoPE-DHR ids of one image's tile tokens (where they lie) beside its thumbnail's ids."""
+    import numpy as np
+
     from apps.comemo.probe import dhr_id_map
 
     plt = _pyplot()
@@ -87,7 +89,7 @@ def dhr_figure(image, tile: int, tokens_per_side: int, *, index: int = 0, max_ti
     a.set_title(f"image {index + 1}: {rows}×{cols} tiles, {rows * cols * T * T} tokens", fontsize=8)
     a.set_xticks([]), a.set_yticks([])
     im = b.imshow(m["thumbnail"], cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
-    for (r, c), v in __import__("numpy").ndenumerate(m["thumbnail"]):
+    for (r, c), v in np.ndenumerate(m["thumbnail"]):
         b.text(c, r, str(v), ha="center", va="center", fontsize=6, color="white")
     b.set_title(f"thumbnail: ids 0..{vmax}", fontsize=8)
     b.set_xticks([]), b.set_yticks([])
