@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.comemo_summary s11.json s12.json s13.json --out benchmarks/results/comemo_seeds.json``
 
-Each input is a ``benchmarks.comemo_bench`` JSON of one training seed, evaluated on the same evaluation stream
+Each input is a ``benchmarks.comemo_bench`` JSON of one training seed (inputs with the same ``--train-args``,
+e.g. one benchmark run per variant, are merged into one seed; a variant twice in one seed is refused),
+evaluated on the same evaluation stream
 (same ``--eval-seed``, ``--per-count``, image counts and ``--image-grid``; checked), so sample ``i`` at count
 ``n`` is the same prompt for every variant and seed, and differences are paired by sample. For every variant
 and image count: exact-match and digit-only accuracy by third of needle positions (first / middle / last),
@@ -11,6 +13,9 @@ baseline): the difference per third with a 95% interval from a two-level bootstr
 then samples within each drawn seed with replacement, the same draw for both variants). The issue's targets
 are read at the longest count: comemo's middle-third gain >= +0.10 and both end gaps >= -0.02; and, over the
 counts beyond the trained image count, lvlm-dhr >= lvlm-1d.
+
+``--merge-only`` writes the inputs' merged benchmark JSON (one seed, the variants of all inputs, the targets of
+``benchmarks.comemo_bench`` recomputed) instead of the summary, for runs benchmarked one variant at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from benchmarks.common import format_table, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_runs", "summarise", "build_parser", "main"]
+__all__ = ["load_runs", "merge_runs", "summarise", "build_parser", "main"]
 
 BASELINE = "lvlm-1d"
 THIRDS = ("first", "middle", "last")
@@ -45,12 +50,38 @@ def load_runs(paths: list[Path]) -> list[dict]:
         runs.append(data)
     if not runs:
         raise SystemExit("give at least one benchmark JSON")
+    runs, paths = merge_runs(runs, list(paths))
     ref = {k: runs[0]["args"].get(k, "1x1" if k == "image_grid" else None) for k in _SAME}
     for p, r in zip(paths[1:], runs[1:]):
         got = {k: r["args"].get(k, "1x1" if k == "image_grid" else None) for k in _SAME}
         if got != ref:
             raise SystemExit(f"{p}: evaluated with {got}, but {paths[0]} with {ref}: not the same evaluation stream")
     return runs
+
+
+def merge_runs(runs: list[dict], paths: list) -> tuple[list[dict], list]:
+    """Inputs trained with the same ``--train-args`` (one seed, benchmarked one variant at a time) merged into one
+    benchmark JSON each, in order of first appearance; returns the merged runs and a path naming each."""
+    groups: dict[str, dict] = {}
+    names: dict[str, object] = {}
+    for p, r in zip(paths, runs):
+        key = str(r.get("args", {}).get("train_args"))
+        if key not in groups:
+            groups[key] = {**r, "args": dict(r.get("args", {})), "variants": dict(r["variants"])}
+            names[key] = p
+            continue
+        g = groups[key]
+        ref = {k: g["args"].get(k) for k in _SAME}
+        got = {k: r["args"].get(k) for k in _SAME}
+        if got != ref:
+            raise SystemExit(f"{p}: evaluated with {got}, but {names[key]} with {ref}: not the same evaluation stream")
+        for v, res in r["variants"].items():
+            if v in g["variants"]:
+                raise SystemExit(f"{p}: variant {v} of training seed {key!r} is also in {names[key]}")
+            g["variants"][v] = res
+        g["args"]["variants"] = list(g["variants"])
+        g["args"]["variant_args"] = sorted(set(g["args"].get("variant_args") or []) | set(r["args"].get("variant_args") or []))
+    return list(groups.values()), list(names.values())
 
 
 def _third(pos: int, n: int) -> int:
@@ -164,13 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", type=Path, nargs="+", help="comemo_bench JSONs, one per training seed")
     p.add_argument("--out", type=Path, required=True, help="summary JSON")
     p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
+    p.add_argument("--merge-only", action="store_true",
+                   help="write the merged benchmark JSON of one training seed (inputs benchmarked one variant at a "
+                        "time) to --out instead of the summary")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = summarise(load_runs(args.runs), reps=args.reps)
+    runs = load_runs(args.runs)
+    if args.merge_only:
+        from benchmarks.comemo_bench import issue_targets
+
+        if len(runs) != 1:
+            raise SystemExit(f"--merge-only: the inputs hold {len(runs)} training seeds (different --train-args); "
+                             "give the runs of one seed")
+        merged = runs[0]
+        merged["targets"] = issue_targets(merged["variants"], max_images=int(merged["args"]["max_images"]))
+        merged["inputs"] = [str(p) for p in args.runs]
+        write_json_atomic(args.out, merged)
+        logger.info("merged %d inputs (variants %s) into %s", len(args.runs), list(merged["variants"]), args.out)
+        return 0
+    summary = summarise(runs, reps=args.reps)
     summary["inputs"] = [str(p) for p in args.runs]
     write_json_atomic(args.out, summary)
     print(tables(summary))

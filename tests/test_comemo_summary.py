@@ -59,3 +59,25 @@ def test_runs_on_other_streams_or_without_records_are_refused(tmp_path):
     old.write_text(json.dumps({"args": {}, "variants": {"comemo": {"accuracy": {}}}}))
     with pytest.raises(SystemExit, match="no needle_records"):
         load_runs([old])
+
+
+def test_runs_benchmarked_one_variant_at_a_time_are_merged_per_seed(tmp_path):
+    mid = lambda p: 3 <= p < 6  # noqa: E731
+    paths = []
+    for i in range(2):
+        other = _run(tmp_path, f"s{i}", {"comemo": lambda p: (0, 1)}).rename(tmp_path / f"s{i}_comemo.json")
+        paths += [_run(tmp_path, f"s{i}", {"lvlm-1d": lambda p: (0, 0 if mid(p) else 1)}), other]
+    runs = load_runs(paths)
+    assert len(runs) == 2 and all(set(r["variants"]) == {"lvlm-1d", "comemo"} for r in runs)
+    s = summarise(runs, reps=100)
+    assert s["n_seeds"] == 2 and [c["diff"] for c in s["vs_baseline"]["comemo"]["9"]["digit"]] == [0.0, 1.0, 0.0]
+    out = tmp_path / "merged.json"
+    assert main([str(paths[0]), str(paths[1]), "--out", str(out), "--merge-only"]) == 0
+    merged = json.loads(out.read_text())
+    assert set(merged["variants"]) == {"lvlm-1d", "comemo"} and merged["args"]["variants"] == ["lvlm-1d", "comemo"]
+    assert "targets" in merged
+    with pytest.raises(SystemExit, match="2 training seeds"):
+        main([str(p) for p in paths] + ["--out", str(out), "--merge-only"])
+    twice = _run(tmp_path, "s0", {"comemo": lambda p: (1, 1)}).rename(tmp_path / "twice.json")
+    with pytest.raises(SystemExit, match="variant comemo of training seed"):
+        load_runs([paths[1], twice])
