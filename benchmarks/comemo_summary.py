@@ -32,7 +32,7 @@ from benchmarks.common import format_table, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_runs", "merge_runs", "summarise", "build_parser", "main"]
+__all__ = ["load_runs", "merge_runs", "summarise", "plot_summary", "build_parser", "main"]
 
 BASELINE = "lvlm-1d"
 THIRDS = ("first", "middle", "last")
@@ -123,7 +123,8 @@ def summarise(runs: list[dict], *, reps: int = 2000, seed: int = 0) -> dict:
     variants = [v for v in runs[0]["variants"] if all(v in r["variants"] for r in runs)]
     counts = list(runs[0]["variants"][variants[0]]["needle_records"]) if variants else []
     max_images = int(runs[0]["args"]["max_images"])
-    out: dict = {"seeds": [r["args"]["train_args"] for r in runs], "n_seeds": len(runs), "variants": {}, "vs_baseline": {}}
+    out: dict = {"seeds": [r["args"]["train_args"] for r in runs], "n_seeds": len(runs), "max_images": max_images,
+                 "variants": {}, "vs_baseline": {}}
     for v in variants:
         res: dict = {}
         for n in counts:
@@ -190,11 +191,52 @@ def tables(summary: dict) -> str:
     return text
 
 
+def plot_summary(summary: dict, path: Path) -> Path:
+    """PNG: each variant minus lvlm-1d by number of images, one line per third of needle positions with its 95%
+    interval shaded; left the full answer, right the digit alone (retrieval)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from core.fileio import atomic_path
+
+    rows = list(summary["vs_baseline"].items())
+    if not rows:
+        raise ValueError("no variant to compare with lvlm-1d")
+    fig, axes = plt.subplots(len(rows), 2, figsize=(9, 2.6 * len(rows)), squeeze=False, sharey=True)
+    for (variant, cmp), row in zip(rows, axes):
+        counts = sorted(cmp, key=int)
+        xs = [int(n) for n in counts]
+        for ax, name in zip(row, ("full", "digit")):
+            for i, third in enumerate(THIRDS):
+                d = [cmp[n][name][i]["diff"] for n in counts]
+                lo = [cmp[n][name][i]["ci95"][0] for n in counts]
+                hi = [cmp[n][name][i]["ci95"][1] for n in counts]
+                ax.plot(xs, d, marker="o", color=f"C{i}", label=f"{third} third")
+                ax.fill_between(xs, lo, hi, color=f"C{i}", alpha=0.15)
+            ax.axhline(0.0, color="k", lw=0.8)
+            ax.axhline(0.10, color="grey", lw=0.8, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_title(f"{variant} - lvlm-1d: {'exact match' if name == 'full' else 'digit only'}", fontsize=9)
+        row[0].set_ylabel("accuracy difference")
+    axes[0][0].legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel(f"images (trained on <= {summary.get('max_images', '?')}); {summary['n_seeds']} seeds")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")
+    plt.close(fig)
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.comemo_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", type=Path, nargs="+", help="comemo_bench JSONs, one per training seed")
     p.add_argument("--out", type=Path, required=True, help="summary JSON")
     p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
+    p.add_argument("--plot", type=Path, help="also write a PNG of the differences against lvlm-1d with intervals")
     p.add_argument("--merge-only", action="store_true",
                    help="write the merged benchmark JSON of one training seed (inputs benchmarked one variant at a "
                         "time) to --out instead of the summary")
@@ -221,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["inputs"] = [str(p) for p in args.runs]
     write_json_atomic(args.out, summary)
     print(tables(summary))
+    if args.plot is not None and summary["vs_baseline"]:
+        plot_summary(summary, args.plot)
     logger.info("targets: %s", json.dumps(summary["targets"]))
     return 0
 

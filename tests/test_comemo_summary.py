@@ -25,7 +25,9 @@ def test_paired_differences_intervals_and_targets(tmp_path, capsys):
     hits = {"lvlm-1d": lambda p: (0, 0 if mid(p) else 1), "comemo": lambda p: (0, 1), "lvlm-dhr": lambda p: (p % 2, 1)}
     paths = [_run(tmp_path, f"s{i}", hits) for i in range(3)]
     out = tmp_path / "sum.json"
-    assert main([str(p) for p in paths] + ["--out", str(out), "--reps", "200"]) == 0
+    png = tmp_path / "sum.png"
+    assert main([str(p) for p in paths] + ["--out", str(out), "--reps", "200", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
     s = json.loads(out.read_text())
     co = s["vs_baseline"]["comemo"]["9"]["digit"]
     assert [c["diff"] for c in co] == [0.0, 1.0, 0.0]
