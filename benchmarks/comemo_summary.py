@@ -97,8 +97,9 @@ def _arrays(runs: list[dict], variant: str, n: str):
     return out
 
 
-def _boot_diff(a_runs, b_runs, part: int, col: int, *, reps: int, rng: np.random.Generator) -> list[float]:
-    """95% two-level bootstrap interval of mean(a) - mean(b) on third ``part`` (col 1: full, 2: digit)."""
+def _boot_diff(a_runs, b_runs, part: int, col: int, *, reps: int, rng: np.random.Generator) -> list[float] | None:
+    """95% two-level bootstrap interval of mean(a) - mean(b) on third ``part`` (col 1: full, 2: digit); None when
+    the third holds no sample."""
     S = len(a_runs)
     diffs = []
     per_seed = [(a[col][a[0] == part], b[col][b[0] == part]) for a, b in zip(a_runs, b_runs)]
@@ -113,8 +114,14 @@ def _boot_diff(a_runs, b_runs, part: int, col: int, *, reps: int, rng: np.random
             cnt += len(a)
         if cnt:
             diffs.append(tot / cnt)
+    if not diffs:  # no needle in this third at this count (e.g. the last third of 2 images)
+        return None
     lo, hi = np.percentile(diffs, [2.5, 97.5])
     return [float(lo), float(hi)]
+
+
+def _mean(x: np.ndarray) -> float | None:
+    return float(x.mean()) if len(x) else None
 
 
 def summarise(runs: list[dict], *, reps: int = 2000, seed: int = 0) -> dict:
@@ -133,8 +140,8 @@ def summarise(runs: list[dict], *, reps: int = 2000, seed: int = 0) -> dict:
             full = np.concatenate([a[1] for a in arrs])
             dig = np.concatenate([a[2] for a in arrs])
             res[n] = {"full": float(full.mean()), "digit": float(dig.mean()),
-                      "full_by_third": [float(full[t == i].mean()) for i in range(3)],
-                      "digit_by_third": [float(dig[t == i].mean()) for i in range(3)],
+                      "full_by_third": [_mean(full[t == i]) for i in range(3)],
+                      "digit_by_third": [_mean(dig[t == i]) for i in range(3)],
                       "full_per_seed": [float(a[1].mean()) for a in arrs],
                       "samples_by_third": [int((t == i).sum()) for i in range(3)]}
         out["variants"][v] = res
@@ -148,7 +155,7 @@ def summarise(runs: list[dict], *, reps: int = 2000, seed: int = 0) -> dict:
                 cell = {}
                 for col, name in ((1, "full"), (2, "digit")):
                     va, vb = out["variants"][v][n][f"{name}_by_third"], out["variants"][BASELINE][n][f"{name}_by_third"]
-                    cell[name] = [{"diff": va[i] - vb[i], "ci95": _boot_diff(a_runs, b_runs, i, col, reps=reps, rng=rng)}
+                    cell[name] = [{"diff": None if va[i] is None else va[i] - vb[i], "ci95": _boot_diff(a_runs, b_runs, i, col, reps=reps, rng=rng)}
                                   for i in range(3)]
                 cmp[n] = cell
             out["vs_baseline"][v] = cmp
@@ -159,8 +166,9 @@ def summarise(runs: list[dict], *, reps: int = 2000, seed: int = 0) -> dict:
         for name in ("full", "digit"):
             mid, first, last = co[longest][name][1], co[longest][name][0], co[longest][name][2]
             targets[f"comemo_{name}"] = {
-                "middle_gain": mid, "middle_met": mid["diff"] >= 0.10,
-                "end_gaps": [first, last], "ends_met": first["diff"] >= -0.02 and last["diff"] >= -0.02,
+                "middle_gain": mid, "middle_met": mid["diff"] is not None and mid["diff"] >= 0.10,
+                "end_gaps": [first, last],
+                "ends_met": all(e["diff"] >= -0.02 for e in (first, last) if e["diff"] is not None),
             }
     dhr = out["vs_baseline"].get("lvlm-dhr")
     beyond = [n for n in counts if int(n) > max_images]
@@ -184,7 +192,7 @@ def tables(summary: dict) -> str:
         for n, cell in cmp.items():
             for name in ("full", "digit"):
                 drows.append({"variant - lvlm-1d": v, "images": n, "answer": name,
-                              **{t: f"{c['diff']:+.2f} [{c['ci95'][0]:+.2f}, {c['ci95'][1]:+.2f}]"
+                              **{t: "–" if c["ci95"] is None else f"{c['diff']:+.2f} [{c['ci95'][0]:+.2f}, {c['ci95'][1]:+.2f}]"
                                  for t, c in zip(THIRDS, cell[name])}})
     if drows:
         text += "\n\n" + format_table(drows, list(drows[0]))
@@ -210,11 +218,10 @@ def plot_summary(summary: dict, path: Path) -> Path:
         xs = [int(n) for n in counts]
         for ax, name in zip(row, ("full", "digit")):
             for i, third in enumerate(THIRDS):
-                d = [cmp[n][name][i]["diff"] for n in counts]
-                lo = [cmp[n][name][i]["ci95"][0] for n in counts]
-                hi = [cmp[n][name][i]["ci95"][1] for n in counts]
-                ax.plot(xs, d, marker="o", color=f"C{i}", label=f"{third} third")
-                ax.fill_between(xs, lo, hi, color=f"C{i}", alpha=0.15)
+                have = [(x, cmp[n][name][i]) for x, n in zip(xs, counts) if cmp[n][name][i]["ci95"] is not None]
+                ax.plot([x for x, _ in have], [c["diff"] for _, c in have], marker="o", color=f"C{i}", label=f"{third} third")
+                ax.fill_between([x for x, _ in have], [c["ci95"][0] for _, c in have], [c["ci95"][1] for _, c in have],
+                                color=f"C{i}", alpha=0.15)
             ax.axhline(0.0, color="k", lw=0.8)
             ax.axhline(0.10, color="grey", lw=0.8, ls="--")
             ax.set_xscale("log", base=2)

@@ -83,3 +83,14 @@ def test_runs_benchmarked_one_variant_at_a_time_are_merged_per_seed(tmp_path):
     twice = _run(tmp_path, "s0", {"comemo": lambda p: (1, 1)}).rename(tmp_path / "twice.json")
     with pytest.raises(SystemExit, match="variant comemo of training seed"):
         load_runs([paths[1], twice])
+
+
+def test_a_third_without_needles_is_reported_as_missing(tmp_path, capsys):
+    """At 2 images no needle falls in the last third: no difference and no interval there, and no crash."""
+    paths = [_run(tmp_path, f"s{i}", {"lvlm-1d": lambda p: (1, 1), "comemo": lambda p: (1, 1)}, n=2) for i in range(2)]
+    out = tmp_path / "sum.json"
+    assert main([str(p) for p in paths] + ["--out", str(out), "--reps", "50", "--plot", str(tmp_path / "p.png")]) == 0
+    s = json.loads(out.read_text())
+    assert s["variants"]["comemo"]["2"]["full_by_third"] == [1.0, 1.0, None]
+    assert s["vs_baseline"]["comemo"]["2"]["full"][2] == {"diff": None, "ci95": None}
+    assert "–" in capsys.readouterr().out
