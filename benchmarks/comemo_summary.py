@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", type=Path, nargs="+", help="comemo_bench JSONs, one per training seed")
     p.add_argument("--out", type=Path, required=True, help="summary JSON")
     p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
-    p.add_argument("--plot", type=Path, help="also write a PNG of the differences against lvlm-1d with intervals")
+    p.add_argument("--plot", type=Path, help="also write a PNG of the differences against lvlm-1d with intervals (with --merge-only: the "
+                        "benchmark's needle and attention curves)")
     p.add_argument("--merge-only", action="store_true",
                    help="write the merged benchmark JSON of one training seed (inputs benchmarked one variant at a "
                         "time) to --out instead of the summary")
@@ -264,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         merged["targets"] = issue_targets(merged["variants"], max_images=int(merged["args"]["max_images"]))
         merged["inputs"] = [str(p) for p in args.runs]
         write_json_atomic(args.out, merged)
+        if args.plot is not None and any(v.get("needle_accuracy_by_decile") for v in merged["variants"].values()):
+            from benchmarks.comemo_bench import plot_needle_curves
+
+            plot_needle_curves(merged, args.plot)
         logger.info("merged %d inputs (variants %s) into %s", len(args.runs), list(merged["variants"]), args.out)
         return 0
     summary = summarise(runs, reps=args.reps)
