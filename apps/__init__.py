@@ -76,7 +76,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Dual-path vision-language model (image context + gated cross-attention memory) with RoPE-DHR.",
         package="apps/comemo/",
         ui_module="apps.comemo.ui",
-        status="in progress: a small shipped comemo model answers the needle question about 1-8 images (0.95-0.975); beyond the trained 8 images every variant fails to name the image, while on the digit alone comemo keeps the middle of 64 images (0.85 against 0.46 for the context-only model, one seed)",
+        status="working: the shipped comemo model answers the needle question about 1-8 images (0.95-0.975); at 64 images and equal parameters, over 3 seeds, the memory path lifts retrieval of the middle third by +0.28 (95% interval +0.05 to +0.56) over the context-only model, but no variant names an image beyond the trained 8",
     ),
     AppSpec(
         key="emloc",
