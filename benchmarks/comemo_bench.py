@@ -40,7 +40,7 @@ from benchmarks.common import env_info, format_table, portable_args, write_json_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "evaluate_variant", "issue_targets"]
+__all__ = ["build_parser", "main", "evaluate_variant", "issue_targets", "majority_baseline"]
 
 VARIANTS = ("lvlm-1d", "lvlm-dhr", "flamingo", "comemo")
 
@@ -163,6 +163,32 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
         "gates": model.gates(),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def majority_baseline(*, images: list[int], tasks: list[str], per_count: int, seed: int, tile: int = 32,
+                      image_grid: tuple[int, int] = (1, 1)) -> dict:
+    """The trivial baseline: exact match of the most frequent answer among the evaluation samples of each task and
+    image count (the same samples ``evaluate_variant`` draws; an upper bound on any constant answer). Needle
+    answers are also scored on the digit alone (the most frequent digit)."""
+    from collections import Counter
+
+    from apps.comemo.synthetic import make_sample, sample_seed
+
+    out: dict = {"accuracy": {}, "needle_digit": {}, "tile": tile}
+    index = 0
+    for task in tasks:
+        for n in ([1] if task == "detail" else images):
+            answers = []
+            for k in range(per_count):
+                needle = (k * n // per_count) if task == "needle" else None
+                grid_kw = {"image_grid": image_grid} if task == "needle" else {}
+                answers.append(make_sample(task, n, sample_seed(seed, index), tile=tile, needle=needle, **grid_kw).answer)
+                index += 1
+            out["accuracy"].setdefault(task, {})[str(n)] = Counter(answers).most_common(1)[0][1] / len(answers)
+            if task == "needle":
+                digits = [a.split()[-1] for a in answers]
+                out["needle_digit"][str(n)] = Counter(digits).most_common(1)[0][1] / len(digits)
+    return out
 
 
 def plot_needle_curves(results: dict, path: Path) -> Path:
@@ -324,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             for n, a in by_n.items():
                 row[f"{task}@{n}"] = a
         rows.append(row)
+    tile = model.model.cfg.vision.tile if args.variants else 32
+    results["majority_baseline"] = majority_baseline(images=args.images, tasks=args.tasks, per_count=args.per_count,
+                                                     seed=args.eval_seed, tile=tile, image_grid=grid)
+    rows.append({"variant": "majority answer", "params": 0, "s/answer": 0.0,
+                 **{f"{t}@{n}": a for t, by_n in results["majority_baseline"]["accuracy"].items() for n, a in by_n.items()}})
     columns = ["variant", "params", "s/answer"] + [c for c in rows[0] if "@" in c] if rows else []
     print(format_table(rows, columns))
     results["targets"] = issue_targets(results["variants"], max_images=args.max_images)

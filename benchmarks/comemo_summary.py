@@ -256,13 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runs = load_runs(args.runs)
     if args.merge_only:
-        from benchmarks.comemo_bench import issue_targets
+        from benchmarks.comemo_bench import issue_targets, majority_baseline
 
         if len(runs) != 1:
             raise SystemExit(f"--merge-only: the inputs hold {len(runs)} training seeds (different --train-args); "
                              "give the runs of one seed")
         merged = runs[0]
         merged["targets"] = issue_targets(merged["variants"], max_images=int(merged["args"]["max_images"]))
+        a = merged["args"]
+        from apps.comemo.train import parse_grid
+
+        merged["majority_baseline"] = majority_baseline(images=a["images"], tasks=a.get("tasks", ["needle"]), per_count=a["per_count"],
+                                                        seed=a["eval_seed"], image_grid=parse_grid(a.get("image_grid", "1x1")))
         merged["inputs"] = [str(p) for p in args.runs]
         write_json_atomic(args.out, merged)
         if args.plot is not None and any(v.get("needle_accuracy_by_decile") for v in merged["variants"].values()):

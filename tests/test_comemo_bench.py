@@ -39,7 +39,12 @@ def test_bench_tiny(tmp_path, capsys):
     assert res["variants"]["comemo"]["gates"] and not res["variants"]["lvlm-1d"]["gates"]
     assert res["variants"]["comemo"]["parameters"] > res["variants"]["lvlm-1d"]["parameters"]
     table = capsys.readouterr().out
-    assert "| variant |" in table and "needle@3" in table and "needle@3 middle" in table
+    assert "| variant |" in table and "needle@3" in table and "needle@3 middle" in table and "majority answer" in table
+    base = res["majority_baseline"]
+    assert set(base["accuracy"]) == {"needle", "detail"} and base["tile"] == 16
+    assert all(1 / 3 <= a <= 1 for d in base["accuracy"].values() for a in d.values())
+    assert base["accuracy"]["needle"]["1"] == base["needle_digit"]["1"]  # one image: only the digit varies
+    assert base["accuracy"]["needle"]["3"] <= base["needle_digit"]["3"]  # the top answer's digit is at most the top digit
     t = res["targets"]
     one, co = res["variants"]["lvlm-1d"], res["variants"]["comemo"]
     assert t["longest"] == 3
