@@ -76,7 +76,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Dual-path vision-language model (image context + gated cross-attention memory) with RoPE-DHR.",
         package="apps/comemo/",
         ui_module="apps.comemo.ui",
-        status="working: the shipped comemo model answers the needle question about 1-8 images (0.95-0.975); at 64 images and equal parameters, over 3 seeds, the memory path lifts retrieval of the middle third by +0.28 (95% interval +0.05 to +0.56) over the context-only model, but no variant names an image beyond the trained 8",
+        status="working: the shipped comemo model answers the needle question about 1-8 images (0.95-0.975); at 64 images and equal parameters, over 3 seeds, the memory path lifts retrieval of the middle third by +0.28 (95% interval +0.05 to +0.56) over the context-only model, but it names an image beyond the trained 8 only when trained with labels up to 64, and then (one seed) better than the context-only model at 32 images and worse at 64",
     ),
     AppSpec(
         key="emloc",
