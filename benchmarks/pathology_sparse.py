@@ -280,7 +280,8 @@ def model_config(args: argparse.Namespace, in_dim: int):
     from pathology.querent import QuerentConfig
 
     return QuerentConfig(in_dim=in_dim, dim=args.dim, depth=args.depth, num_heads=args.heads, region_size=args.region_size,
-                         topk=args.topk, dropout=0.1, num_classes=2, pool_hidden=args.dim, mlp_ratio=2.0)
+                         topk=args.topk, dropout=0.1, num_classes=2, pool_hidden=args.dim, mlp_ratio=2.0,
+                         pos_encoding=getattr(args, "pos_encoding", "sincos"))
 
 
 # -------------------------------------------------------------------------------------------- training
@@ -375,7 +376,34 @@ def record_key(rec: dict) -> str:
                                                                                    "region_size", "topk")}
     if rec.get("stage") not in fields:
         raise ValueError(f"record stage ({rec.get('stage')!r}) must be one of {', '.join(fields)}")
-    return "|".join([rec["stage"], *(str(rec[f]) for f in fields[rec["stage"]])])
+    key = "|".join([rec["stage"], *(str(rec[f]) for f in fields[rec["stage"]])])
+    return f"{key}|{rec['settings_id']}" if rec.get("settings_id") else key  # records of other settings coexist
+
+
+#: Arguments that do not change a record's result (which units run, where things go, how it is shown).
+_NOT_RESULT_ARGS = ("stages", "labels", "models", "late_models", "seeds", "folds", "approx_grid", "speed_reps", "n_boot",
+                    "threads", "work", "records", "out", "no_progress", "quick", "legacy_records",
+                    "settings_id")
+
+
+def settings_id(args: argparse.Namespace) -> str:
+    """A short hash of the arguments a record's result depends on (bags, models, training).
+
+    Every record carries it; records made with other settings are ignored when the benchmark reads its records,
+    so a rerun with other settings never reuses them."""
+    import hashlib
+
+    d = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_RESULT_ARGS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def matching_records(records: dict[str, dict], sid: str) -> dict[str, dict]:
+    """The records made with settings ``sid``; the others are named in a warning and left in their files."""
+    keep = {k: r for k, r in records.items() if r.get("settings_id") == sid}
+    if len(keep) < len(records):
+        logger.warning("%d of %d records were made with other settings (or before settings were recorded) and are "
+                       "ignored: these settings' results are computed afresh", len(records) - len(keep), len(records))
+    return keep
 
 
 def read_records(path: str | os.PathLike) -> dict[str, dict]:
@@ -598,12 +626,13 @@ def run_speed(args, records: dict, path: str) -> None:
     bcfg = _bag_cfg(args, side=args.speed_side)
     bag = make_bag(np.random.default_rng(7), "spatial", 1, bcfg)
     n = int(bag.features.shape[0])
-    key = record_key({"stage": "speed", "n": n})
+    key = record_key({"stage": "speed", "n": n, "settings_id": args.settings_id})
     if key in records:
         return
     torch.manual_seed(0)
     base = Querent(_with(model_config(args, bcfg.in_dim), selection="dense")).eval()
-    rec = {"stage": "speed", "n": n, "side": args.speed_side, "reps": args.speed_reps, "threads": torch.get_num_threads()}
+    rec = {"stage": "speed", "settings_id": args.settings_id, "n": n, "side": args.speed_side, "reps": args.speed_reps,
+           "threads": torch.get_num_threads()}
     for sel in ("region", "query", "dense"):
         m = _configured(base, sel, args.region_size, args.topk)
         times = []
@@ -646,7 +675,8 @@ def run_cv(args, records: dict, path: str, cohorts: dict[str, list[GridBag]], st
     from tqdm import tqdm
 
     units = [(seed, m, lab, f) for seed, m in stage_models for lab in args.labels for f in range(args.folds)]
-    todo = [u for u in units if record_key({"stage": "cv", "label": u[2], "seed": u[0], "fold": u[3], "model": u[1]})
+    todo = [u for u in units if record_key({"stage": "cv", "label": u[2], "seed": u[0], "fold": u[3], "model": u[1],
+                                            "settings_id": args.settings_id})
             not in records]
     for seed, m, lab, f in tqdm(todo, desc="cv", unit="fit", disable=args.no_progress):
         bags = cohorts[lab]
@@ -658,7 +688,7 @@ def run_cv(args, records: dict, path: str, cohorts: dict[str, list[GridBag]], st
                                  patience=args.patience, min_epochs=args.min_epochs, seed=1000 * seed + f)
         t0 = time.process_time()
         probs = _probs(model, [bags[i] for i in test])
-        rec = {"stage": "cv", "label": lab, "seed": seed, "fold": f, "model": m, "n_train": len(tr), "n_val": len(va),
+        rec = {"stage": "cv", "settings_id": args.settings_id, "label": lab, "seed": seed, "fold": f, "model": m, "n_train": len(tr), "n_val": len(va),
                "test_ids": [bags[i].bag_id for i in test], "test_labels": [y[i] for i in test],
                "test_probs": [round(p, 6) for p in probs], "auc": auc([y[i] for i in test], probs),
                "eval_cpu_s": round(time.process_time() - t0, 2), "steps": info["epochs_run"] * len(tr),
@@ -683,7 +713,8 @@ def run_approx(args, records: dict, path: str, cohorts: dict[str, list[GridBag]]
     seed = args.seeds[0]
     units = [(lab, f, g) for lab in args.labels for f in range(args.folds) for g in args.approx_grid]
     todo = [u for u in units if record_key({"stage": "approx", "label": u[0], "fold": u[1], "selection": u[2][0],
-                                            "region_size": u[2][1], "topk": u[2][2]}) not in records]
+                                            "region_size": u[2][1], "topk": u[2][2], "settings_id": args.settings_id})
+            not in records]
     cache: dict = {}
     for lab, f, (sel, R, k) in tqdm(todo, desc="approx", unit="config", disable=args.no_progress):
         wpath = os.path.join(args.work, f"dense_{lab}_s{seed}_f{f}.pt")
@@ -708,7 +739,7 @@ def run_approx(args, records: dict, path: str, cohorts: dict[str, list[GridBag]]
             errs.append(float((o - ref[i]).norm() / ref[i].norm()))
             kept.append(kp)
         probs = _probs(_configured(dense, sel, R, k), [bags[i] for i in test])
-        rec = {"stage": "approx", "label": lab, "fold": f, "selection": sel, "region_size": R, "topk": k, "seed": seed,
+        rec = {"stage": "approx", "settings_id": args.settings_id, "label": lab, "fold": f, "selection": sel, "region_size": R, "topk": k, "seed": seed,
                "test_ids": [bags[i].bag_id for i in test], "test_labels": [y[i] for i in test],
                "test_probs": [round(p, 6) for p in probs], "dense_probs": [round(p, 6) for p in dprobs],
                "rel_errors": [round(e, 5) for e in errs], "regions_kept": float(np.mean(kept)),
@@ -800,6 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--region-size", type=int, default=8)
     p.add_argument("--topk", type=int, default=20)
+    p.add_argument("--pos-encoding", default="sincos", help="QuerentConfig.pos_encoding of the attention models")
     p.add_argument("--epochs", type=int, default=6, help="most epochs (early stopping usually ends sooner)")
     p.add_argument("--min-epochs", type=int, default=4)
     p.add_argument("--patience", type=int, default=2)
@@ -816,6 +848,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL records (comma-separated: appended to the first, all read; for parts run in parallel)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--legacy-records", action="store_true",
+                   help="summarise the records written before records carried their settings (with --stages summary)")
     return p
 
 
@@ -851,6 +885,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = [r for r in args.records.split(",") if r]
     args.records = paths[0]  # new records go to the first file; the others are read (parts run in parallel)
     records = {k: v for pth in paths for k, v in read_records(pth).items()}
+    args.settings_id = settings_id(args)
+    if args.legacy_records:
+        if stages - {"summary"}:
+            raise SystemExit("--legacy-records only summarises: use it with --stages summary")
+        records = {k: r for k, r in records.items() if "settings_id" not in r}
+    else:
+        records = matching_records(records, args.settings_id)
     logger.info("%d finished records in %s", len(records), ", ".join(paths))
     if "speed" in stages:
         run_speed(args, records, args.records)

@@ -39,12 +39,15 @@ from torch import nn
 from core.attention import attention
 from core.blocksparse import block_sparse_attention, block_summaries, block_upper_bound
 from core.layers import MLP, MultiHeadAttention
+from core.rope import RotaryEmbedding2D, apply_rope
 
 __all__ = ["QuerentConfig", "Querent", "RegionLayout", "build_regions", "MILOutput", "GatedAttentionPool",
-           "sincos_2d", "querent_small", "select_regions", "per_query_region_attention", "SELECTIONS"]
+           "sincos_2d", "querent_small", "select_regions", "per_query_region_attention", "SELECTIONS", "POS_ENCODINGS"]
 
 #: Values of ``QuerentConfig.selection``.
 SELECTIONS = ("region", "query", "dense")
+#: Values of ``QuerentConfig.pos_encoding``.
+POS_ENCODINGS = ("sincos", "rope2d", "both", "none")
 
 
 @dataclass(kw_only=True)
@@ -71,6 +74,9 @@ class QuerentConfig:
     # "query": topk chosen per query by its own bound; "dense": exact attention over all patches (no selection)
     dense_backend: str = "auto"  # core.attention backend of selection="dense" ("auto" is chunked on CPU for large bags)
     query_group: int = 16  # selection="query": queries whose chosen regions are gathered together (cost knob, exact)
+    pos_encoding: str = "sincos"  # "sincos": 2-D sine-cosine embedding added to the input; "rope2d": 2-D rotary
+    # embedding of queries and keys in every layer (scores depend on the patches' offset); "both"; "none"
+    rope_scale: float = 0.25  # rope2d: rotary position units per grid cell (sincos uses the same scale)
 
     def __post_init__(self) -> None:
         if self.in_dim < 1 or self.dim < 1:
@@ -87,6 +93,13 @@ class QuerentConfig:
             raise ValueError(f"query_group ({self.query_group}) must be >= 1")
         if not self.select_budget_mb > 0:
             raise ValueError(f"select_budget_mb ({self.select_budget_mb}) must be > 0")
+        if self.pos_encoding not in POS_ENCODINGS:
+            raise ValueError(f"pos_encoding ({self.pos_encoding!r}) must be one of {', '.join(POS_ENCODINGS)}")
+        if self.pos_encoding in ("rope2d", "both") and (self.dim // self.num_heads) % 4:
+            raise ValueError(f"pos_encoding={self.pos_encoding!r} needs a head size (dim / num_heads = "
+                             f"{self.dim // self.num_heads}) divisible by 4")
+        if not self.rope_scale > 0:
+            raise ValueError(f"rope_scale ({self.rope_scale}) must be > 0")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection ({self.selection!r}) must be one of {', '.join(SELECTIONS)}")
         if self.region_score not in ("max", "mean"):
@@ -410,11 +423,14 @@ class QuerentLayer(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, int(cfg.dim * cfg.mlp_ratio), dropout=cfg.dropout)
 
-    def forward(self, x_BSD: torch.Tensor, layout: RegionLayout, pad_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x_BSD: torch.Tensor, layout: RegionLayout, pad_BS: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.norm1(x_BSD)
         q = self.attn.project_q(h)  # (B, H, S, hd)
         k, v = self.attn.project_kv(h)  # (B, H, S, hd) each
         del h
+        if rope is not None:  # rotate by each slot's grid position: scores depend on offsets (bounds stay valid)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # Contiguous keys/values: core.blocksparse reads them in block layout as views (S is a multiple of the
         # block size) instead of copying them, and the projections' (B, S, H·hd) buffers are freed here.
         k, v = k.contiguous(), v.contiguous()
@@ -449,6 +465,7 @@ class Querent(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.pool = GatedAttentionPool(cfg.dim, cfg.pool_hidden, cfg.dropout)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
+        self.rope = (RotaryEmbedding2D(cfg.dim // cfg.num_heads) if cfg.pos_encoding in ("rope2d", "both") else None)
 
     def forward(self, features_ND: torch.Tensor, coords_N2: torch.Tensor, *, patch_size_level0: float,
                 return_index: bool = False) -> MILOutput:
@@ -467,8 +484,15 @@ class Querent(nn.Module):
             raise ValueError(f"coords must be ({N}, 2), got {tuple(coords_N2.shape)}")
         layout = build_regions(coords_N2.to(features_ND.device), patch_size_level0, self.cfg.region_size,
                                self.cfg.neighbourhood)
-        h = self.embed(features_ND) + sincos_2d(layout.grid_xy, self.cfg.dim, scale=0.25).to(features_ND.dtype)
+        h = self.embed(features_ND)
+        if self.cfg.pos_encoding in ("sincos", "both"):
+            h = h + sincos_2d(layout.grid_xy, self.cfg.dim, scale=0.25).to(features_ND.dtype)
         S = layout.padded_len
+        rope = None
+        if self.rope is not None:  # (row, col) of every slot; an empty slot takes its fill source's (it is masked)
+            slot_xy = torch.zeros(S, 2, dtype=torch.long, device=features_ND.device)
+            slot_xy[layout.slot] = layout.grid_xy.flip(1)
+            rope = self.rope(slot_xy[layout.fill_src].float() * self.cfg.rope_scale)
         x = h.new_zeros(1, S, self.cfg.dim)
         x[0, layout.slot] = h  # (1, S, dim) region-padded sequence
         del h
@@ -476,7 +500,7 @@ class Querent(nn.Module):
         pad[0, layout.slot] = False
         indices = []
         for layer in self.layers:
-            x, idx = layer(x, layout, pad)
+            x, idx = layer(x, layout, pad, rope)
             if return_index and idx is not None:
                 indices.append(idx[0].detach())
         tok = self.norm(x[0, layout.slot])  # (N, dim) back in the input order

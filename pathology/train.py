@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from pathology.mil import MODEL_NAMES
-from pathology.querent import QuerentConfig
+from pathology.querent import POS_ENCODINGS, QuerentConfig
 from pathology.training import TrainConfig, cross_validate, load_bags, read_splits, save_training_curves
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region-size", type=int, default=8, help="Querent region side in patches")
     p.add_argument("--topk", type=int, default=8, help="Querent regions chosen per query region")
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--pos-encoding", choices=POS_ENCODINGS, default="sincos",
+                   help="Querent/dense positions: sine-cosine added to the input, 2-D RoPE in every layer, both, none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_classes = 1 if args.task == "survival" else max(2, max(b.label for b in bags) + 1)
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=args.dim, depth=args.depth, num_heads=args.heads,
                          region_size=args.region_size, topk=args.topk, dropout=args.dropout, num_classes=n_classes,
-                         task=args.task)
+                         task=args.task, pos_encoding=args.pos_encoding)
     tcfg = TrainConfig(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_slides=args.batch_slides,
                        max_patches=args.max_patches or None, standardize=not args.no_standardize,
                        class_weights=args.class_weights == "balanced", val_fraction=args.val_fraction,

@@ -300,3 +300,42 @@ def test_region_selection_is_memory_bounded_and_chunk_invariant(score, monkeypat
     assert max(sizes) < (S if score == "max" else nr) * nr  # ...and never cover the whole bag at once
     with pytest.raises(ValueError, match="select_budget_mb"):
         QuerentConfig(in_dim=8, select_budget_mb=0)
+
+
+@pytest.mark.parametrize("pos", ["rope2d", "both"])
+def test_rope2d_selections_agree_and_positions_matter(pos):
+    g = torch.Generator().manual_seed(3)
+    coords = _bag_coords(13, 11, 0.7, g=g)
+    feats = torch.randn(len(coords), 12, generator=g)
+    base = dict(in_dim=12, dim=32, num_heads=2, depth=2, region_size=4, dropout=0.0, pos_encoding=pos)
+    torch.manual_seed(0)
+    region = Querent(QuerentConfig(**base, topk=1000)).eval()
+    dense = Querent(QuerentConfig(**base, selection="dense")).eval()
+    query = Querent(QuerentConfig(**base, topk=1000, selection="query")).eval()
+    dense.load_state_dict(region.state_dict())
+    query.load_state_dict(region.state_dict())
+    with torch.no_grad():
+        ref = dense(feats, coords, patch_size_level0=256)
+        for m in (region, query):
+            out = m(feats, coords, patch_size_level0=256)
+            torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(out.attention, ref.attention, atol=1e-6, rtol=1e-4)
+        # the patches' positions enter: the same features at permuted positions give another slide
+        perm = torch.randperm(len(coords), generator=g)
+        moved = dense(feats, coords[perm], patch_size_level0=256)
+        assert (moved.logits - ref.logits).abs().max() > 1e-4
+    # without any position encoding they do not
+    none = Querent(QuerentConfig(**{**base, "pos_encoding": "none"}, selection="dense")).eval()
+    with torch.no_grad():
+        a = none(feats, coords, patch_size_level0=256).logits
+        b = none(feats, coords[perm], patch_size_level0=256).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_rope2d_config_validation():
+    with pytest.raises(ValueError, match="pos_encoding"):
+        QuerentConfig(in_dim=8, pos_encoding="learned")
+    with pytest.raises(ValueError, match="divisible by 4"):
+        QuerentConfig(in_dim=8, dim=24, num_heads=4, pos_encoding="rope2d")  # head size 6
+    with pytest.raises(ValueError, match="rope_scale"):
+        QuerentConfig(in_dim=8, pos_encoding="rope2d", rope_scale=0)

@@ -227,6 +227,17 @@ def test_quick_run_writes_json_and_curve(tmp_path):
     n = len(read_records(tmp_path / "r.jsonl"))
     assert main(argv) == 0  # resumed: nothing is redone
     assert len(read_records(tmp_path / "r.jsonl")) == n
+    # other settings never reuse the records of the old ones: every unit runs again, tagged with its settings
+    lines = lambda: [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]  # noqa: E731
+    assert main(argv + ["--lr", "0.01"]) == 0
+    recs = lines()
+    assert len(recs) == 2 * n and len({r["settings_id"] for r in recs}) == 2
+    d2 = json.loads(out.read_text())
+    assert d2["settings"]["lr"] == 0.01 and {r["model"] for r in d2["rows"]} == {"mean", "dense"}
+    assert main(argv) == 0  # and back: the first settings' records are still there, nothing runs
+    assert len(lines()) == 2 * n
+    with pytest.raises(SystemExit, match="legacy-records"):
+        main(argv + ["--legacy-records"])
 
 
 def test_dev_probe_cli_records_per_epoch_history(tmp_path):
