@@ -319,8 +319,13 @@ def _probs(model, bags: Sequence[GridBag]) -> list[float]:
 
 
 def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag], *, epochs: int, lr: float,
-               patience: int, min_epochs: int, seed: int):
-    """Train ``name`` (one bag per step, AdamW, cosine decay, clip 1.0); keep the best validation-loss epoch.
+               patience: int, min_epochs: int, seed: int, batch_bags: int = 1):
+    """Train ``name`` (AdamW, cosine decay, clip 1.0); keep the best validation-loss epoch.
+
+    Each optimizer step averages the gradients of ``batch_bags`` bags (one forward per bag: bags differ in size).
+    With one bag per step the head's bias follows the last few labels (Adam takes a full-size step on every
+    bag's gradient), which costs more loss than the relation signal earns early on; a few bags per step remove
+    that drift (``docs/experiments/pathology.md``).
 
     Returns the model (eval mode) and a summary with the per-epoch history and CPU seconds.
     """
@@ -331,23 +336,29 @@ def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag]
     model = build_peer(name, mcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-2)
     g = np.random.default_rng(seed)
-    total = epochs * len(train)
+    if batch_bags < 1:
+        raise ValueError(f"batch_bags ({batch_bags}) must be >= 1")
+    per_epoch = math.ceil(len(train) / batch_bags)
+    total = epochs * per_epoch
     step, best, since, history = 0, (float("inf"), 0, None), 0, []
     cpu0 = time.process_time()
     for ep in range(epochs):
         model.train()
         losses = []
-        for i in g.permutation(len(train)):
-            b = train[int(i)]
+        order = g.permutation(len(train))
+        for s0 in range(0, len(order), batch_bags):
+            batch = order[s0 : s0 + batch_bags]
             for pg in opt.param_groups:
                 pg["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total)))
-            logits = model(b.features, b.coords, patch_size_level0=1).logits  # (1, 2)
-            loss = nn.functional.cross_entropy(logits, torch.tensor([b.label]))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            for i in batch:
+                b = train[int(i)]
+                logits = model(b.features, b.coords, patch_size_level0=1).logits  # (1, 2)
+                loss = nn.functional.cross_entropy(logits, torch.tensor([b.label]))
+                (loss / len(batch)).backward()
+                losses.append(float(loss.detach()))
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            losses.append(float(loss.detach()))
             step += 1
         p = np.clip(np.array(_probs(model, val)), 1e-6, 1 - 1e-6)
         y = np.array([b.label for b in val])
@@ -685,7 +696,8 @@ def run_cv(args, records: dict, path: str, cohorts: dict[str, list[GridBag]], st
         tr, va = _split(y, test, seed, f, args.val_share)
         mcfg = model_config(args, args.in_dim)
         model, info = train_peer(m, mcfg, [bags[i] for i in tr], [bags[i] for i in va], epochs=args.epochs, lr=args.lr,
-                                 patience=args.patience, min_epochs=args.min_epochs, seed=1000 * seed + f)
+                                 patience=args.patience, min_epochs=args.min_epochs, seed=1000 * seed + f,
+                                 batch_bags=args.batch_bags)
         t0 = time.process_time()
         probs = _probs(model, [bags[i] for i in test])
         rec = {"stage": "cv", "settings_id": args.settings_id, "label": lab, "seed": seed, "fold": f, "model": m, "n_train": len(tr), "n_val": len(va),
@@ -836,6 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-epochs", type=int, default=4)
     p.add_argument("--patience", type=int, default=2)
     p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--batch-bags", type=int, default=1, help="bags per optimizer step (gradients averaged)")
     p.add_argument("--val-share", type=float, default=0.2, help="share of each fold's training bags for early stopping")
     p.add_argument("--speed-side", type=int, default=270, help="grid side of the speed bag (270: ~65.6K patches)")
     p.add_argument("--speed-reps", type=int, default=2)

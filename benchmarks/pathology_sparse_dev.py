@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--batch-bags", type=int, default=1, help="bags per optimizer step (gradients averaged)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/pathology_sparse_dev.jsonl"))
     return p
 
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     for name in a.models.split(","):
         t = time.time()
-        _, info = train_peer(name, mc, train, val, epochs=a.epochs, lr=a.lr, patience=a.epochs + 1, min_epochs=a.epochs, seed=0)
+        _, info = train_peer(name, mc, train, val, epochs=a.epochs, lr=a.lr, patience=a.epochs + 1, min_epochs=a.epochs, seed=0,
+                              batch_bags=a.batch_bags)
         rec = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "model": name,
                "patches_per_bag": int(train[0].features.shape[0]), "wall_s": round(time.time() - t, 1), **info}
         with open(a.out, "a") as f:

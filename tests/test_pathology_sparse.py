@@ -248,7 +248,31 @@ def test_dev_probe_cli_records_per_epoch_history(tmp_path):
     out = tmp_path / "dev.jsonl"
     assert main(["--side", "16", "--radius", "2", "--near", "4,5", "--far-min", "10", "--bags", "6", "--val", "4",
                  "--epochs", "2", "--region-size", "4", "--topk", "2", "--dim", "8", "--heads", "1",
-                 "--models", "dense,abmil", "--out", str(out)]) == 0
+                 "--models", "dense,abmil", "--batch-bags", "4", "--out", str(out)]) == 0
     recs = [json.loads(l) for l in out.read_text().splitlines()]
     assert [r["model"] for r in recs] == ["dense", "abmil"]
     assert all(len(r["history"]) == 2 and r["settings"]["bags"] == 6 for r in recs)
+
+
+def test_batch_bags_takes_one_step_on_several_bags():
+    """With two bags per step, one epoch of two bags is one step on the mean of their losses (not two steps)."""
+    from benchmarks.pathology_sparse import build_peer, train_peer
+    from pathology.querent import QuerentConfig
+
+    cfg = GridBagConfig(side=16, radius=2, near=(4, 5), far_min=10)
+    bags = make_cohort("spatial", 2, 5, cfg)
+    mc = QuerentConfig(in_dim=cfg.in_dim, dim=8, depth=1, num_heads=1, region_size=4, topk=2, dropout=0.0,
+                       num_classes=2, pool_hidden=8)
+    model, _ = train_peer("abmil", mc, bags, bags, epochs=1, lr=1e-2, patience=5, min_epochs=1, seed=0, batch_bags=2)
+    torch.manual_seed(0)
+    ref = build_peer("abmil", mc)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-2)
+    loss = sum(torch.nn.functional.cross_entropy(ref(b.features, b.coords, patch_size_level0=1).logits,
+                                                 torch.tensor([b.label])) for b in bags) / 2
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt.step()
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=n)
+    with pytest.raises(ValueError, match="batch_bags"):
+        train_peer("abmil", mc, bags, bags, epochs=1, lr=1e-2, patience=5, min_epochs=1, seed=0, batch_bags=0)
