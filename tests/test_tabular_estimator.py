@@ -613,3 +613,23 @@ def test_default_checkpoint_is_the_one_the_development_suite_chose():
     others = [v for v in choice["variants"] if v != choice["chosen"]]
     assert others and all(choice["settings"][v]["weights"] != chosen for v in others)
     assert TabICLClassifier().checkpoint is None  # None = default_checkpoint()
+
+
+def test_default_ensemble_is_the_one_the_development_suite_chose():
+    """The estimator's ensemble defaults are the variant that the "ensemble" choice of
+    benchmarks/results/tabular_dev_choices.json records as chosen (the default parameters, 16 members, or a
+    quantile view added), so changing a default without a new development-suite choice fails here."""
+    import json
+    from pathlib import Path
+
+    record = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tabular_dev_choices.json"
+    choice = json.loads(record.read_text())["choices"]["ensemble"]
+    chosen = choice["settings"][choice["chosen"]]
+    est = TabICLClassifier()
+    expected = {"n_estimators": chosen["n_estimators"] or est.n_estimators, **chosen.get("kwargs", {})}
+    assert est.n_estimators == expected["n_estimators"]
+    assert list(est.norm_methods) == list(expected.get("norm_methods", est.norm_methods))
+    others = {v: choice["settings"][v] for v in choice["variants"] if v != choice["chosen"]}
+    assert any(s["n_estimators"] not in (None, est.n_estimators) for s in others.values())
+    assert any(list(s.get("kwargs", {}).get("norm_methods", est.norm_methods)) != list(est.norm_methods)
+               for s in others.values())
