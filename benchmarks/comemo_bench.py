@@ -104,12 +104,30 @@ def attention_by_position(model, tok, images, question) -> list[float] | None:
     return [float(mass[s:e].sum()) for s, e in batch.image_spans[0]]
 
 
+def evaluation_samples(*, tasks: list[str], images: list[int], per_count: int, seed: int, tile: int,
+                       image_grid: tuple[int, int] = (1, 1)):
+    """The evaluation stream: ``(task, image count, samples)`` per cell, in the order every variant and the majority
+    baseline see it (sample ``i`` of the stream drawn from ``sample_seed(seed, i)``; needles at evenly spread
+    positions; ``detail`` at one image; ``image_grid`` tiles per needle image)."""
+    from apps.comemo.synthetic import make_sample, sample_seed
+
+    index = 0
+    for task in tasks:
+        for n in ([1] if task == "detail" else images):
+            group = []
+            for k in range(per_count):
+                needle = (k * n // per_count) if task == "needle" else None
+                grid_kw = {"image_grid": image_grid} if task == "needle" else {}
+                group.append(make_sample(task, n, sample_seed(seed, index), tile=tile, needle=needle, **grid_kw))
+                index += 1
+            yield task, n, group
+
+
 def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_count: int, seed: int, tile: int,
                      max_new_tokens: int, progress=None, image_grid: tuple[int, int] = (1, 1)) -> dict:
     """Exact-match accuracy by task, image count and needle decile; attention mass by image decile; time.
     ``image_grid``: tiles per needle image (high-resolution needles)."""
     from apps.comemo.infer import generate_answer
-    from apps.comemo.synthetic import make_sample, sample_seed
 
     acc: dict[str, dict[str, list[int]]] = {}
     needle_dec: dict[str, list[list[int]]] = {}
@@ -118,36 +136,31 @@ def evaluate_variant(model, tok, *, images: list[int], tasks: list[str], per_cou
     attn_dec: dict[str, list[list[float]]] = {}
     records: dict[str, list[list[int]]] = {}
     times = []
-    index = 0
-    for task in tasks:
-        for n in ([1] if task == "detail" else images):
-            hits = []
-            for k in range(per_count):
-                needle = (k * n // per_count) if task == "needle" else None
-                grid_kw = {"image_grid": image_grid} if task == "needle" else {}
-                s = make_sample(task, n, sample_seed(seed, index), tile=tile, needle=needle, **grid_kw)
-                index += 1
-                res = generate_answer(model, tok, s.images, s.question, max_new_tokens=max_new_tokens)
-                times.append(res["seconds"])
-                ok = int(res["answer"].strip() == s.answer)
-                hits.append(ok)
-                if task == "needle":
-                    needle_dec.setdefault(str(n), [[] for _ in range(10)])[_deciles(s.needle, n)].append(ok)
-                    needle_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(ok)
-                    # retrieval alone: the digit of "image K shows D" right, whatever K
-                    got, want = res["answer"].split(), s.answer.split()
-                    digit_ok = int(len(got) == len(want) and got[-1] == want[-1] and got[2] == want[2])
-                    digit_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(digit_ok)
-                    records.setdefault(str(n), []).append([s.needle, ok, digit_ok])
-                    if k < 4:  # attention curve on a few samples per count
-                        mass = attention_by_position(model, tok, s.images, s.question)
-                        if mass is not None:
-                            bins = attn_dec.setdefault(str(n), [[] for _ in range(10)])
-                            for pos, m in enumerate(mass):
-                                bins[_deciles(pos, n)].append(m)
-                if progress is not None:
-                    progress.update(1)
-            acc.setdefault(task, {})[str(n)] = hits
+    for task, n, group in evaluation_samples(tasks=tasks, images=images, per_count=per_count, seed=seed, tile=tile,
+                                             image_grid=image_grid):
+        hits = []
+        for k, s in enumerate(group):
+            res = generate_answer(model, tok, s.images, s.question, max_new_tokens=max_new_tokens)
+            times.append(res["seconds"])
+            ok = int(res["answer"].strip() == s.answer)
+            hits.append(ok)
+            if task == "needle":
+                needle_dec.setdefault(str(n), [[] for _ in range(10)])[_deciles(s.needle, n)].append(ok)
+                needle_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(ok)
+                # retrieval alone: the digit of "image K shows D" right, whatever K
+                got, want = res["answer"].split(), s.answer.split()
+                digit_ok = int(len(got) == len(want) and got[-1] == want[-1] and got[2] == want[2])
+                digit_third.setdefault(str(n), [[] for _ in range(3)])[_third(s.needle, n)].append(digit_ok)
+                records.setdefault(str(n), []).append([s.needle, ok, digit_ok])
+                if k < 4:  # attention curve on a few samples per count
+                    mass = attention_by_position(model, tok, s.images, s.question)
+                    if mass is not None:
+                        bins = attn_dec.setdefault(str(n), [[] for _ in range(10)])
+                        for pos, m in enumerate(mass):
+                            bins[_deciles(pos, n)].append(m)
+            if progress is not None:
+                progress.update(1)
+        acc.setdefault(task, {})[str(n)] = hits
     mean = lambda xs: (sum(xs) / len(xs)) if xs else None  # noqa: E731
     return {
         "accuracy": {t: {n: mean(h) for n, h in d.items()} for t, d in acc.items()},
@@ -172,22 +185,14 @@ def majority_baseline(*, images: list[int], tasks: list[str], per_count: int, se
     answers are also scored on the digit alone (the most frequent digit)."""
     from collections import Counter
 
-    from apps.comemo.synthetic import make_sample, sample_seed
-
     out: dict = {"accuracy": {}, "needle_digit": {}, "tile": tile}
-    index = 0
-    for task in tasks:
-        for n in ([1] if task == "detail" else images):
-            answers = []
-            for k in range(per_count):
-                needle = (k * n // per_count) if task == "needle" else None
-                grid_kw = {"image_grid": image_grid} if task == "needle" else {}
-                answers.append(make_sample(task, n, sample_seed(seed, index), tile=tile, needle=needle, **grid_kw).answer)
-                index += 1
-            out["accuracy"].setdefault(task, {})[str(n)] = Counter(answers).most_common(1)[0][1] / len(answers)
-            if task == "needle":
-                digits = [a.split()[-1] for a in answers]
-                out["needle_digit"][str(n)] = Counter(digits).most_common(1)[0][1] / len(digits)
+    for task, n, group in evaluation_samples(tasks=tasks, images=images, per_count=per_count, seed=seed, tile=tile,
+                                             image_grid=image_grid):
+        answers = [s.answer for s in group]
+        out["accuracy"].setdefault(task, {})[str(n)] = Counter(answers).most_common(1)[0][1] / len(answers)
+        if task == "needle":
+            digits = [a.split()[-1] for a in answers]
+            out["needle_digit"][str(n)] = Counter(digits).most_common(1)[0][1] / len(digits)
     return out
 
 
