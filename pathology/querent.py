@@ -17,6 +17,10 @@ choices, each masked to its own, so it costs more than ``"region"``), or ``"dens
 over all patches, ``core.attention``: the same weights without selection, the reference for the
 approximation error).
 
+Positions (``pos_encoding``): a 2-D sine-cosine code of the patch's grid cell added to its input token
+(``"sincos"``, the default), or 2-D RoPE (``core.rope.RotaryEmbedding2D``) applied to queries and keys in every
+layer (``"rope2d"``), so that a score depends on the offset between two patches; ``"both"``; ``"none"``.
+
 Cost per layer: ``O(N · (9 + topk) · R²)`` instead of ``O(N²)``. Attention pooling (gated, ABMIL-style)
 turns the tokens into a slide embedding; a head gives class logits or a survival risk. The pooling
 weights are the per-patch attention used for heatmaps.
