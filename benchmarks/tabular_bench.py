@@ -153,7 +153,7 @@ def targets(means: dict, tables: list[str], model: str = "TabICL") -> dict:
     for t in have:
         if means[t, model]["single_class_splits"]:
             best_peer = max((means[t, m]["accuracy"], m) for m in others if (t, m) in means)
-            if best_peer[0] > means[t, model]["accuracy"]:
+            if best_peer[0] > means[t, model]["accuracy"] + 1e-9:  # equal means of split accuracies can differ by rounding
                 single_worse.append({"table": t, "model_accuracy": means[t, model]["accuracy"],
                                      "best_peer": best_peer[1], "peer_accuracy": best_peer[0]})
     per = {t: {"model": means[t, model]["accuracy"], **{p: means[t, p]["accuracy"] for p in peers}} for t in have}

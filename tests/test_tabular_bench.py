@@ -42,10 +42,15 @@ def test_target_flags_a_single_class_table_only_where_a_peer_does_better():
             _rec("b", "TabICL", 0.6, single=True), _rec("b", "HistGradientBoosting", 0.7),
             _rec("b", "LogisticRegression", 0.5),
             _rec("c", "TabICL", 0.6, single=True), _rec("c", "HistGradientBoosting", 0.6),
-            _rec("c", "LogisticRegression", 0.6)]
-    t = targets(per_table(recs), ["a", "b", "c"])
-    assert t["mean_accuracy"]["TabICL"] == pytest.approx(0.7) and t["met"]["mean_vs_hgb"] and t["met"]["mean_vs_lr"]
-    assert [s["table"] for s in t["single_class_where_peer_better"]] == ["b"]  # c: single class but no peer better
+            _rec("c", "LogisticRegression", 0.6),
+            # d: the same three splits, averaged in another order, differ in the last bit; that is not "better"
+            *[_rec("d", "TabICL", a, split=i, single=True) for i, a in enumerate((0.95, 0.955, 0.96))],
+            *[_rec("d", "kNN", a, split=i) for i, a in enumerate((0.955, 0.96, 0.95))],
+            *[_rec("d", m, 0.9) for m in ("HistGradientBoosting", "LogisticRegression")]]
+    assert per_table(recs)["d", "kNN"]["accuracy"] > per_table(recs)["d", "TabICL"]["accuracy"]  # by 1e-16
+    t = targets(per_table(recs), ["a", "b", "c", "d"])
+    assert t["met"]["mean_vs_hgb"] and t["met"]["mean_vs_lr"]
+    assert [s["table"] for s in t["single_class_where_peer_better"]] == ["b"]  # c, d: single class, no peer better
     assert not t["met"]["no_single_class_loss"] and "b (0.600 vs HistGradientBoosting 0.700)" in t["lines"][1]
 
 
