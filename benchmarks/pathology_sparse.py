@@ -700,7 +700,8 @@ def run_cv(args, records: dict, path: str, cohorts: dict[str, list[GridBag]], st
                                  batch_bags=args.batch_bags)
         t0 = time.process_time()
         probs = _probs(model, [bags[i] for i in test])
-        rec = {"stage": "cv", "settings_id": args.settings_id, "label": lab, "seed": seed, "fold": f, "model": m, "n_train": len(tr), "n_val": len(va),
+        rec = {"stage": "cv", "settings_id": args.settings_id, "label": lab, "seed": seed, "fold": f, "model": m,
+               "n_train": len(tr), "n_val": len(va),
                "test_ids": [bags[i].bag_id for i in test], "test_labels": [y[i] for i in test],
                "test_probs": [round(p, 6) for p in probs], "auc": auc([y[i] for i in test], probs),
                "eval_cpu_s": round(time.process_time() - t0, 2), "steps": info["epochs_run"] * len(tr),
@@ -708,7 +709,7 @@ def run_cv(args, records: dict, path: str, cohorts: dict[str, list[GridBag]], st
                **info}
         if m == "dense" and seed == args.seeds[0]:
             os.makedirs(args.work, exist_ok=True)
-            torch.save(model.state_dict(), os.path.join(args.work, f"dense_{lab}_s{seed}_f{f}.pt"))
+            torch.save(model.state_dict(), os.path.join(args.work, f"dense_{lab}_s{seed}_f{f}_{args.settings_id}.pt"))
         append_record(path, rec)
         records[record_key(rec)] = rec
         logger.info("cv %s seed %d fold %d %s: AUC %.3f (%d epochs, %.0f CPU s)", lab, seed, f, m, rec["auc"],
@@ -729,7 +730,7 @@ def run_approx(args, records: dict, path: str, cohorts: dict[str, list[GridBag]]
             not in records]
     cache: dict = {}
     for lab, f, (sel, R, k) in tqdm(todo, desc="approx", unit="config", disable=args.no_progress):
-        wpath = os.path.join(args.work, f"dense_{lab}_s{seed}_f{f}.pt")
+        wpath = os.path.join(args.work, f"dense_{lab}_s{seed}_f{f}_{args.settings_id}.pt")  # this settings' weights
         if not os.path.exists(wpath):
             logger.warning("approx: %s missing (run the cv stage for dense, seed %d, first); skipped", wpath, seed)
             continue
