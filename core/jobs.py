@@ -604,8 +604,11 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
             final = outs[-1]
             lock = FileLock(os.path.join(cfg.out, "locks", f"{it.key}.lock"), stale_after=cfg.stale_after,
                             heartbeat=cfg.heartbeat)
+            # Existence first: another worker may write the output between the two checks, and the settings of an
+            # output seen to exist are then always looked up (checked the other way round, ``wanted`` could lack it).
+            exists = os.path.exists(final)
             wanted, bad = _mismatches(job, it, wanted_by_key.get(it.key))
-            if os.path.exists(final) and final not in bad:
+            if exists and final not in bad:
                 lock.clear_if_stale()
                 fp = settings_fingerprint(wanted[final])
                 old = prev.get(it.key, {})
@@ -618,8 +621,9 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
                 pending.clear()
                 continue
             try:
-                wanted, bad = _mismatches(job, it, wanted_by_key.get(it.key))  # another worker may have written
-                if os.path.exists(final) and final not in bad:
+                exists = os.path.exists(final)  # another worker may have written it before we took the lock
+                wanted, bad = _mismatches(job, it, wanted_by_key.get(it.key))
+                if exists and final not in bad:
                     pending[it.key] = row(it, "exists", settings=settings_fingerprint(wanted[final]))
                     continue
                 if bad and not cfg.overwrite:

@@ -241,6 +241,29 @@ def test_two_workers_on_one_folder_share_the_items(tmp_path):
     assert os.listdir(out / "locks") == []
 
 
+def test_an_output_written_by_another_worker_between_two_checks(tmp_path, monkeypatch):
+    """The race the two-worker test can hit: another worker finishes an item just after this one looked for its
+    outputs. Simulated deterministically: the output appears right after the runner's per-item settings check."""
+    items = _inputs(tmp_path, {"a": "x", "b": "x"})
+    out = tmp_path / "out"
+    other = ToyJob(out)
+    real = jobs._mismatches
+    calls: dict[str, int] = {}
+
+    def racing(job, item, wanted):
+        res = real(job, item, wanted)
+        calls[item.key] = calls.get(item.key, 0) + 1
+        if item.key == "a" and calls["a"] == 2:  # the loop's check (the first call is the pass before any work)
+            os.makedirs(out, exist_ok=True)
+            other.process(item)  # the other worker writes a's output now
+        return res
+
+    monkeypatch.setattr(jobs, "_mismatches", racing)
+    mine = ToyJob(out)
+    rows = run_job(mine, items, JobConfig(out=str(out), progress=False))
+    assert mine.calls == ["b"] and rows["a"]["status"] == "exists" and rows["b"]["status"] == "done"
+
+
 # ------------------------------------------------------------------------------------------------- locks
 
 
