@@ -281,7 +281,7 @@ def model_config(args: argparse.Namespace, in_dim: int):
 
     return QuerentConfig(in_dim=in_dim, dim=args.dim, depth=args.depth, num_heads=args.heads, region_size=args.region_size,
                          topk=args.topk, dropout=0.1, num_classes=2, pool_hidden=args.dim, mlp_ratio=2.0,
-                         pos_encoding=getattr(args, "pos_encoding", "sincos"))
+                         pos_encoding=getattr(args, "pos_encoding", "sincos"), rope_scale=getattr(args, "rope_scale", 0.25))
 
 
 # -------------------------------------------------------------------------------------------- training
@@ -845,6 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region-size", type=int, default=8)
     p.add_argument("--topk", type=int, default=20)
     p.add_argument("--pos-encoding", default="sincos", help="QuerentConfig.pos_encoding of the attention models")
+    p.add_argument("--rope-scale", type=float, default=0.25, help="QuerentConfig.rope_scale (rotary units per grid cell)")
     p.add_argument("--epochs", type=int, default=6, help="most epochs (early stopping usually ends sooner)")
     p.add_argument("--min-epochs", type=int, default=4)
     p.add_argument("--patience", type=int, default=2)

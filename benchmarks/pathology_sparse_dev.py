@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region-size", type=int, default=8)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--pos-encoding", default="sincos", help="QuerentConfig.pos_encoding (sincos, rope2d, both, none)")
+    p.add_argument("--rope-scale", type=float, default=0.25, help="QuerentConfig.rope_scale (rotary units per grid cell)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--epochs", type=int, default=12)
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         amplitude=a.amplitude)
     train, val = make_cohort(a.kind, a.bags, 100, cfg), make_cohort(a.kind, a.val, 200, cfg)
     mc = QuerentConfig(in_dim=cfg.in_dim, dim=a.dim, depth=a.depth, num_heads=a.heads, region_size=a.region_size, topk=a.topk,
-                       dropout=a.dropout, num_classes=2, pool_hidden=a.dim, mlp_ratio=2.0, pos_encoding=a.pos_encoding)
+                       dropout=a.dropout, num_classes=2, pool_hidden=a.dim, mlp_ratio=2.0, pos_encoding=a.pos_encoding,
+                       rope_scale=a.rope_scale)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     for name in a.models.split(","):
         t = time.time()
