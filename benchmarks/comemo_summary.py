@@ -263,11 +263,13 @@ def main(argv: list[str] | None = None) -> int:
                              "give the runs of one seed")
         merged = runs[0]
         merged["targets"] = issue_targets(merged["variants"], max_images=int(merged["args"]["max_images"]))
-        a = merged["args"]
-        from apps.comemo.train import parse_grid
+        if "majority_baseline" not in merged:  # inputs written before the benchmark recorded it (tile 32: the default)
+            from apps.comemo.train import parse_grid
 
-        merged["majority_baseline"] = majority_baseline(images=a["images"], tasks=a.get("tasks", ["needle"]), per_count=a["per_count"],
-                                                        seed=a["eval_seed"], image_grid=parse_grid(a.get("image_grid", "1x1")))
+            a = merged["args"]
+            merged["majority_baseline"] = majority_baseline(
+                images=a["images"], tasks=a.get("tasks", ["needle"]), per_count=a["per_count"], seed=a["eval_seed"],
+                image_grid=parse_grid(a.get("image_grid", "1x1")))
         merged["inputs"] = [str(p) for p in args.runs]
         write_json_atomic(args.out, merged)
         if args.plot is not None and any(v.get("needle_accuracy_by_decile") for v in merged["variants"].values()):

@@ -281,7 +281,7 @@ def model_config(args: argparse.Namespace, in_dim: int):
 
     return QuerentConfig(in_dim=in_dim, dim=args.dim, depth=args.depth, num_heads=args.heads, region_size=args.region_size,
                          topk=args.topk, dropout=0.1, num_classes=2, pool_hidden=args.dim, mlp_ratio=2.0,
-                         pos_encoding=getattr(args, "pos_encoding", "sincos"), rope_scale=getattr(args, "rope_scale", 0.25))
+                         pos_encoding=args.pos_encoding, rope_scale=args.rope_scale)
 
 
 # -------------------------------------------------------------------------------------------- training
@@ -338,8 +338,7 @@ def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag]
     g = np.random.default_rng(seed)
     if batch_bags < 1:
         raise ValueError(f"batch_bags ({batch_bags}) must be >= 1")
-    per_epoch = math.ceil(len(train) / batch_bags)
-    total = epochs * per_epoch
+    total = epochs * math.ceil(len(train) / batch_bags)  # optimizer steps
     step, best, since, history = 0, (float("inf"), 0, None), 0, []
     cpu0 = time.process_time()
     for ep in range(epochs):
