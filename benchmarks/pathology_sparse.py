@@ -17,7 +17,9 @@ Labels (each on its own cohort, balanced):
   ``≥ far_min`` (64) apart. Both patterns are in every bag with
   the same area, so co-occurrence and counts cannot tell the classes apart; the anchor site is drawn the
   same way in both classes (a far pair is drawn first, then for class 1 one site, chosen at random, is
-  moved next to the other), so the absolute position of one site tells little.
+  moved next to the other), so the absolute position of one site tells little. With ``--pairs K`` a bag holds
+  K A sites and K B sites: label 1 when each A_i has its B_i ``near``, 0 when every A–B distance is ``≥ far_min``
+  (the relation occurs K times per bag; ``cooccur`` bags always hold two sites).
 
 Peers (all width ``dim``, depth ``depth``, trained the same way, :func:`build_peer`):
 ``mean`` (mean pooling + linear head), ``abmil`` (gated attention + MLP head, as CLAM uses it),
@@ -89,8 +91,11 @@ class GridBagConfig:
     near: tuple[int, int] = (24, 32)  # spatial label 1: Chebyshev distance of the two site centres
     far_min: int = 64  # spatial label 0: Chebyshev distance at least this
     pattern_seed: int = 1234  # seed of the pattern and tissue directions (shared by every bag)
+    pairs: int = 1  # spatial label: A–B site pairs per bag (all near for 1, every A–B distance >= far_min for 0)
 
     def __post_init__(self) -> None:
+        if self.pairs < 1:
+            raise ValueError(f"pairs ({self.pairs}) must be >= 1")
         if self.side < 8:
             raise ValueError(f"side ({self.side}) must be >= 8")
         if not 0 < self.keep <= 1:
@@ -109,7 +114,7 @@ class GridBag:
     coords: "torch.Tensor"  # (N, 2) int64 grid (x, y); patch_size_level0 = 1  # noqa: F821
     label: int
     sites: str  # "AB", "AA", "BB" or "CC"
-    centres: list[tuple[int, int]]  # (x, y) of the two sites
+    centres: list[tuple[int, int]]  # (x, y) of each site, in the order of ``sites``
     bag_id: str = ""
 
 
@@ -149,11 +154,12 @@ def _smooth_field(rng: np.random.Generator, side: int, cells: int = 6) -> np.nda
 
 def render_bag(rng: np.random.Generator, sites: str, centres: Sequence[Sequence[int]], cfg: GridBagConfig,
                label: int, bag_id: str = "") -> GridBag:
-    """Draw the holes, noise and tissue fields of a bag and paint the two sites at ``centres`` ((x, y) each)."""
+    """Draw the holes, noise and tissue fields of a bag and paint one site per letter of ``sites`` at ``centres``
+    ((x, y) each)."""
     import torch
 
-    if len(sites) != 2 or set(sites) - {"A", "B", "C"} or len(centres) != 2:
-        raise ValueError(f"sites ({sites!r}) must be two of 'A'/'B'/'C' with two centres, got {len(centres)} centres")
+    if len(sites) < 2 or set(sites) - {"A", "B", "C"} or len(centres) != len(sites):
+        raise ValueError(f"sites ({sites!r}) must be two or more of 'A'/'B'/'C', one centre each; got {len(centres)} centres")
     s = cfg.side
     dirs = pattern_directions(cfg)
     present = rng.random((s, s)) < cfg.keep
@@ -202,12 +208,50 @@ def _near_partner(rng: np.random.Generator, anchor: tuple[int, int], cfg: GridBa
     return None
 
 
+def _multi_pair_bag(rng: np.random.Generator, label: int, cfg: GridBagConfig, bag_id: str) -> GridBag:
+    """``cfg.pairs`` A sites and as many B sites. First a layout in which every A–B distance is at least
+    ``far_min`` and no two sites overlap (label 0); for label 1 one site of each pair i (A_i or B_i, at random) is
+    moved next to its partner (``near``), keeping sites apart. So the anchors are drawn the same way in both
+    classes and only the A–B distances tell them apart."""
+    gap = int(2 * cfg.radius) + 2  # centres at least this far apart: disks do not touch
+    K = cfg.pairs
+    for _ in range(2000):
+        a = [_uniform_centre(rng, cfg) for _ in range(K)]
+        b = [_uniform_centre(rng, cfg) for _ in range(K)]
+        if any(chebyshev(p, q) < cfg.far_min for p in a for q in b):
+            continue
+        if any(chebyshev(p, q) < gap for grp in (a, b) for i, p in enumerate(grp) for q in grp[i + 1:]):
+            continue
+        if label:
+            ok = True
+            for i in range(K):
+                move_b = rng.random() < 0.5
+                p = _near_partner(rng, a[i] if move_b else b[i], cfg)
+                if p is None:
+                    ok = False
+                    break
+                if move_b:
+                    b[i] = p
+                else:
+                    a[i] = p
+            every = a + b
+            if not ok or any(chebyshev(p, q) < gap for i, p in enumerate(every) for q in every[i + 1:]):
+                continue
+            assert all(spatial_label(a[i], b[i], cfg) == 1 for i in range(K))
+        centres = [c for i in range(K) for c in (a[i], b[i])]
+        return render_bag(rng, "AB" * K, centres, cfg, label, bag_id)
+    raise ValueError(f"could not place {K} A–B pairs (label {label}) on a {cfg.side}-patch grid with far_min "
+                     f"{cfg.far_min}: lower pairs or far_min, or enlarge side")
+
+
 def make_bag(rng: np.random.Generator, kind: str, label: int, cfg: GridBagConfig, bag_id: str = "") -> GridBag:
     """One bag of ``kind`` ("cooccur" or "spatial") with ``label`` (see the module docstring)."""
     if kind == "cooccur":
         sites = "AB" if label else ("AA", "BB", "CC")[int(rng.integers(3))]
         a, b = _far_pair(rng, cfg, int(2 * cfg.radius) + 2)  # anywhere, not overlapping
         return render_bag(rng, sites, [a, b], cfg, label, bag_id)
+    if kind == "spatial" and cfg.pairs > 1:
+        return _multi_pair_bag(rng, label, cfg, bag_id)
     if kind == "spatial":
         for _ in range(1000):
             a, b = _far_pair(rng, cfg, cfg.far_min)
@@ -664,7 +708,7 @@ def run_speed(args, records: dict, path: str) -> None:
 def _bag_cfg(args, side: int | None = None) -> GridBagConfig:
     near = tuple(int(v) for v in args.near.split(","))
     return GridBagConfig(side=side or args.side, keep=args.keep, in_dim=args.in_dim, radius=args.radius, near=near,
-                         far_min=args.far_min, amplitude=args.amplitude)
+                         far_min=args.far_min, amplitude=args.amplitude, pairs=args.pairs)
 
 
 def _split(n_labels: Sequence[int], test: list[int], seed: int, fold: int, val_share: float) -> tuple[list[int], list[int]]:
@@ -838,6 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amplitude", type=float, default=3.0, help="length of the pattern direction in a site's features")
     p.add_argument("--near", default="24,32", help="spatial label 1: Chebyshev distance range of the site centres")
     p.add_argument("--far-min", type=int, default=64, help="spatial label 0: Chebyshev distance at least this")
+    p.add_argument("--pairs", type=int, default=1, help="spatial label: A–B site pairs per bag (all near or all far)")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--depth", type=int, default=1)

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--near", default="12,16")
     p.add_argument("--far-min", type=int, default=36)
     p.add_argument("--amplitude", type=float, default=3.0)
+    p.add_argument("--pairs", type=int, default=1, help="spatial label: A–B site pairs per bag")
     p.add_argument("--bags", type=int, default=300, help="training bags (balanced)")
     p.add_argument("--val", type=int, default=100, help="validation bags (balanced)")
     p.add_argument("--models", default="dense,abmil")
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     cfg = GridBagConfig(side=a.side, radius=a.radius, near=tuple(int(x) for x in a.near.split(",")), far_min=a.far_min,
-                        amplitude=a.amplitude)
+                        amplitude=a.amplitude, pairs=a.pairs)
     train, val = make_cohort(a.kind, a.bags, 100, cfg), make_cohort(a.kind, a.val, 200, cfg)
     mc = QuerentConfig(in_dim=cfg.in_dim, dim=a.dim, depth=a.depth, num_heads=a.heads, region_size=a.region_size, topk=a.topk,
                        dropout=a.dropout, num_classes=2, pool_hidden=a.dim, mlp_ratio=2.0, pos_encoding=a.pos_encoding,

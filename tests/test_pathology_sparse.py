@@ -156,6 +156,34 @@ def test_cohorts_are_balanced_and_labels_mean_what_they_say():
         make_bag(np.random.default_rng(0), "nearby", 1, cfg)
 
 
+def test_several_pairs_per_bag_all_near_or_all_far():
+    from benchmarks.pathology_sparse import pattern_directions
+
+    cfg = GridBagConfig(side=64, keep=0.9, in_dim=8, radius=2.0, near=(6, 8), far_min=16, pairs=3)
+    bags = make_cohort("spatial", 10, 0, cfg)
+    gap = int(2 * cfg.radius) + 2
+    for b in bags:
+        assert b.sites == "ABABAB" and len(b.centres) == 6
+        a, bb = b.centres[0::2], b.centres[1::2]
+        if b.label:
+            assert all(6 <= chebyshev(p, q) <= 8 for p, q in zip(a, bb))  # each A next to its B
+        else:
+            assert all(chebyshev(p, q) >= 16 for p in a for q in bb)  # every A far from every B
+        assert all(chebyshev(p, q) >= gap for i, p in enumerate(b.centres) for q in b.centres[i + 1:])  # apart
+        # every A site painted with μ_A (mean projection about the amplitude there, about 0 elsewhere)
+        in_a = torch.zeros(len(b.coords), dtype=torch.bool)
+        for c in a:
+            in_a |= (b.coords - torch.tensor(c)).pow(2).sum(1) <= cfg.radius**2
+        proj = b.features @ torch.from_numpy(pattern_directions(cfg))[0]
+        assert int(in_a.sum()) == 3 * 13 and float(proj[in_a].mean()) > 2.0 > 0.5 > float(proj[~in_a].mean().abs())
+    assert [b.label for b in bags].count(1) == 5
+    with pytest.raises(ValueError, match="pairs"):
+        GridBagConfig(pairs=0)
+    with pytest.raises(ValueError, match="could not place 4"):
+        make_bag(np.random.default_rng(0), "spatial", 0, GridBagConfig(side=30, radius=2.0, near=(6, 8), far_min=25,
+                                                                        pairs=4))
+
+
 # ----------------------------------------------------------------------------------- records, summary
 
 
