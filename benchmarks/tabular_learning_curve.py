@@ -10,7 +10,8 @@ training split is subsampled, stratified and nested (the 512-row subset is part 
   256 rows already, it is the function class (what the prior taught), not the length.
 * TabICL variants (``--variant NAME=JSON`` of ``TabICLClassifier`` parameters, e.g. ``ctx1024={"max_context":
   1024}``: train sets above 1,024 rows are then split into stratified folds that act as separate contexts whose
-  probabilities are averaged) run at the full size only, unless ``--variant-sizes all``.
+  probabilities are averaged; ``{"checkpoint": PATH}`` for other weights, fingerprinted by the file's content) run
+  at the full size only, unless ``--variant-sizes all``.
 
 Resumable: one JSON record per (table, split, size, model) in ``--records`` (JSON lines; a record is reused only
 when its settings fingerprint matches), results in ``--out`` (.json, .md, and a .png of the curves).
@@ -267,9 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = {m: model_settings(m, **tune, tabicl_n_estimators=None, checkpoint=None, finetune_steps=0)
                 for m in args.models}
     for name, kw in variants.items():
-        factories[name] = model_factories(**tune, tabicl_kwargs=kw)["TabICL"]
-        settings[name] = model_settings("TabICL", **tune, tabicl_n_estimators=None, checkpoint=None,
-                                        finetune_steps=0, tabicl_kwargs=kw)
+        kw = dict(kw)
+        ckpt = kw.pop("checkpoint", None)  # weights: fingerprinted by file content, not by path
+        if ckpt is not None and not Path(ckpt).is_file():
+            raise SystemExit(f"--variant {name}: checkpoint {ckpt!r} is not a file")
+        factories[name] = model_factories(**tune, checkpoint=ckpt, tabicl_kwargs=kw or None)["TabICL"]
+        settings[name] = model_settings("TabICL", **tune, tabicl_n_estimators=None, checkpoint=ckpt,
+                                        finetune_steps=0, tabicl_kwargs=kw or None)
     models = [*args.models, *variants]
     records = Records(args.records or args.out.with_suffix(".records.jsonl"))
 
