@@ -196,6 +196,12 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         batch_size: test rows per forward pass; None derives it from ``memory_budget_mb``.
         max_context: most train rows in one context; larger tables are split into stratified folds, each a
             separate context whose logits are averaged (cost and memory linear in rows instead of quadratic).
+        context: "global" (default): every test row reads the same context(s) of train rows. "local": when a class
+            node has more than ``local_context`` train rows, the test rows are clustered (k-means on standardised
+            features, about 128 test rows per cluster, at most 16 clusters) and each cluster reads its own context:
+            the ``local_context`` train rows nearest to any of its test rows (plus the nearest few rows of any
+            class group they miss). A retrieval context in the spirit of LoCalPFN; no context is cached.
+        local_context: train rows per local context (``context="local"``).
         softmax_temperature: temperature applied to the averaged logits, or "auto": fitted at ``fit`` on a
             stratified holdout of the train rows (at most 2,048; the model with the same members reads the other
             70%) as the maximum a-posteriori temperature under a log-normal prior centred on 0.9 (σ 0.5 in log
@@ -231,6 +237,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         memory_budget_mb: float = 2048.0,
         batch_size=None,
         max_context: int = 8192,
+        context: str = "global",
+        local_context: int = 1024,
         softmax_temperature="auto",
         norm_methods=("none", "power"),
         feature_reduction="auto",
@@ -245,6 +253,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.memory_budget_mb = memory_budget_mb
         self.batch_size = batch_size
         self.max_context = max_context
+        self.context = context
+        self.local_context = local_context
         self.softmax_temperature = softmax_temperature
         self.norm_methods = norm_methods
         self.feature_reduction = feature_reduction
@@ -270,6 +280,11 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError(f"batch_size must be None or a positive int, got {self.batch_size!r}")
         if not (isinstance(self.max_context, (int, np.integer)) and self.max_context >= 2):
             raise ValueError(f"max_context must be an int >= 2, got {self.max_context!r}")
+        if self.context not in ("global", "local"):
+            raise ValueError(f"context must be 'global' or 'local', got {self.context!r}")
+        lc = self.local_context
+        if not (isinstance(lc, (int, np.integer)) and not isinstance(lc, bool) and lc >= 16):
+            raise ValueError(f"local_context must be an int >= 16 (train rows per local context), got {lc!r}")
         t = self.softmax_temperature
         if not (t == "auto" if isinstance(t, str) else isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0):
             raise ValueError(f"softmax_temperature must be a number > 0 or 'auto', got {t!r}")
@@ -652,6 +667,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         ytr_all = group_of[self._y_train[rows_at]]
         G = len(node.groups)
         n_test = X_test.shape[0]
+        if self.context == "local" and len(rows_at) > int(self.local_context):
+            return self._local_logits(model, node, X_test, rows_at, ytr_all, G)
         folds = self._folds(ytr_all)
         n_views = max(len(folds), len(self._members))
         views: dict[int, list[_Member]] = {}
@@ -694,6 +711,76 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                              "not kept", self._cache.nbytes / 2**20)
         bar.close()
         return total / n_views
+
+    #: Test rows per local cluster, most clusters, and rows of each class group a local context keeps at least.
+    _LOCAL_ROWS_PER_CLUSTER = 128
+    _LOCAL_MAX_CLUSTERS = 16
+    _LOCAL_MIN_PER_GROUP = 4
+
+    def _local_contexts(self, X_tr: np.ndarray, y_tr: np.ndarray, X_test: np.ndarray, G: int):
+        """``[(test row indices, train row indices), ...]``: the test rows clustered, and for each cluster the
+        ``local_context`` train rows nearest (Euclidean, features standardised on the train rows, missing = mean)
+        to any of its test rows, plus the nearest ``_LOCAL_MIN_PER_GROUP`` rows of each class group it lacks."""
+        mu = np.nanmean(X_tr, axis=0)
+        sd = np.nanstd(X_tr, axis=0)
+        sd = np.where(np.isfinite(sd) & (sd > 0), sd, 1.0)
+        mu = np.where(np.isfinite(mu), mu, 0.0)
+        A = np.nan_to_num((X_tr - mu) / sd).astype(np.float32)
+        T = np.nan_to_num((X_test - mu) / sd).astype(np.float32)
+        n_test = len(T)
+        k = max(1, min(self._LOCAL_MAX_CLUSTERS, math.ceil(n_test / self._LOCAL_ROWS_PER_CLUSTER)))
+        if k > 1:
+            from sklearn.cluster import KMeans
+
+            labels = KMeans(n_clusters=k, n_init=1, random_state=self.random_state).fit_predict(T)
+        else:
+            labels = np.zeros(n_test, dtype=int)
+        a2 = (A * A).sum(1)
+        out = []
+        m = int(self.local_context)
+        for c in np.unique(labels):
+            idx = np.flatnonzero(labels == c)
+            d = np.full(len(A), np.inf, dtype=np.float32)
+            for s in range(0, len(idx), 256):  # min over the cluster's test rows, in blocks
+                t = T[idx[s : s + 256]]
+                d = np.minimum(d, (a2[:, None] - 2 * A @ t.T + (t * t).sum(1)[None, :]).min(1))
+            sel = np.argpartition(d, m - 1)[:m] if m < len(A) else np.arange(len(A))
+            have = np.bincount(y_tr[sel], minlength=G)
+            short = np.flatnonzero(have < np.minimum(self._LOCAL_MIN_PER_GROUP, np.bincount(y_tr, minlength=G)))
+            extra = []
+            for g in short:  # every class group the node's train rows hold appears in every local context
+                rows = np.setdiff1d(np.flatnonzero(y_tr == g), sel)
+                extra.append(rows[np.argsort(d[rows])[: self._LOCAL_MIN_PER_GROUP - have[g]]])
+            if extra:
+                sel = np.concatenate([sel, *extra])
+            out.append((idx, np.sort(sel)))
+        return out
+
+    def _local_logits(self, model: TabICL, node: _Node, X_test: np.ndarray, rows_at: np.ndarray, ytr_all: np.ndarray,
+                      G: int) -> np.ndarray:
+        """Averaged member logits ``(n_test, G)`` with a local context per cluster of test rows (``context="local"``)."""
+        X_all = self._X_train[rows_at]
+        plans = self._local_contexts(X_all, ytr_all, X_test, G)
+        total = np.zeros((len(X_test), G), dtype=np.float64)
+        members = self._members
+        bar = tqdm(total=len(plans), desc=f"TabICL predict ({len(X_test)} rows, local contexts)", unit="cluster",
+                   disable=not self.verbose, leave=node is self._tree)
+        for idx, sel in plans:
+            Xtr, ytr, Xte = X_all[sel], ytr_all[sel], X_test[idx]
+            per_batch, chunk = self._plan(model, Xtr.shape[1], len(Xtr), len(members), len(idx))
+            for b0 in range(0, len(members), per_batch):
+                batch = members[b0 : b0 + per_batch]
+                xs = torch.from_numpy(np.stack([self._view(Xtr, m) for m in batch])).to(self._device)
+                ys = torch.from_numpy(np.stack([(ytr + m.shift) % G for m in batch])).to(self._device)
+                ctx = model.build_context(xs, ys, chunk=chunk)
+                xt = torch.from_numpy(np.stack([self._view(Xte, m) for m in batch])).to(self._device)
+                logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()
+                del xs, ys, ctx, xt
+                for j, m in enumerate(batch):
+                    total[idx] += logits[j][:, (np.arange(G) + m.shift) % G]
+            bar.update()
+        bar.close()
+        return total / len(members)
 
     def _node_proba(self, node: _Node, X_test: np.ndarray, temperature: float, memo: dict | None = None) -> np.ndarray:
         """Class probabilities ``(n_test, n_classes)`` under ``node`` (zeros outside its classes).

@@ -200,6 +200,43 @@ def test_large_train_sets_split_into_stratified_folds(monkeypatch):
         TabICLClassifier(max_context=1).fit(X, y)
 
 
+def test_local_contexts_hold_the_nearest_rows_and_every_class_and_cover_every_test_row(monkeypatch):
+    rng = np.random.default_rng(0)
+    X = rng.uniform(-1, 1, size=(700, 2))
+    y = ((X[:, 0] > 0) ^ (X[:, 1] > 0)).astype(int)  # XOR of quadrants: a local rule
+    y[:3] = 2  # a rare third class, near nothing in particular
+    Xtr, ytr, Xte = X[:500], y[:500], X[500:]
+    clf = TabICLClassifier(n_estimators=2, context="local", local_context=64, random_state=1).fit(Xtr, ytr)
+    Xv = clf._pre.transform(clf._validate_X(Xte, reset=False))  # the test rows as predict_proba sees them
+    plans = clf._local_contexts(clf._X_train, clf._y_train, Xv, 3)
+    assert len(plans) == 2  # 200 test rows, about 128 per cluster
+    assert sorted(np.concatenate([i for i, _ in plans]).tolist()) == list(range(200))  # each test row once
+    mu, sd = clf._X_train.mean(0), clf._X_train.std(0)
+    A, T = (clf._X_train - mu) / sd, (Xv - mu) / sd
+    for idx, sel in plans:
+        assert 64 <= len(sel) <= 64 + 2 * 4 and len(set(sel.tolist())) == len(sel)
+        assert set(np.unique(clf._y_train[sel])) == {0, 1, 2}  # every class group, the rare one added
+        d = ((A[:, None, :] - T[None, idx, :]) ** 2).sum(-1).min(1)
+        core = sel[clf._y_train[sel] != 2]
+        rest = np.setdiff1d(np.arange(len(A)), sel)
+        assert d[core].max() <= d[rest].min() + 1e-5  # the nearest rows, up to the added rare-class ones
+    sizes = []
+    orig = TabICL.build_context
+    monkeypatch.setattr(TabICL, "build_context", lambda self, X, *a, **k: sizes.append(X.shape[1]) or orig(self, X, *a, **k))
+    proba = clf.predict_proba(Xte)
+    assert proba.shape == (200, 3) and np.allclose(proba.sum(1), 1)
+    assert len(sizes) == 2 and max(sizes) <= 72  # one context per cluster (both members in one batch)
+    # a train set within local_context rows: the global path, the same predictions
+    small = dict(n_estimators=2, random_state=1)
+    a = TabICLClassifier(context="local", local_context=600, **small).fit(Xtr, ytr).predict_proba(Xte)
+    b = TabICLClassifier(**small).fit(Xtr, ytr).predict_proba(Xte)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="context must be 'global' or 'local'"):
+        TabICLClassifier(context="knn").fit(Xtr, ytr)
+    with pytest.raises(ValueError, match="local_context must be an int >= 16"):
+        TabICLClassifier(context="local", local_context=8).fit(Xtr, ytr)
+
+
 def test_tiny_memory_budget_forces_chunks_with_unchanged_predictions(monkeypatch):
     X, y = _blobs(400, 5, 3)
     Xt = X[300:]
