@@ -85,17 +85,13 @@ def nested_subsets(y_train: np.ndarray, sizes: list[int | None], seed: int) -> d
     rng = np.random.default_rng(seed)
     n = len(y_train)
     key = np.empty(n)
-    for c in np.unique(y_train):
-        idx = np.flatnonzero(y_train == c)
-        perm = rng.permutation(idx)
-        # (rank + U) / count: each class spread evenly over [0, 1); the first row of every class has key < 1/count,
-        # and ties between classes are broken at random.
-        key[perm] = (np.arange(len(perm)) + rng.random(len(perm))) / len(perm)
-    # every class's first row up front (so a small subset still has every class), then by key
     first = np.zeros(n, dtype=bool)
     for c in np.unique(y_train):
-        idx = np.flatnonzero(y_train == c)
-        first[idx[np.argmin(key[idx])]] = True
+        perm = rng.permutation(np.flatnonzero(y_train == c))
+        # (rank + U) / count: each class spread evenly over [0, 1), ties between classes broken at random; the
+        # class's first row (rank 0) goes up front so that a small subset still holds every class
+        key[perm] = (np.arange(len(perm)) + rng.random(len(perm))) / len(perm)
+        first[perm[0]] = True
     order = np.lexsort((key, ~first))
     return {s: np.sort(order if s is None or s >= n else order[:s]) for s in sizes}
 
