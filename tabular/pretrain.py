@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import atomic_write_text, load_model, save_model
+from core.distributed import agreed_stop, finish
 from core.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             if stop_requested:
                 logger.info("stopping on signal %d at step %d", stop_requested[0], trainer.step)
                 break
-            if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
+            if args.max_minutes is not None and agreed_stop(time.time() - t_start > 60 * args.max_minutes, device):
                 logger.info("stopping after --max-minutes %.1f", args.max_minutes)
                 break
             m = trainer.train_step()
@@ -508,10 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             save_model(trainer.model, out / "last.safetensors", extra=model_card(trainer, {}, command))
         if bar is not None:
             bar.close()
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+    finish()  # only after a clean finish (see core.distributed)
     return 0
 
 

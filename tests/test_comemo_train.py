@@ -116,3 +116,4 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert state["step"] == 2 and state["world"] == 2 and state["samples_seen"] == 2 * 2 * 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # only rank 0 writes
+

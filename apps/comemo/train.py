@@ -39,6 +39,7 @@ from apps.comemo.batch import build_batch
 from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, lm_loss
 from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
 from apps.comemo.tokenizer import IMAGE_LABELS, CoMemoTokenizer, train_tokenizer
+from core.distributed import agreed_stop, finish
 from core.fileio import write_text_atomic
 from core.fileio import torch_save_atomic
 
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = t_last = time.time()
     try:
         while trainer.step < args.steps:
-            if args.max_minutes is not None and time.time() - t_start >= 60 * args.max_minutes:
+            if args.max_minutes is not None and agreed_stop(time.time() - t_start >= 60 * args.max_minutes, device):
                 logger.info("stopping after --max-minutes %.1f at step %d", args.max_minutes, trainer.step)
                 break
             m = trainer.train_step()
@@ -414,10 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 "commands": json.dumps(trainer.commands)})
         if bar is not None:
             bar.close()
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+    finish()  # only after a clean finish: after a failure the launcher stops the other ranks
     return 0
 
 

@@ -56,6 +56,7 @@ from apps.ncal.losses import LOSSES, LossConfig, LongTailLoss
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.weights_io import load_state, save_state
+from core.distributed import finish
 
 logger = logging.getLogger(__name__)
 
@@ -362,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       pool=args.pool, context=args.context, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, valid_frac=args.valid_frac, ckpt_every=args.ckpt_every, device=args.device)
     meta = train(cfg)
+    finish()  # under torchrun: every rank waits for rank 0's evaluation, then the group is torn down
     if meta.get("valid"):
         v = meta["valid"]
         logger.info("validation: accuracy %.4f, macro-F1 %.4f", v["accuracy"], v["macro_f1"])
