@@ -68,17 +68,38 @@ NEEDS_DM = {"dt-small": "dt_small_layers", "dm-random": "random_capacity", "dm-f
 TARGET_MODES = ("env", "data-best")
 
 
-def _dataset_path(data_dir: Path, name: str, steps: int, seed: int) -> Path:
+def parse_behaviour(items: list[str]) -> dict[str, dict]:
+    """``--behaviour FAMILY=PATH`` items -> ``{family: {"path", "sha256"}}`` (the hash names the datasets)."""
+    out: dict[str, dict] = {}
+    for item in items:
+        fam, sep, path = item.partition("=")
+        if not sep or fam not in ENVS or not path:
+            raise SystemExit(f"--behaviour takes FAMILY=PATH with FAMILY one of {list(ENVS)}, got {item!r}")
+        if fam in out:
+            raise SystemExit(f"--behaviour names {fam!r} twice")
+        if not Path(path).is_file():
+            raise SystemExit(f"--behaviour {fam}: {path} is not a file (a behaviour .safetensors from rl.policies)")
+        out[fam] = {"path": path, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+    return out
+
+
+def _behaviour_tag(behaviour: dict | None, fam: str) -> str:
+    """File-name tag of a non-default behaviour policy (empty for the shipped one: older files keep their names)."""
+    return f"-b{behaviour[fam]['sha256'][:10]}" if behaviour and fam in behaviour else ""
+
+
+def _dataset_path(data_dir: Path, name: str, steps: int, seed: int, behaviour: dict | None = None) -> Path:
     fam, quality = name.split("-", 1)
     if fam not in ENVS:
         raise ValueError(f"dataset name {name!r} must start with one of {list(ENVS)}")
-    path = data_dir / f"{name}-{steps}-s{seed}.npz"
+    path = data_dir / f"{name}-{steps}-s{seed}{_behaviour_tag(behaviour, fam)}.npz"
     if not path.exists():
         from rl.data import save_dataset
         from rl.generate import generate
 
-        logger.info("generating %s", path)
-        save_dataset(path, generate(ENVS[fam], quality, steps, seed))
+        policy = behaviour[fam]["path"] if behaviour and fam in behaviour else None
+        logger.info("generating %s%s", path, f" with {policy}" if policy else "")
+        save_dataset(path, generate(ENVS[fam], quality, steps, seed, policy_path=policy))
     return path
 
 
@@ -104,10 +125,12 @@ def _prepare(data_dir: Path, name: str, args) -> Prepared:
 
     po = name.endswith(PO_SUFFIX)
     base = name[: -len(PO_SUFFIX)] if po else name
-    path = _dataset_path(data_dir, base, args.dataset_steps, 0)
-    env_id = ENVS[base.split("-", 1)[0]]
+    behaviour = parse_behaviour(args.behaviour)
+    path = _dataset_path(data_dir, base, args.dataset_steps, 0, behaviour)
+    fam = base.split("-", 1)[0]
+    env_id = ENVS[fam]
     if po:
-        po_path = data_dir / f"{name}-{args.dataset_steps}-s0.npz"
+        po_path = data_dir / f"{name}-{args.dataset_steps}-s0{_behaviour_tag(behaviour, fam)}.npz"
         if not po_path.exists():
             logger.info("masking velocities: %s", po_path)
             save_dataset(po_path, mask_dataset(load_dataset(path), env_id))
@@ -154,7 +177,10 @@ _CASE_KEYS = {"dt": _COMMON + _OURS + ("dt_layers",), "dm": _COMMON + _OURS + _D
 
 def case_settings(algo: str, args) -> dict:
     """The settings a (dataset, ``algo``, seed) case depends on (stored with it; compared before reuse)."""
-    return {k: getattr(args, k) for k in _CASE_KEYS[algo]}
+    out = {k: getattr(args, k) for k in _CASE_KEYS[algo]}
+    if getattr(args, "behaviour", None):  # only when given: cases recorded before the option keep matching
+        out["behaviour"] = {fam: b["sha256"] for fam, b in sorted(parse_behaviour(args.behaviour).items())}
+    return out
 
 
 def _settings_diff(saved: dict | None, now: dict) -> dict:
@@ -445,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny pipeline check (random Hopper data, 1 seed; cases run with other settings are redone)")
     p.add_argument("--datasets", default="hopper-medium,halfcheetah-medium,walker2d-medium-replay")
     p.add_argument("--dataset-steps", type=int, default=200_000, help="transitions per generated dataset")
+    p.add_argument("--behaviour", action="append", default=[], metavar="FAMILY=PATH",
+                   help="behaviour policies that generate FAMILY's datasets (e.g. hopper=rl/weights/"
+                        "behaviour_hopper_long.safetensors; repeatable; default: the shipped behaviour_<family>); "
+                        "dataset files and case settings carry the file's hash")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--algos", default=",".join(ALGOS),
                    help=f"comma-separated arms: {', '.join(ALL_ALGOS)} (controls: module docstring)")
@@ -565,6 +595,7 @@ def main(argv=None) -> None:
                 float(v)
             except ValueError:
                 raise SystemExit(f"--{flag.replace('_', '-')} must be a number or 'dm'/'auto', got {v!r}") from None
+    parse_behaviour(args.behaviour)  # a bad --behaviour stops the run before any work
     seeds = [int(s) for s in args.seeds.split(",")]
     names = [n for n in args.datasets.split(",") if n]
     data_dir, work = Path(args.data_dir), Path(args.work_dir)

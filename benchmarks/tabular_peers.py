@@ -224,6 +224,28 @@ def model_settings(name: str, *, n_configs: int, folds: int, tabicl_n_estimators
         s.update(n_estimators=tabicl_n_estimators, torch=torch.__version__)
         if name == "TabICL-ft":
             s["finetune_steps"] = finetune_steps
-        if tabicl_kwargs:  # only when given, so that the records of a default run keep their fingerprint
-            s["kwargs"] = dict(sorted(tabicl_kwargs.items()))
+        kwargs = tabicl_effective_kwargs(tabicl_kwargs)
+        if kwargs:  # only when not empty, so that the records of a default run keep their fingerprint
+            s["kwargs"] = kwargs
     return s
+
+
+# Estimator defaults that changed after records began to be fingerprinted: the value of the time. A parameter at
+# one of these values is left out of the fingerprint, any other value is written as if it had been passed, so
+# that a run of today's defaults never reuses a record made with the old ones (and reuses those made with the
+# same values passed explicitly).
+TABICL_RECORDED_DEFAULTS = {"context": "global"}
+
+
+def tabicl_effective_kwargs(tabicl_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The estimator keywords a TabICL record depends on: those given, and today's defaults that differ from the
+    defaults of the time the records were first fingerprinted (``TABICL_RECORDED_DEFAULTS``)."""
+    from tabular.estimator import TabICLClassifier
+
+    given = dict(tabicl_kwargs or {})
+    defaults = TabICLClassifier().get_params()
+    out = {k: v for k, v in given.items() if not (k in TABICL_RECORDED_DEFAULTS and v == TABICL_RECORDED_DEFAULTS[k])}
+    for k, old in TABICL_RECORDED_DEFAULTS.items():
+        if k not in given and defaults[k] != old:
+            out[k] = defaults[k]
+    return dict(sorted(out.items()))

@@ -70,7 +70,7 @@ class _ProgressLog:
 
 
 def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: float, test_rows: int = 1000,
-          checkpoint=None, progress: Path | None = None) -> dict:
+          checkpoint=None, progress: Path | None = None, context: str = "global") -> dict:
     import torch
 
     from tabular import TabICLClassifier
@@ -83,7 +83,7 @@ def _case(rows: int, features: int, n_estimators: int, threads: int, memory_mb: 
     y = (X @ w + 0.5 * rng.standard_normal(len(X), dtype=np.float32) > 0).astype(int)
     # feature_reduction=None: the model reads every column (a projection would measure a narrower table).
     clf = TabICLClassifier(n_estimators=n_estimators, memory_budget_mb=memory_mb, device="cpu", checkpoint=checkpoint,
-                           feature_reduction=None, verbose=plog is not None)
+                           feature_reduction=None, context=context, verbose=plog is not None)
     try:
         _, fit_s, fit_cpu = _timed(lambda: clf.fit(X[:rows], y[:rows]))
         peak = PeakRSS()
@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=2400, help="seconds per case")
     p.add_argument("--quick", action="store_true", help="1K and 10K rows, 20 features")
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: the shipped one)")
+    p.add_argument("--context", choices=("global", "local"), default="global",
+                   help="the estimator's context: global (what the recorded results measured: cached contexts of "
+                        "stratified folds) or local (the estimator's default since the development-suite choice)")
     p.add_argument("--prior", action="store_true", help="only measure the prior's tables/s")
     p.add_argument("--case", nargs=2, type=int, metavar=("ROWS", "FEATURES"), help=argparse.SUPPRESS)
     p.add_argument("--progress", type=Path, default=None, help=argparse.SUPPRESS)
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.case:
         print(json.dumps(_case(args.case[0], args.case[1], args.n_estimators, args.threads, args.memory_mb,
-                               args.test_rows, args.checkpoint, args.progress)))
+                               args.test_rows, args.checkpoint, args.progress, args.context)))
         return 0
     if args.prior:
         rows = prior_speed()
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.rows:
             cmd = [sys.executable, "-m", "benchmarks.tabular_scaling", "--case", str(n), str(f),
                    "--n-estimators", str(args.n_estimators), "--threads", str(args.threads),
-                   "--memory-mb", str(args.memory_mb), "--test-rows", str(args.test_rows)]
+                   "--memory-mb", str(args.memory_mb), "--test-rows", str(args.test_rows), "--context", args.context]
             cmd += ["--checkpoint", args.checkpoint] if args.checkpoint else []
             prog = args.out.with_name(f"{args.out.stem}.progress_{n}x{f}.jsonl")
             res = run_isolated(cmd + ["--progress", str(prog)], timeout_s=args.timeout)

@@ -26,6 +26,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are shared files (results, weights)
     try:
         yield tmp
         os.replace(tmp, path)
@@ -40,6 +41,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are shared files (results, weights)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,7 +99,8 @@ def generate(env_id: str, quality: str, steps: int, seed: int, *, policy_path=No
     meta = {
         "env": env_id, "quality": quality, "seed": seed, "steps": steps,
         "policy": "uniform random" if behaviour is None else {
-            "file": f"behaviour_{env_id.split('-')[0].lower()}.safetensors", "segments": plan},
+            "file": Path(policy_path).name if policy_path else f"behaviour_{env_id.split('-')[0].lower()}.safetensors",
+            "segments": plan},
         "episode_returns": returns, "num_complete_episodes": len(returns),
         "mean_return": float(np.mean(returns)) if returns else None,
         "generation_wall_s": time.time() - t0,

@@ -203,3 +203,32 @@ def test_parts_run_in_parallel_processes_merge_only_with_the_same_settings(full_
     assert res["cases"]["hopper-random-po/dt/1"]["settings"]["lr"] == 0.0001
     assert res["bootstrap"]["intervals"]["dm - dt/score"]["hopper-random-po"] == \
         {"mean": 1.0, "lo": 1.0, "hi": 1.0, "seeds": 2}
+
+
+def test_behaviour_policy_names_the_datasets_and_the_case_settings(tmp_path, monkeypatch):
+    import rl.generate
+    from benchmarks import rl_bench
+
+    pol = tmp_path / "behaviour_hopper_other.safetensors"
+    pol.write_bytes(b"weights")
+    sha = hashlib.sha256(b"weights").hexdigest()
+    calls, real = [], rl.generate.generate
+
+    def fake(env_id, quality, steps, seed, *, policy_path=None, progress=False):
+        calls.append((quality, policy_path))
+        return real(env_id, "random", steps, seed)
+
+    monkeypatch.setattr(rl.generate, "generate", fake)
+    b = rl_bench.parse_behaviour([f"hopper={pol}"])
+    assert b == {"hopper": {"path": str(pol), "sha256": sha}}
+    tagged = rl_bench._dataset_path(tmp_path, "hopper-medium", 300, 0, b)
+    plain = rl_bench._dataset_path(tmp_path, "hopper-medium", 300, 0)
+    assert tagged.name == f"hopper-medium-300-s0-b{sha[:10]}.npz" and plain.name == "hopper-medium-300-s0.npz"
+    assert calls == [("medium", str(pol)), ("medium", None)]  # the default file is never reused for another policy
+    args = rl_bench.build_parser().parse_args(["--behaviour", f"hopper={pol}"])
+    assert rl_bench.case_settings("dt", args)["behaviour"] == {"hopper": sha}
+    assert "behaviour" not in rl_bench.case_settings("dt", rl_bench.build_parser().parse_args([]))
+    for bad, msg in ([f"ant={pol}"], "FAMILY=PATH"), ([str(pol)], "FAMILY=PATH"), (["hopper=nope.st"], "not a file"), \
+            ([f"hopper={pol}", f"hopper={pol}"], "twice"):
+        with pytest.raises(SystemExit, match=msg):
+            rl_bench.parse_behaviour(bad)

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import tabular_peers
 from benchmarks.tabular_bench import aggregate, main, per_table, score, targets
+from tabular.estimator import TabICLClassifier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -207,10 +208,21 @@ def test_tabicl_kwargs_reach_the_estimator_and_the_settings_only_when_given():
     clf = f["TabICL"]()
     assert clf.softmax_temperature == 1.0 and clf.n_estimators == 2
     kw = dict(n_configs=10, folds=3, tabicl_n_estimators=None, checkpoint=None, finetune_steps=0)
-    plain = tabular_peers.model_settings("TabICL", **kw)
-    assert "kwargs" not in plain  # a default run keeps the fingerprint of the records made before the option
     assert tabular_peers.model_settings("TabICL", **kw, tabicl_kwargs={"softmax_temperature": 1.0})["kwargs"] == {
-        "softmax_temperature": 1.0}
+        "softmax_temperature": 1.0, "context": "local"}
+
+
+def test_a_changed_estimator_default_changes_the_record_fingerprint(monkeypatch):
+    """Records made with the old default (global context, no kwargs) are not reused by a run of the new default
+    (local), and a run that passes the old value explicitly matches them again."""
+    kw = dict(n_configs=10, folds=3, tabicl_n_estimators=None, checkpoint=None, finetune_steps=0)
+    settings = lambda k=None: tabular_peers.model_settings("TabICL", **kw, tabicl_kwargs=k)  # noqa: E731
+    assert TabICLClassifier().context == "local"
+    assert settings()["kwargs"] == {"context": "local"} == settings({"context": "local"})["kwargs"]
+    assert "kwargs" not in settings({"context": "global"})  # the fingerprint of the records made before the option
+    assert settings({"context": "local", "local_context": 256})["kwargs"] == {"context": "local", "local_context": 256}
+    monkeypatch.setattr(tabular_peers, "TABICL_RECORDED_DEFAULTS", {"context": "local"})
+    assert "kwargs" not in settings()
 
 
 def test_records_of_a_parallel_run_are_merged_and_reused(tmp_path, counted):

@@ -674,3 +674,23 @@ def test_default_ensemble_is_the_one_the_development_suite_chose():
     assert {"n_estimators": est.n_estimators, "norm_methods": list(est.norm_methods)} == params(chosen)
     others = [params(choice["settings"][v]) for v in choice["variants"] if v != choice["chosen"]]
     assert others and all(o != params(chosen) for o in others)
+
+
+def test_default_context_is_the_one_the_development_suite_chose():
+    """``context`` / ``local_context`` defaults are the variant that the "context" choice of
+    benchmarks/results/tabular_dev_choices.json records as chosen (global, local 256 or local 1,024 train rows)."""
+    import json
+    from pathlib import Path
+
+    record = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tabular_dev_choices.json"
+    choice = json.loads(record.read_text())["choices"]["context"]
+    # The estimator's defaults when the variants ran (a variant's kwargs override them).
+    measured_defaults = {"context": "global", "local_context": 1024}
+
+    def params(settings):
+        return {**measured_defaults, **{k: v for k, v in settings.get("kwargs", {}).items() if k in measured_defaults}}
+
+    est = TabICLClassifier()
+    assert {"context": est.context, "local_context": est.local_context} == params(choice["settings"][choice["chosen"]])
+    others = [params(choice["settings"][v]) for v in choice["variants"] if v != choice["chosen"]]
+    assert others and all(o != params(choice["settings"][choice["chosen"]]) for o in others)

@@ -96,7 +96,7 @@ def test_variants_reach_the_estimator_at_the_full_size_only(tmp_path, monkeypatc
     assert seen == [{"max_context": 64}]
     res = json.loads(out.read_text())
     sizes = {m["size"] for m in res["summary"]["means"] if m["model"] == "ctx64"}
-    assert sizes == {"all"} and res["settings"]["ctx64"]["kwargs"] == {"max_context": 64}
+    assert sizes == {"all"} and res["settings"]["ctx64"]["kwargs"] == {"context": "local", "max_context": 64}  # + the changed default
     with pytest.raises(SystemExit, match="is not a file"):
         lc.main(["--tables", "crabs", "--models", "kNN", "--variant", 'w={"checkpoint": "no/such.safetensors"}',
                  "--out", str(out)])

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Decision Mixer pilot: DM and DT on the wide Hopper datasets of the stronger behaviour set, one rl_bench
+# invocation per (dataset, seed), so that two run at once on two cores. It measures the spread of the paired
+# DM - DT difference per seed, which sizes the seeds of the full experiment (docs/experiments/rl.md).
+# Resumable: a case already in its JSON with these settings is reused; a killed case continues from its last
+# 1,000-step checkpoint under $RUNS.
+#
+#   bash benchmarks/rl_pilot.sh prep            # generate / mask / split the datasets once (one process)
+#   bash benchmarks/rl_pilot.sh cases | xargs -P 2 -L 1 bash benchmarks/rl_pilot.sh case   # every case
+#   bash benchmarks/rl_pilot.sh merge           # the table with paired-bootstrap intervals
+set -u
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+PY=${PY:-python}
+RUNS=${RUNS:-runs/rl_pilot}
+OUT=${OUT:-benchmarks/results/rl_pilot}
+DATASETS=${DATASETS:-hopper-medium-replay,hopper-medium-expert,hopper-medium-replay-po}
+SEEDS=${SEEDS:-0 1 2 3 4 5}
+COMMON="--behaviour hopper=rl/weights/behaviour_hopper_long.safetensors --dataset-steps 200000 --algos dm,dt
+  --steps 2000 --batch-size 64 --lr 1e-3 --warmup 200 --context 20 --embed-dim 64 --heads 1 --dt-layers 4
+  --dm-layers 4 --routed-layers 1,3 --capacity-cost 0 --eval-episodes 50 --target-mode data-best
+  --target-factors 1.0 --holdout-frac 0.1 --holdout-seed 0 --data-dir data/rl --work-dir $RUNS/work"
+mkdir -p "$RUNS" "$OUT"
+case "${1:-}" in
+  prep) $PY -m benchmarks.rl_bench --datasets "$DATASETS" $COMMON --algos "" --out "$RUNS/prep.json" ;;
+  cases) for s in $SEEDS; do for d in ${DATASETS//,/ }; do echo "$d $s"; done; done ;;
+  case) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --bootstrap 0 \
+          --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3.log" 2>&1 && echo "done $2 seed $3" || echo "FAILED $2 seed $3" ;;
+  merge) $PY -m benchmarks.rl_bench --datasets "$DATASETS" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON \
+          --merge "$(ls "$OUT"/hopper-*.json | paste -sd,)" --out "$OUT/merged.json" ;;
+  *) echo "usage: $0 prep | cases | case DATASET SEED | merge" >&2; exit 2 ;;
+esac
