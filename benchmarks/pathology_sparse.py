@@ -363,7 +363,7 @@ def _probs(model, bags: Sequence[GridBag]) -> list[float]:
 
 
 def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag], *, epochs: int, lr: float,
-               patience: int, min_epochs: int, seed: int, batch_bags: int = 1):
+               patience: int, min_epochs: int, seed: int, batch_bags: int = 1, checkpoint: str | None = None):
     """Train ``name`` (AdamW, cosine decay, clip 1.0); keep the best validation-loss epoch.
 
     Each optimizer step averages the gradients of ``batch_bags`` bags (one forward per bag: bags differ in size).
@@ -371,10 +371,15 @@ def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag]
     bag's gradient), which costs more loss than the relation signal earns early on; a few bags per step remove
     that drift (``docs/experiments/pathology.md``).
 
+    ``checkpoint``: a file the fit's state is written to after every epoch (atomically) and resumed from, so a
+    stopped fit loses at most one epoch; the same result as an uninterrupted fit. Removed when the fit ends.
+
     Returns the model (eval mode) and a summary with the per-epoch history and CPU seconds.
     """
     import torch
     from torch import nn
+
+    from core.fileio import torch_save_atomic
 
     torch.manual_seed(seed)
     model = build_peer(name, mcfg)
@@ -383,9 +388,19 @@ def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag]
     if batch_bags < 1:
         raise ValueError(f"batch_bags ({batch_bags}) must be >= 1")
     total = epochs * math.ceil(len(train) / batch_bags)  # optimizer steps
-    step, best, since, history = 0, (float("inf"), 0, None), 0, []
+    step, best, since, history, start, cpu_before = 0, (float("inf"), 0, None), 0, [], 0, 0.0
+    if checkpoint is not None and os.path.exists(checkpoint):
+        st = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        g.bit_generator.state = st["rng"]
+        torch.set_rng_state(st["torch_rng"])
+        step, best, since, history, cpu_before = st["step"], st["best"], st["since"], st["history"], st["cpu_s"]
+        start = len(history)
+        logger.info("resuming %s from %s after epoch %d", name, checkpoint, start)
+    stopped = start >= min_epochs and since >= patience  # a checkpoint written right before the early stop
     cpu0 = time.process_time()
-    for ep in range(epochs):
+    for ep in range(start, start if stopped else epochs):
         model.train()
         losses = []
         order = g.permutation(len(train))
@@ -412,13 +427,19 @@ def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag]
             best, since = (vloss, ep + 1, copy.deepcopy(model.state_dict())), 0
         else:
             since += 1
+        if checkpoint is not None:
+            torch_save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "rng": g.bit_generator.state,
+                               "torch_rng": torch.get_rng_state(), "step": step, "best": best, "since": since,
+                               "history": history, "cpu_s": cpu_before + time.process_time() - cpu0}, checkpoint)
         if ep + 1 >= min_epochs and since >= patience:
             break
     if best[2] is not None:
         model.load_state_dict(best[2])
     model.eval()
-    return model, {"epochs_run": len(history), "best_epoch": best[1], "train_cpu_s": round(time.process_time() - cpu0, 1),
-                   "history": history}
+    if checkpoint is not None and os.path.exists(checkpoint):
+        os.unlink(checkpoint)
+    return model, {"epochs_run": len(history), "best_epoch": best[1],
+                   "train_cpu_s": round(cpu_before + time.process_time() - cpu0, 1), "history": history}
 
 
 # --------------------------------------------------------------------------------------------- records
@@ -738,9 +759,11 @@ def run_cv(args, records: dict, path: str, cohorts: dict[str, list[GridBag]], st
         test = folds_for(y, args.folds, seed)[f]
         tr, va = _split(y, test, seed, f, args.val_share)
         mcfg = model_config(args, args.in_dim)
+        os.makedirs(args.work, exist_ok=True)
         model, info = train_peer(m, mcfg, [bags[i] for i in tr], [bags[i] for i in va], epochs=args.epochs, lr=args.lr,
                                  patience=args.patience, min_epochs=args.min_epochs, seed=1000 * seed + f,
-                                 batch_bags=args.batch_bags)
+                                 batch_bags=args.batch_bags,
+                                 checkpoint=os.path.join(args.work, f"fit_{lab}_s{seed}_f{f}_{m}_{args.settings_id}.pt"))
         t0 = time.process_time()
         probs = _probs(model, [bags[i] for i in test])
         rec = {"stage": "cv", "settings_id": args.settings_id, "label": lab, "seed": seed, "fold": f, "model": m,

@@ -304,3 +304,36 @@ def test_batch_bags_takes_one_step_on_several_bags():
         torch.testing.assert_close(a, b, msg=n)
     with pytest.raises(ValueError, match="batch_bags"):
         train_peer("abmil", mc, bags, bags, epochs=1, lr=1e-2, patience=5, min_epochs=1, seed=0, batch_bags=0)
+
+
+def test_a_stopped_fit_resumes_from_its_epoch_checkpoint_to_the_same_model(tmp_path, monkeypatch):
+    """A fit stopped during epoch 3 resumes after epoch 2 and ends with the weights and history of an
+    uninterrupted fit; the checkpoint is removed when the fit ends."""
+    import benchmarks.pathology_sparse as ps
+    from pathology.querent import QuerentConfig
+
+    cfg = GridBagConfig(side=16, radius=2, near=(4, 5), far_min=10)
+    bags = make_cohort("spatial", 6, 5, cfg)
+    mc = QuerentConfig(in_dim=cfg.in_dim, dim=8, depth=1, num_heads=1, region_size=4, topk=2, dropout=0.1,
+                       num_classes=2, pool_hidden=8)
+    kw = dict(epochs=4, lr=1e-2, patience=9, min_epochs=1, seed=3, batch_bags=2)
+    ref, ref_info = ps.train_peer("dense", mc, bags[:4], bags[4:], **kw)
+    ckpt = tmp_path / "fit.pt"
+    real, calls = ps._probs, []
+
+    def stop_in_epoch_3(model, val):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(model, val)
+
+    monkeypatch.setattr(ps, "_probs", stop_in_epoch_3)
+    with pytest.raises(KeyboardInterrupt):
+        ps.train_peer("dense", mc, bags[:4], bags[4:], checkpoint=str(ckpt), **kw)
+    assert len(torch.load(ckpt, weights_only=False)["history"]) == 2
+    monkeypatch.setattr(ps, "_probs", real)
+    model, info = ps.train_peer("dense", mc, bags[:4], bags[4:], checkpoint=str(ckpt), **kw)
+    assert info["history"] == ref_info["history"] and info["best_epoch"] == ref_info["best_epoch"]
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=n)
+    assert not ckpt.exists()
