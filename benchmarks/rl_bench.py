@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import json
 import logging
 import time
@@ -326,13 +327,25 @@ def paired_bootstrap(diffs: dict[str, np.ndarray], samples: int, seed: int = 0) 
         b = d[rng.integers(0, len(d), size=(samples, len(d)))].mean(1)
         boots.append(b)
         out[name] = {"mean": float(d.mean()), "lo": float(np.percentile(b, 2.5)), "hi": float(np.percentile(b, 97.5)),
-                     "seeds": int(len(d))}
+                     "seeds": int(len(d)), "sd": float(d.std(ddof=1)) if len(d) > 1 else None}
     if boots:
         m = np.mean(boots, axis=0)
+        sds = [v["sd"] for v in out.values()]
         out["mean over datasets"] = {"mean": float(np.mean([v["mean"] for v in out.values()])),
                                      "lo": float(np.percentile(m, 2.5)), "hi": float(np.percentile(m, 97.5)),
-                                     "seeds": int(min(len(d) for d in diffs.values()))}
+                                     "seeds": int(min(len(d) for d in diffs.values())),
+                                     # the SD of one seed's mean-over-datasets difference (datasets independent)
+                                     "sd": (float(np.sqrt(np.sum(np.square(sds)))) / len(sds)
+                                            if all(sd is not None for sd in sds) else None)}
     return out
+
+
+def seeds_for_halfwidth(sd: float | None, halfwidth: float) -> int | None:
+    """Seeds for a 95% interval of half-width ``halfwidth`` on a mean of per-seed differences with SD ``sd``
+    (normal approximation, ``ceil((1.96 sd / halfwidth)^2)``, at least 2); sizes a run from a pilot's spread."""
+    if sd is None or halfwidth <= 0:
+        return None
+    return max(2, math.ceil((1.96 * sd / halfwidth) ** 2))
 
 
 def _timing(path, args) -> dict:
@@ -521,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fixed-capacity", default="dm",
                    help="dm-fixed's capacity (not learned): a number, or dm = DM's learned routed fraction")
     g.add_argument("--bootstrap", type=int, default=10_000, help="paired bootstrap resamples (0: no intervals)")
+    g.add_argument("--sizing-halfwidth", type=float, default=2.5,
+                   help="the table's last column: seeds for a 95%% interval of this half-width on the score difference "
+                        "(2.5: half the +5 target)")
     g.add_argument("--on-mismatch", choices=("error", "redo"), default="error",
                    help="a case in --out run with other settings: stop (error) or rerun it (redo)")
     p.add_argument("--merge", default="",
@@ -682,12 +698,17 @@ def main(argv=None) -> None:
         for pair_metric, per in boot.items():
             pair, metric = pair_metric.split("/")
             for name, v in per.items():
+                n = seeds_for_halfwidth(v.get("sd"), args.sizing_halfwidth) if metric == "score" else None
                 brows.append({"difference": pair, "metric": metric, "dataset": name, "mean": v["mean"],
-                              "95% interval": f"[{v['lo']:.3g}, {v['hi']:.3g}]", "seeds": v["seeds"]})
+                              "95% interval": f"[{v['lo']:.3g}, {v['hi']:.3g}]", "seeds": v["seeds"],
+                              "SD per seed": "-" if v.get("sd") is None else f"{v['sd']:.3g}",
+                              f"seeds for ±{args.sizing_halfwidth:g}": "-" if n is None else n})
         if brows:
             table += ("\n\nPaired bootstrap over seeds (score: normalized, first target; held-out MSE: lower is "
-                      "better):\n\n" + format_table(brows, ["difference", "metric", "dataset", "mean", "95% interval",
-                                                              "seeds"]))
+                      "better; the last column sizes a run: seeds for a 95% interval of that half-width on the "
+                      "score, from this run's spread):\n\n"
+                      + format_table(brows, ["difference", "metric", "dataset", "mean", "95% interval", "seeds",
+                                             "SD per seed", f"seeds for ±{args.sizing_halfwidth:g}"]))
     trows = []
     for name, t in results.get("timing", {}).items():
         for phase in ("init", "trained"):

@@ -121,11 +121,28 @@ def test_paired_bootstrap_values():
     from benchmarks.rl_bench import paired_bootstrap
 
     out = paired_bootstrap({"a": np.full(10, 2.0), "b": np.array([0.0, 1.0, 2.0, 3.0] * 3)}, 2000, seed=0)
-    assert out["a"] == {"mean": 2.0, "lo": 2.0, "hi": 2.0, "seeds": 10}
+    assert out["a"] == {"mean": 2.0, "lo": 2.0, "hi": 2.0, "seeds": 10, "sd": 0.0}
     assert out["b"]["lo"] < 1.5 < out["b"]["hi"] and out["b"]["hi"] - out["b"]["lo"] < 1.6
+    assert out["b"]["sd"] == pytest.approx(np.std([0.0, 1.0, 2.0, 3.0] * 3, ddof=1))
     m = out["mean over datasets"]
     assert m["mean"] == pytest.approx(1.75) and m["lo"] < 1.75 < m["hi"]
     assert m["hi"] - m["lo"] < out["b"]["hi"] - out["b"]["lo"]  # averaging with a constant halves the spread
+    assert m["sd"] == pytest.approx(out["b"]["sd"] / 2)
+
+
+def test_seeds_for_halfwidth_sizes_a_run_from_a_pilot_spread():
+    from benchmarks.rl_bench import paired_bootstrap, seeds_for_halfwidth
+
+    assert seeds_for_halfwidth(5.0, 2.5) == 16 and seeds_for_halfwidth(1.0, 2.5) == 2  # (1.96 * 2)^2 = 15.4
+    assert seeds_for_halfwidth(None, 2.5) is None
+    # a run of that many seeds from the same spread gives about that half-width
+    rng = np.random.default_rng(0)
+    widths = []
+    for _ in range(50):
+        d = rng.normal(3.0, 5.0, size=16)
+        v = paired_bootstrap({"x": d}, 2000, seed=1)["x"]
+        widths.append((v["hi"] - v["lo"]) / 2)
+    assert 2.0 < np.mean(widths) < 2.8
 
 
 def test_finished_cases_are_reused_only_with_the_same_settings(full_run, monkeypatch):
@@ -202,7 +219,7 @@ def test_parts_run_in_parallel_processes_merge_only_with_the_same_settings(full_
     res = json.loads((tmp / "all.json").read_text())
     assert res["cases"]["hopper-random-po/dt/1"]["settings"]["lr"] == 0.0001
     assert res["bootstrap"]["intervals"]["dm - dt/score"]["hopper-random-po"] == \
-        {"mean": 1.0, "lo": 1.0, "hi": 1.0, "seeds": 2}
+        {"mean": 1.0, "lo": 1.0, "hi": 1.0, "seeds": 2, "sd": 0.0}
 
 
 def test_behaviour_policy_names_the_datasets_and_the_case_settings(tmp_path, monkeypatch):
