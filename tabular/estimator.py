@@ -690,21 +690,14 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                 key = (f, b0)
                 ctx = node.cache.get(key)
                 if ctx is None:
-                    xs = torch.from_numpy(np.stack([self._view(Xtr, m) for m in batch])).to(self._device)
-                    ys = torch.from_numpy(np.stack([(ytr + m.shift) % G for m in batch])).to(self._device)
-                    ctx = model.build_context(xs, ys, chunk=chunk)
-                    del xs, ys
+                    ctx = self._batch_context(model, batch, Xtr, ytr, G, chunk)
                     if self._cache.nbytes + ctx.nbytes() <= budget / 2:  # keep contexts while half the budget lasts
                         node.cache[key] = ctx
                         self._cache.nbytes += ctx.nbytes()
                     else:
                         self._cache.skipped += 1
-                xt = torch.from_numpy(np.stack([self._view(X_test, m) for m in batch])).to(self._device)
-                logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()  # (b, n, G)
+                total += self._batch_logits(model, batch, ctx, X_test, G, chunk)
                 del ctx
-                for j, m in enumerate(batch):
-                    # Undo the class shift: shifted id (g + s) % G holds group g.
-                    total += logits[j][:, (np.arange(G) + m.shift) % G]
                 bar.update(len(batch))
                 bar.set_postfix_str(f"fold {f + 1}/{len(folds)}, chunk {chunk}", refresh=False)
                 done += len(batch)
@@ -713,6 +706,21 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                              "not kept", self._cache.nbytes / 2**20)
         bar.close()
         return total / n_views
+
+    def _batch_context(self, model: TabICL, batch: list[_Member], Xtr: np.ndarray, ytr: np.ndarray, G: int, chunk):
+        """The train context of a batch of ensemble members (each its own view of ``Xtr`` and class shift)."""
+        xs = torch.from_numpy(np.stack([self._view(Xtr, m) for m in batch])).to(self._device)
+        ys = torch.from_numpy(np.stack([(ytr + m.shift) % G for m in batch])).to(self._device)
+        return model.build_context(xs, ys, chunk=chunk)
+
+    def _batch_logits(self, model: TabICL, batch: list[_Member], ctx, X_test: np.ndarray, G: int, chunk) -> np.ndarray:
+        """The batch's logits for ``X_test`` read from ``ctx``, summed over its members, ``(n_test, G)`` float64."""
+        xt = torch.from_numpy(np.stack([self._view(X_test, m) for m in batch])).to(self._device)
+        logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()  # (b, n, G)
+        total = np.zeros((len(X_test), G), dtype=np.float64)
+        for j, m in enumerate(batch):
+            total += logits[j][:, (np.arange(G) + m.shift) % G]  # undo the class shift: id (g + s) % G holds g
+        return total
 
     #: Test rows per local cluster, most clusters, and rows of each class group a local context keeps at least.
     _LOCAL_ROWS_PER_CLUSTER = 128
@@ -772,14 +780,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             per_batch, chunk = self._plan(model, Xtr.shape[1], len(Xtr), len(members), len(idx))
             for b0 in range(0, len(members), per_batch):
                 batch = members[b0 : b0 + per_batch]
-                xs = torch.from_numpy(np.stack([self._view(Xtr, m) for m in batch])).to(self._device)
-                ys = torch.from_numpy(np.stack([(ytr + m.shift) % G for m in batch])).to(self._device)
-                ctx = model.build_context(xs, ys, chunk=chunk)
-                xt = torch.from_numpy(np.stack([self._view(Xte, m) for m in batch])).to(self._device)
-                logits = model.predict_logits(xt, ctx, chunk=chunk)[..., :G].double().cpu().numpy()
-                del xs, ys, ctx, xt
-                for j, m in enumerate(batch):
-                    total[idx] += logits[j][:, (np.arange(G) + m.shift) % G]
+                ctx = self._batch_context(model, batch, Xtr, ytr, G, chunk)
+                total[idx] += self._batch_logits(model, batch, ctx, Xte, G, chunk)
+                del ctx
             bar.update()
         bar.close()
         return total / len(members)
