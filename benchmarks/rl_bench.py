@@ -542,6 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", default="",
                    help="comma-separated result JSONs (same settings, e.g. algos run in parallel processes) whose "
                         "cases are merged into --out before the table")
+    p.add_argument("--report-only", action="store_true",
+                   help="table and intervals from the cases found (--out, --merge); run no missing case")
     p.add_argument("--data-dir", default="data/rl")
     p.add_argument("--work-dir", default="runs/rl_bench")
     p.add_argument("--out", default="benchmarks/results/rl_bench.json")
@@ -655,6 +657,9 @@ def main(argv=None) -> None:
                         raise SystemExit(f"case {key} in {args.out} was run with other settings (saved, now): {diff}; "
                                          f"pass --on-mismatch redo to rerun it, or write to another --out")
                     logger.warning("rerunning %s: its settings differ (saved, now): %s", key, diff)
+                if args.report_only:
+                    logger.info("not run (--report-only): %s", key)
+                    continue
                 logger.info("running %s", key)
                 if algo in OURS:
                     res = _run_ours(algo, prep, seed, args, work, dm_case=matching(f"{name}/dm/{seed}", "dm"))

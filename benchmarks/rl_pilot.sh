@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/rl_pilot.sh prep            # generate / mask / split the datasets once (one process)
 #   bash benchmarks/rl_pilot.sh cases | xargs -P 2 -L 1 bash benchmarks/rl_pilot.sh case   # every case
-#   bash benchmarks/rl_pilot.sh merge           # the table with paired-bootstrap intervals
+#   bash benchmarks/rl_pilot.sh merge           # the table with paired-bootstrap intervals (runs no missing case)
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -26,7 +26,7 @@ case "${1:-}" in
   cases) for s in $SEEDS; do for d in ${DATASETS//,/ }; do echo "$d $s"; done; done ;;
   case) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --bootstrap 0 \
           --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3.log" 2>&1 && echo "done $2 seed $3" || echo "FAILED $2 seed $3" ;;
-  merge) $PY -m benchmarks.rl_bench --datasets "$DATASETS" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON \
+  merge) $PY -m benchmarks.rl_bench --datasets "$DATASETS" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON --report-only \
           --merge "$(ls "$OUT"/hopper-*.json | paste -sd,)" --out "$OUT/merged.json" ;;
   *) echo "usage: $0 prep | cases | case DATASET SEED | merge" >&2; exit 2 ;;
 esac

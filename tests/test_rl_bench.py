@@ -249,3 +249,21 @@ def test_behaviour_policy_names_the_datasets_and_the_case_settings(tmp_path, mon
             ([f"hopper={pol}", f"hopper={pol}"], "twice"):
         with pytest.raises(SystemExit, match=msg):
             rl_bench.parse_behaviour(bad)
+
+
+def test_report_only_runs_no_missing_case(full_run, monkeypatch, tmp_path):
+    import shutil
+
+    from benchmarks import rl_bench
+
+    monkeypatch.setattr(rl_bench, "_run_ours", lambda *a, **k: pytest.fail("--report-only ran a case"))
+    out = tmp_path / "copy.json"
+    shutil.copy(full_run["out"], out)
+    args = list(full_run["args"])
+    args[args.index("--seeds") + 1] = "0,1,2"  # seed 2 never ran
+    args[args.index("--out") + 1] = str(out)
+    # (--on-mismatch redo: earlier tests of this module may have rerun cases of the shared run with another --lr;
+    # with --report-only such cases are left out, not rerun)
+    rl_bench.main(args + ["--report-only", "--on-mismatch", "redo"])
+    res = json.loads(out.read_text())
+    assert not any(k.endswith("/2") for k in res["cases"]) and "hopper-random-po" in res["table"]
