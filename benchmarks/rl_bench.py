@@ -46,10 +46,11 @@ For the decisive DM-vs-DT experiment (``docs/experiments/rl.md``, "Decisive expe
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
-import math
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,14 @@ TARGET_MODES = ("env", "data-best")
 
 
 def parse_behaviour(items: list[str]) -> dict[str, dict]:
-    """``--behaviour FAMILY=PATH`` items -> ``{family: {"path", "sha256"}}`` (the hash names the datasets)."""
+    """``--behaviour FAMILY=PATH`` items -> ``{family: {"path", "sha256"}}`` (the hash names the datasets).
+
+    Each file is read and hashed once per process (``case_settings`` asks for every case it compares)."""
+    return _parse_behaviour(tuple(items))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_behaviour(items: tuple[str, ...]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for item in items:
         fam, sep, path = item.partition("=")
