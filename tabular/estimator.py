@@ -214,6 +214,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             onto 8-24 principal components when that beats keeping them on a holdout of the train rows
             (``reduction_scores_`` lists the candidates); an int always projects onto that many (standardised)
             components; None never reduces. ``feature_reduction_`` describes what the fit chose.
+        onehot_max_levels: 0 (default): a categorical column is one column of codes. An int L >= 3: a categorical
+            column with 3 to L codes on the train rows (levels, plus missing when present) becomes one 0/1 column
+            per code (``tabular.preprocess``), so a rule on one level is a threshold on one column.
         finetune_steps: 0 (default) predicts purely in context. A positive number adapts a copy of the model to
             this table first: that many AdamW steps (rate ``finetune_lr``, gradient norm clipped at 1) on the
             in-context loss of the train rows, each step drawing two ensemble views and a stratified split of at
@@ -244,6 +247,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         softmax_temperature="auto",
         norm_methods=("none", "power"),
         feature_reduction="auto",
+        onehot_max_levels: int = 0,
         finetune_steps: int = 0,
         finetune_lr: float = 3e-4,
         verbose: bool = False,
@@ -260,6 +264,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.softmax_temperature = softmax_temperature
         self.norm_methods = norm_methods
         self.feature_reduction = feature_reduction
+        self.onehot_max_levels = onehot_max_levels
         self.finetune_steps = finetune_steps
         self.finetune_lr = finetune_lr
         self.verbose = verbose
@@ -371,7 +376,7 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError("y contains missing labels (NaN/None); drop those rows or label them")
         check_classification_targets(y)
         self.classes_, y_enc = np.unique(y, return_inverse=True)
-        self._pre = TablePreprocessor()
+        self._pre = TablePreprocessor(onehot_max_levels=self.onehot_max_levels)
         Xv, is_cat = self._pre.fit_transform(df)
         self._device = self._resolve_device()
         model = _get_model(self.checkpoint, self._device)

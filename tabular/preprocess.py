@@ -10,6 +10,10 @@ Rules (fitted on the train table, applied unchanged at predict time):
   the model imputes the train mean. Datetime and timedelta columns are numeric (nanoseconds).
 * Missing means None, NaN, NaT or pandas' NA (the nullable ``boolean``, ``string``, ``Int64``, ``Float64`` dtypes).
 * Columns that are entirely missing or constant on the train rows carry no information and are dropped.
+* With ``onehot_max_levels`` = L >= 3, a categorical column with 3 to L codes on the train rows (its levels, plus the
+  missing code when train cells are missing) becomes one 0/1 column per code instead (still flagged categorical);
+  a category unseen at fit time is all zeros unless missing cells were seen at fit (then it is the missing
+  indicator, as with codes). Binary columns stay one column. 0 (default): codes for every categorical column.
 """
 
 from __future__ import annotations
@@ -71,8 +75,16 @@ def _as_numeric(s):
 class TablePreprocessor:
     """Fitted column rules; ``fit_transform`` on train, ``transform`` on new rows."""
 
-    kinds_: list = field(default_factory=list)  # per input column: "num", "cat" or "drop"
+    onehot_max_levels: int = 0  # categorical columns with 3..this many codes are one-hot encoded (0: never)
+    kinds_: list = field(default_factory=list)  # per input column: "num", "cat", "onehot" or "drop"
     categories_: dict = field(default_factory=dict)  # column index -> {value: code}
+    onehot_: dict = field(default_factory=dict)  # column index -> codes that get an indicator column
+
+    def __post_init__(self) -> None:
+        m = self.onehot_max_levels
+        if not (isinstance(m, (int, np.integer)) and not isinstance(m, bool) and (m == 0 or m >= 3)):
+            raise ValueError(f"onehot_max_levels must be 0 (never) or an int >= 3 (most codes of a one-hot "
+                             f"encoded column), got {m!r}")
 
     def _column_values(self, s, j: int, *, fitting: bool) -> np.ndarray:
         import pandas as pd
@@ -110,7 +122,7 @@ class TablePreprocessor:
     def fit_transform(self, X) -> tuple[np.ndarray, np.ndarray]:
         """Fit the rules on the train table; returns ``(values (n, F') float32, is_categorical (F',) bool)``."""
         df = to_frame(X)
-        self.kinds_, self.categories_ = [], {}
+        self.kinds_, self.categories_, self.onehot_ = [], {}, {}
         cols, cats = [], []
         for j in range(df.shape[1]):
             self.kinds_.append(None)
@@ -119,9 +131,15 @@ class TablePreprocessor:
             if finite.size == 0 or np.all(finite == finite[0]) and (kind == "num" or np.all(v == v[0])):
                 self.kinds_[j] = "drop"
                 continue
+            codes = np.unique(v) if kind == "cat" else ()
+            if kind == "cat" and self.onehot_max_levels and 3 <= len(codes) <= self.onehot_max_levels:
+                kind, self.onehot_[j] = "onehot", codes
+                cols.extend(self._indicators(v, codes))
+                cats.extend([True] * len(codes))
+            else:
+                cols.append(v)
+                cats.append(kind == "cat")
             self.kinds_[j] = kind
-            cols.append(v)
-            cats.append(kind == "cat")
         n_dropped = sum(k == "drop" for k in self.kinds_)
         if n_dropped:
             logger.info("dropped %d constant or all-missing column(s)", n_dropped)
@@ -132,9 +150,17 @@ class TablePreprocessor:
         df = to_frame(X)
         if df.shape[1] != len(self.kinds_):
             raise ValueError(f"X has {df.shape[1]} columns but the model was fitted on {len(self.kinds_)}")
-        cols = [self._column_values(df.iloc[:, j], j, fitting=False)[0]
-                for j in range(df.shape[1]) if self.kinds_[j] != "drop"]
+        cols = []
+        for j in range(df.shape[1]):
+            if self.kinds_[j] == "onehot":
+                cols.extend(self._indicators(self._encode(df.iloc[:, j], j), self.onehot_[j]))
+            elif self.kinds_[j] != "drop":
+                cols.append(self._column_values(df.iloc[:, j], j, fitting=False)[0])
         return self._stack(cols, len(df))
+
+    @staticmethod
+    def _indicators(v: np.ndarray, codes) -> list:
+        return [(v == c).astype(np.float64) for c in codes]
 
     @staticmethod
     def _stack(cols: list, n: int) -> np.ndarray:
