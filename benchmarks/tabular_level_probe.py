@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import env_info, format_table, write_json_atomic
+from benchmarks.common import env_info, format_table, read_json, write_json_atomic
 
 ENCODINGS = ("codes", "onehot", "bands")
 
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--n-estimators", type=int, default=8, help="TabICL ensemble members (its default: 8)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/tabular_level_probe.json"))
+    p.add_argument("--summarize", action="store_true",
+                   help="only (re)write the summary table of the rows already in --out (a stopped run); fit nothing")
     args = p.parse_args(argv)
     try:
         widths = [int(w) for w in args.widths.split(",")]
@@ -89,30 +91,36 @@ def main(argv: list[str] | None = None) -> int:
     bad = [e for e in encodings if e not in ENCODINGS]
     if bad or any(w < 3 for w in widths):
         p.error(f"--encodings must be among {ENCODINGS} (got {bad}) and every width at least 3 (got {widths})")
-    rows = []
-    for width in widths:
-        for enc in encodings:
-            for seed in seeds:
-                rows.append(run_case(args.rows, width, seed, enc, args.n_estimators))
-                print(rows[-1], file=sys.stderr, flush=True)
-                write_json_atomic(args.out, {"env": env_info(), "args": {**vars(args), "out": str(args.out)},
-                                             "rows": rows})
-    # mean over seeds per (width, encoding)
+    if args.summarize:
+        old = read_json(args.out)
+        if not old or "rows" not in old:
+            p.error(f"--summarize needs a result JSON with rows at {args.out}")
+        rows, env, run_args = old["rows"], old["env"], old["args"]
+    else:
+        rows, env, run_args = [], env_info(), {**vars(args), "out": str(args.out)}
+        for width in widths:
+            for enc in encodings:
+                for seed in seeds:
+                    rows.append(run_case(args.rows, width, seed, enc, args.n_estimators))
+                    print(rows[-1], file=sys.stderr, flush=True)
+                    write_json_atomic(args.out, {"env": env, "args": run_args, "rows": rows})
+    # mean over the seeds found per (width, encoding)
     table = []
-    for width in widths:
-        for enc in encodings:
+    for width in sorted({r["width"] for r in rows}):
+        for enc in [e for e in ENCODINGS if any(r["encoding"] == e for r in rows)]:
             sel = [r for r in rows if r["width"] == width and r["encoding"] == enc]
+            if not sel:
+                continue
             line = {"width": width, "encoding": enc, "seeds": len(sel),
-                    "majority": round(np.mean([r["majority"] for r in sel]), 3),
-                    "TabICL": round(np.mean([r["TabICL"] for r in sel]), 3)}
+                    "majority": round(float(np.mean([r["majority"] for r in sel])), 3),
+                    "TabICL": round(float(np.mean([r["TabICL"] for r in sel])), 3)}
             for peer in ("LogisticRegression", "HistGradientBoosting"):
                 if peer in sel[0]:
-                    line[peer] = round(np.mean([r[peer] for r in sel]), 3)
+                    line[peer] = round(float(np.mean([r[peer] for r in sel])), 3)
             table.append(line)
     print(format_table(table, ["width", "encoding", "seeds", "majority", "TabICL", "LogisticRegression",
                                "HistGradientBoosting"]))
-    write_json_atomic(args.out, {"env": env_info(), "args": {**vars(args), "out": str(args.out)}, "rows": rows,
-                                 "table": table})
+    write_json_atomic(args.out, {"env": env, "args": run_args, "rows": rows, "table": table})
     return 0
 
 

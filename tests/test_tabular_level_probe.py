@@ -33,6 +33,11 @@ def test_small_run_writes_rows(tmp_path):
     assert [r["encoding"] for r in data["rows"]] == ["codes", "onehot"]
     assert "LogisticRegression" in data["rows"][0] and "LogisticRegression" not in data["rows"][1]
     assert all(0 <= r["TabICL"] <= 1 for r in data["rows"]) and len(data["table"]) == 2
+    # a stopped run: --summarize rebuilds the table from the rows found, fitting nothing
+    out.write_text(json.dumps({k: v for k, v in data.items() if k != "table"} | {"rows": data["rows"][:1]}))
+    assert probe.main(["--summarize", "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["table"] == data["table"][:1] and again["rows"] == data["rows"][:1]
 
 
 def test_bad_arguments_exit_with_usage():
