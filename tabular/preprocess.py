@@ -131,8 +131,8 @@ class TablePreprocessor:
             if finite.size == 0 or np.all(finite == finite[0]) and (kind == "num" or np.all(v == v[0])):
                 self.kinds_[j] = "drop"
                 continue
-            codes = np.unique(v) if kind == "cat" else ()
-            if kind == "cat" and self.onehot_max_levels and 3 <= len(codes) <= self.onehot_max_levels:
+            codes = np.unique(v) if kind == "cat" and self.onehot_max_levels else ()  # only when one-hot is on
+            if 3 <= len(codes) <= self.onehot_max_levels:
                 kind, self.onehot_[j] = "onehot", codes
                 cols.extend(self._indicators(v, codes))
                 cats.extend([True] * len(codes))
