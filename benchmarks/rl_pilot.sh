@@ -8,6 +8,11 @@
 #   bash benchmarks/rl_pilot.sh prep            # generate / mask / split the datasets once (one process)
 #   bash benchmarks/rl_pilot.sh cases | xargs -P 2 -L 1 bash benchmarks/rl_pilot.sh case   # every case
 #   bash benchmarks/rl_pilot.sh merge           # the table with paired-bootstrap intervals (runs no missing case)
+#   bash benchmarks/rl_pilot.sh controls DATASET SEED   # dt-small, dm-random, dm-fixed after that case's DM
+#   bash benchmarks/rl_pilot.sh merge-controls DATASET  # DM, DT and the controls on one dataset
+#
+# The decisive run (docs/experiments/rl.md, "the decisive run at the pilot's settings") is this script with
+# SEEDS="0 1 2 3 4 5 6 7 8 9", then the controls on hopper-medium-replay for the same seeds.
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -26,7 +31,13 @@ case "${1:-}" in
   cases) for s in $SEEDS; do for d in ${DATASETS//,/ }; do echo "$d $s"; done; done ;;
   case) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --bootstrap 0 \
           --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3.log" 2>&1 && echo "done $2 seed $3" || echo "FAILED $2 seed $3" ;;
+  controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --algos dm,dt-small,dm-random,dm-fixed \
+          --bootstrap 0 --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3-controls.log" 2>&1 \
+          && echo "done controls $2 seed $3" || echo "FAILED controls $2 seed $3" ;;
+  merge-controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON \
+          --algos dm,dt,dt-small,dm-random,dm-fixed --report-only --merge "$(ls "$OUT"/$2-s*.json | paste -sd,)" \
+          --out "$OUT/merged-controls-$2.json" ;;
   merge) $PY -m benchmarks.rl_bench --datasets "$DATASETS" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON --report-only \
           --merge "$(ls "$OUT"/hopper-*.json | paste -sd,)" --out "$OUT/merged.json" ;;
-  *) echo "usage: $0 prep | cases | case DATASET SEED | merge" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | cases | case DATASET SEED | merge | controls DATASET SEED | merge-controls DATASET" >&2; exit 2 ;;
 esac
