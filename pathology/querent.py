@@ -288,19 +288,74 @@ def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLay
     return torch.where(out >= nr, -1, out)
 
 
-def _per_query_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, max_union: int, budget_bytes: int,
-                     group: int) -> int:
-    """Query regions per step of :func:`per_query_region_attention` so a step stays under ``budget_bytes``.
+def _per_query_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, k_sel: int, budget_bytes: int) -> int:
+    """Query regions whose selections :func:`per_query_region_attention` computes per step.
 
-    A step over ``C`` regions holds bounds and selections against every region (``B·H·C·R²·NR``, fp32 and
-    bool) and, per group of ``group`` queries and the union of at most ``U`` regions it chose, the gathered
-    keys and values (``U·R²·2·head_dim`` fp32), the mask (bool) and the scores (fp32) of ``group·U·R²`` pairs.
+    A step over ``C`` regions holds the bounds of its queries against every region (``B·H·C·R²·NR`` fp32),
+    their top-k (values and ids) and the ids each query attends (``B·H·C·R²·k_sel`` int64, a few copies).
     """
     bs = layout.region_size**2
     nr = max(1, layout.num_regions)
-    groups = bs // group
-    per_region = B * H * (5 * bs * nr + groups * (4 * max_union * bs * 2 * head_dim + 9 * group * max_union * bs))
+    per_region = B * H * bs * (4 * nr + 40 * k_sel + 4 * head_dim)
     return max(1, min(nr, budget_bytes // max(1, per_region)))
+
+
+def _union_attention(q_GgD: torch.Tensor, ids_GgK: torch.Tensor, bh_G2: torch.Tensor, k_blocks: torch.Tensor,
+                     v_blocks: torch.Tensor, kvalid: torch.Tensor, nr: int, scale: float,
+                     budget_bytes: int) -> torch.Tensor:
+    """Exact attention of each query over the keys of its own regions, for groups of queries.
+
+    A group's queries are computed together over the *union* of the regions they chose (gathered once), each
+    query's scores outside its own regions set to -inf. Groups are taken in order of union size, largest
+    first, and batched so that one batch's working set stays under ``budget_bytes``; a batch is padded
+    only to its own largest union (padding regions are masked), not to the largest union of the bag.
+
+    Args:
+        q_GgD: (G, g, D) queries, ``g`` per group.
+        ids_GgK: (G, g, K) int64 region ids each query attends; ``nr`` = none.
+        bh_G2: (G, 2) int64 (batch, head) of each group.
+        k_blocks, v_blocks: (B, H, NR, R², D) keys and values in region blocks.
+        kvalid: (B, NR, R²) bool, True = a real patch.
+
+    Returns:
+        (G, g, D) attention output.
+    """
+    G, g, K = ids_GgK.shape
+    bs, D = k_blocks.shape[-2], k_blocks.shape[-1]
+    dev = q_GgD.device
+    union = torch.zeros(G, nr + 1, dtype=torch.bool, device=dev)
+    union.scatter_(1, ids_GgK.reshape(G, g * K), True)
+    union = union[:, :nr]
+    count = union.sum(1)  # (G,) regions in each group's union
+    order = torch.argsort(count, descending=True, stable=True)
+    outs, done = [], []
+    i = 0
+    while i < G:
+        U = max(1, int(count[order[i]]))  # the largest union left (order is descending)
+        per_group = 4 * U * bs * (2 * D + 3 * g) + 16 * g * (U + K) + 8 * (nr + 1)
+        n = max(1, min(G - i, budget_bytes // per_group))
+        sel = order[i : i + n]
+        i += n
+        u_val, u_idx = union[sel].to(torch.int8).topk(U, dim=1)  # (n, U): the union's ids first, then padding
+        u_ok = u_val.bool()
+        b, h = bh_G2[sel, 0:1], bh_G2[sel, 1:2]  # (n, 1) each
+        kg = k_blocks[b, h, u_idx].reshape(n, U * bs, D)  # (n, U·R², D) gathered once per group
+        vg = v_blocks[b, h, u_idx].reshape(n, U * bs, D)
+        # Where each chosen region sits in the group's union (U = not there: "none" ids and nothing else).
+        pos = torch.full((n, nr + 1), U, dtype=torch.long, device=dev)
+        pos.scatter_(1, torch.where(u_ok, u_idx, nr), torch.arange(U, device=dev).expand(n, U))
+        pos[:, nr] = U
+        qpos = pos.gather(1, ids_GgK[sel].reshape(n, g * K)).view(n, g, K)
+        member = torch.zeros(n, g, U + 1, dtype=torch.bool, device=dev).scatter_(2, qpos, True)[..., :U]
+        key_ok = kvalid[b, u_idx] & u_ok[..., None]  # (n, U, R²)
+        bias_q = torch.zeros(n, g, U, dtype=q_GgD.dtype, device=dev).masked_fill_(~member, float("-inf"))
+        bias_k = torch.zeros(n, U, bs, dtype=q_GgD.dtype, device=dev).masked_fill_(~key_ok, float("-inf"))
+        s = torch.bmm(q_GgD[sel] * scale, kg.transpose(1, 2)).view(n, g, U, bs)
+        s = (s + bias_q[..., None] + bias_k[:, None]).view(n, g, U * bs)
+        outs.append(torch.bmm(torch.softmax(s, dim=-1), vg))  # (n, g, D)
+        done.append(sel)
+    out = torch.cat(outs, 0)
+    return out[torch.argsort(torch.cat(done))]  # back in group order
 
 
 def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, layout: RegionLayout,
@@ -311,10 +366,11 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
     Every query attends exactly to the keys of its region's neighbourhood (``layout.neighbours``) plus the
     ``topk`` other regions with the highest bound ``Σ_i max(q_i·min_i, q_i·max_i)`` for that query. Groups
     of ``query_group`` consecutive queries of a region are computed together over the union of their
-    choices (gathered once), each query masked to its own regions; the union is at most
-    ``M + query_group·topk`` regions (1 = no sharing: every query gathers its own keys; larger groups
-    gather less often but attend more masked keys). Query regions go a batch at a time, sized to
-    ``budget_bytes`` for the worst-case union.
+    choices (gathered once), each query masked to its own regions (``1`` = no sharing: every query gathers
+    its own keys; larger groups gather less often but score more masked keys; ``R²`` = one group per
+    region). The result is exact for every group size; only the cost changes.
+    Selections are computed a batch of query regions at a time and the attention a batch of groups at a
+    time, each sized to ``budget_bytes``.
 
     Args:
         q_BHSD, k_BHSD, v_BHSD: (B, H, S, hd) in the region-padded layout (S = NR·R²).
@@ -332,56 +388,40 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
     neigh = layout.neighbours  # (NR, M)
     M = neigh.shape[1]
     k_extra = min(topk, nr)
+    width = min(M + k_extra, nr)  # ids kept per query (every valid id fits: a query attends at most nr regions)
     g = math.gcd(bs, max(1, int(query_group)))  # queries per group; divides the region's R² slots
-    ng = bs // g  # groups per region
-    max_union = min(nr, M + g * k_extra)
-    chunk = _per_query_chunk(layout, B, H, hd, max_union, budget_bytes, g)
+    chunk = _per_query_chunk(layout, B, H, hd, M + k_extra, budget_bytes)
     kmin, kmax = _region_summaries(k_BHSD.detach(), key_padding_mask, bs, max(1, chunk))  # (B, H, NR, hd)
-    k_blocks = k_BHSD.reshape(B, H, nr, bs, hd)
-    v_blocks = v_BHSD.reshape(B, H, nr, bs, hd)
-    kvalid = (~key_padding_mask).reshape(B, nr, bs)  # (B, NR, bs)
     forced_all = torch.zeros(nr, nr + 1, dtype=torch.bool, device=q_BHSD.device)
     forced_all.scatter_(1, torch.where(neigh < 0, nr, neigh), True)
     forced_all = forced_all[:, :nr]  # (NR, NR) region r always attends region n
-    b_ar = torch.arange(B, device=q_BHSD.device).view(B, 1, 1, 1)
-    h_ar = torch.arange(H, device=q_BHSD.device).view(1, H, 1, 1)
-    scale = 1.0 / math.sqrt(hd)
-    outs, chosen = [], []
+    neigh_ids = torch.where(neigh < 0, nr, neigh)  # (NR, M), nr = none
+    ids_all = []
     for c0 in range(0, nr, chunk):
         c1 = min(nr, c0 + chunk)
         C = c1 - c0
-        # Padded query rows copy a real query of their region (their selection is never used).
+        # Padded query rows copy a real query of their region, so every row's choice is a real query's.
         rows = q_BHSD.detach()[:, :, layout.fill_src[c0 * bs : c1 * bs]]  # (B, H, C·bs, hd)
         scores = block_upper_bound(rows, kmin, kmax).view(B, H, C, bs, nr)
-        forced = forced_all[c0:c1][None, None, :, None, :]  # (1, 1, C, 1, NR)
-        scores = scores.masked_fill(forced, float("-inf"))
-        sel = forced.expand(B, H, C, bs, nr).clone()  # (B, H, C, bs, NR) regions each query attends
+        scores = scores.masked_fill(forced_all[c0:c1][None, None, :, None, :], float("-inf"))
+        own = neigh_ids[c0:c1][None, None, :, None, :].expand(B, H, C, bs, M)
         if k_extra > 0:
             top = scores.topk(k_extra, dim=-1)
-            # Entries whose bound is -inf (forced neighbours, empty regions) are not chosen: OR, never overwrite.
-            sel |= torch.zeros_like(sel).scatter_(-1, top.indices, ~torch.isneginf(top.values))
-        G = C * ng  # query groups in this chunk
-        sel_g = sel.view(B, H, G, g, nr)
-        union = sel_g.any(dim=3)  # (B, H, G, NR)
-        U = max(1, int(union.sum(-1).max()))
-        u_val, u_idx = union.to(torch.int8).topk(U, dim=-1)  # (B, H, G, U) chosen ids first
-        u_ok = u_val.bool()
-        kg = k_blocks[b_ar, h_ar, u_idx]  # (B, H, G, U, bs, hd)
-        vg = v_blocks[b_ar, h_ar, u_idx]
-        member = sel_g.gather(-1, u_idx[:, :, :, None, :].expand(B, H, G, g, U)) & u_ok[:, :, :, None, :]
-        key_ok = kvalid[b_ar, u_idx]  # (B, H, G, U, bs)
-        keep = (member[..., None] & key_ok[:, :, :, None]).reshape(B, H, G, g, U * bs)
-        # A query whose regions hold no real key (only possible for empty slots) sees all: finite, unused.
-        keep = keep | ~keep.any(-1, keepdim=True)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q_BHSD[:, :, c0 * bs : c1 * bs].reshape(B, H, G, g, hd), kg.reshape(B, H, G, U * bs, hd),
-            vg.reshape(B, H, G, U * bs, hd), attn_mask=keep, scale=scale)  # (B, H, G, g, hd)
-        outs.append(o.reshape(B, H, C * bs, hd))
-        ids = torch.where(sel, torch.arange(nr, device=sel.device), nr)  # (B, H, C, bs, NR)
-        kk = M + k_extra
-        ids = ids.topk(min(kk, nr), dim=-1, largest=False).values  # ascending; nr = unused
-        chosen.append(torch.where(ids >= nr, -1, ids).reshape(B, H, C * bs, -1))
-    return torch.cat(outs, dim=2), torch.cat(chosen, dim=2)
+            # A -inf bound (a forced neighbour, an empty region) is never chosen.
+            extra = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
+            ids = torch.cat([own, extra], dim=-1)
+        else:
+            ids = own
+        del scores
+        ids_all.append(ids.sort(dim=-1).values[..., :width].reshape(B, H, C * bs, width))  # ascending; nr = none
+    ids = torch.cat(ids_all, dim=2)  # (B, H, S, width)
+    G = B * H * (S // g)
+    bh = torch.stack(torch.meshgrid(torch.arange(B, device=ids.device), torch.arange(H, device=ids.device),
+                                    indexing="ij"), -1).view(B, H, 1, 2).expand(B, H, S // g, 2).reshape(G, 2)
+    o = _union_attention(q_BHSD.reshape(G, g, hd), ids.view(G, g, width), bh,
+                         k_BHSD.reshape(B, H, nr, bs, hd), v_BHSD.reshape(B, H, nr, bs, hd),
+                         (~key_padding_mask).reshape(B, nr, bs), nr, 1.0 / math.sqrt(hd), budget_bytes)
+    return o.view(B, H, S, hd), torch.where(ids >= nr, -1, ids)
 
 
 # ------------------------------------------------------------------------------------------------ layers

@@ -99,6 +99,37 @@ def test_per_query_selects_per_query_by_its_own_bound():
     assert distinct > 0  # queries of one region chose differently: the choice really is per query
 
 
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_per_query_attention_and_its_gradients_match_masked_dense_attention(group):
+    """Every group size and batch size (a 1-byte budget: one group per batch) gives the same output and the
+    same gradients as dense attention masked to each query's own regions."""
+    coords = _grid(14, 13, 0.7, seed=2)
+    lay, pad, q, k, v = _qkv(coords, 4, seed=7)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    bs = 16
+    outs = {}
+    w = torch.randn_like(q)
+    for budget in (1, 32 * 2**20):
+        o, idx = per_query_region_attention(q, k, v, lay, topk=3, key_padding_mask=pad, budget_bytes=budget,
+                                            query_group=group)
+        grads = torch.autograd.grad((o[:, :, lay.slot] * w[:, :, lay.slot]).sum(), (q, k, v))
+        outs[budget] = (o, idx, grads)
+    torch.testing.assert_close(outs[1][0], outs[32 * 2**20][0])
+    assert torch.equal(outs[1][1], outs[32 * 2**20][1])
+    for a, b in zip(outs[1][2], outs[32 * 2**20][2]):
+        torch.testing.assert_close(a, b)
+    # reference: dense attention, each query allowed the keys of exactly the regions it reports
+    region_of_key = torch.arange(lay.padded_len) // bs
+    allowed = (idx[0][..., None] == region_of_key).any(-2) & ~pad[0]  # (H, S, S)
+    qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    s = (qr @ kr.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    ref = torch.softmax(s.masked_fill(~allowed[None], float("-inf")), -1) @ vr
+    ref_grads = torch.autograd.grad((ref[:, :, lay.slot] * w[:, :, lay.slot]).sum(), (qr, kr, vr))
+    torch.testing.assert_close(o[:, :, lay.slot], ref[:, :, lay.slot], atol=1e-5, rtol=1e-4)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got[:, :, lay.slot], want[:, :, lay.slot], atol=1e-5, rtol=1e-4)
+
+
 def test_per_query_model_trains_and_reports_its_index():
     coords = _grid(12, 12, 0.9)
     m = Querent(QuerentConfig(in_dim=8, dim=16, num_heads=2, region_size=4, topk=1, selection="query"))
