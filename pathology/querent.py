@@ -12,8 +12,8 @@ of ``block_size = R²`` rows in the block-sparse format of :mod:`core.blockspars
 
 ``selection`` chooses who picks the ``topk`` regions: ``"region"`` (above, the default: one choice per query
 region, shared by its queries), ``"query"`` (every query picks its own ``topk`` by its own bound, as in
-the published per-query bound; the region's queries are attended together over the union of their
-choices, each masked to its own, so it costs more than ``"region"``), or ``"dense"`` (exact attention
+the published per-query bound; each query attends exactly its own choice, computed by key region, so it
+costs more than ``"region"``), or ``"dense"`` (exact attention
 over all patches, ``core.attention``: the same weights without selection, the reference for the
 approximation error).
 
@@ -77,7 +77,7 @@ class QuerentConfig:
     selection: str = "region"  # "region": topk chosen per query region (max bound over its queries);
     # "query": topk chosen per query by its own bound; "dense": exact attention over all patches (no selection)
     dense_backend: str = "auto"  # core.attention backend of selection="dense" ("auto" is chunked on CPU for large bags)
-    query_group: int = 16  # selection="query": queries whose chosen regions are gathered together (cost knob, exact)
+    query_group: int = 32  # selection="query": queries scored together against one chosen region (tile; cost knob, exact)
     pos_encoding: str = "sincos"  # "sincos": 2-D sine-cosine embedding added to the input; "rope2d": 2-D rotary
     # embedding of queries and keys in every layer (scores depend on the patches' offset); "both"; "none"
     rope_scale: float = 0.25  # rope2d: rotary position units per grid cell (sincos uses the same scale)
@@ -300,77 +300,79 @@ def _per_query_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, k_sel:
     return max(1, min(nr, budget_bytes // max(1, per_region)))
 
 
-def _union_attention(q_GgD: torch.Tensor, ids_GgK: torch.Tensor, bh_G2: torch.Tensor, k_blocks: torch.Tensor,
-                     v_blocks: torch.Tensor, kvalid: torch.Tensor, nr: int, scale: float,
-                     budget_bytes: int) -> torch.Tensor:
-    """Exact attention of each query over the keys of its own regions, for groups of queries.
+def _pair_attention(q_BHSD: torch.Tensor, ids_BHSK: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                    kvalid: torch.Tensor, nr: int, scale: float, budget_bytes: int, tile: int) -> torch.Tensor:
+    """Exact attention of every query over the keys of its own regions, computed by key region.
 
-    A group's queries are computed together over the *union* of the regions they chose (gathered once), each
-    query's scores outside its own regions set to -inf. Groups are taken in order of union size, largest
-    first, and batched so that one batch's working set stays under ``budget_bytes``; a batch is padded
-    only to its own largest union (padding regions are masked), not to the largest union of the bag.
+    The (query, region) pairs are sorted by region and packed into tiles of ``tile`` queries of one region, so
+    a region's keys and values are read once per tile and scored against its queries with one matrix product;
+    no key is gathered per query and no query scores a region it did not choose. Each query's softmax is
+    assembled across its tiles (running maxima and sums by scatter). Queries go in batches sized so that one
+    batch's working set stays under ``budget_bytes``.
 
     Args:
-        q_GgD: (G, g, D) queries, ``g`` per group.
-        ids_GgK: (G, g, K) int64 region ids each query attends; ``nr`` = none.
-        bh_G2: (G, 2) int64 (batch, head) of each group.
+        q_BHSD: (B, H, S, D) queries.
+        ids_BHSK: (B, H, S, K) int64 region ids each query attends; ``nr`` = none.
         k_blocks, v_blocks: (B, H, NR, R², D) keys and values in region blocks.
         kvalid: (B, NR, R²) bool, True = a real patch.
 
     Returns:
-        (G, g, D) attention output.
+        (B, H, S, D) attention output.
     """
-    G, g, K = ids_GgK.shape
-    bs, D = k_blocks.shape[-2], k_blocks.shape[-1]
-    dev = q_GgD.device
-    union = torch.zeros(G, nr + 1, dtype=torch.bool, device=dev)
-    union.scatter_(1, ids_GgK.reshape(G, g * K), True)
-    union = union[:, :nr]
-    count = union.sum(1)  # (G,) regions in each group's union
-    order = torch.argsort(count, descending=True, stable=True)
-    outs, done = [], []
-    i = 0
-    while i < G:
-        U = max(1, int(count[order[i]]))  # the largest union left (order is descending)
-        per_group = 4 * U * bs * (2 * D + 3 * g) + 16 * g * (U + K) + 8 * (nr + 1)
-        n = max(1, min(G - i, budget_bytes // per_group))
-        sel = order[i : i + n]
-        i += n
-        u_val, u_idx = union[sel].to(torch.int8).topk(U, dim=1)  # (n, U): the union's ids first, then padding
-        u_ok = u_val.bool()
-        b, h = bh_G2[sel, 0:1], bh_G2[sel, 1:2]  # (n, 1) each
-        kg = k_blocks[b, h, u_idx].reshape(n, U * bs, D)  # (n, U·R², D) gathered once per group
-        vg = v_blocks[b, h, u_idx].reshape(n, U * bs, D)
-        # Where each chosen region sits in the group's union (U = not there: "none" ids and nothing else).
-        pos = torch.full((n, nr + 1), U, dtype=torch.long, device=dev)
-        pos.scatter_(1, torch.where(u_ok, u_idx, nr), torch.arange(U, device=dev).expand(n, U))
-        pos[:, nr] = U
-        qpos = pos.gather(1, ids_GgK[sel].reshape(n, g * K)).view(n, g, K)
-        member = torch.zeros(n, g, U + 1, dtype=torch.bool, device=dev).scatter_(2, qpos, True)[..., :U]
-        key_ok = kvalid[b, u_idx] & u_ok[..., None]  # (n, U, R²)
-        bias_q = torch.zeros(n, g, U, dtype=q_GgD.dtype, device=dev).masked_fill_(~member, float("-inf"))
-        bias_k = torch.zeros(n, U, bs, dtype=q_GgD.dtype, device=dev).masked_fill_(~key_ok, float("-inf"))
-        s = torch.bmm(q_GgD[sel] * scale, kg.transpose(1, 2)).view(n, g, U, bs)
-        s = (s + bias_q[..., None] + bias_k[:, None]).view(n, g, U * bs)
-        outs.append(torch.bmm(torch.softmax(s, dim=-1), vg))  # (n, g, D)
-        done.append(sel)
-    out = torch.cat(outs, 0)
-    return out[torch.argsort(torch.cat(done))]  # back in group order
+    B, H, S, D = q_BHSD.shape
+    K = ids_BHSK.shape[-1]
+    bs = k_blocks.shape[-2]
+    BH, dev = B * H, q_BHSD.device
+    kf, vf = k_blocks.reshape(BH * nr, bs, D), v_blocks.reshape(BH * nr, bs, D)
+    kvf = kvalid[:, None].expand(B, H, nr, bs).reshape(BH * nr, bs)
+    qf, idf = q_BHSD.reshape(BH * S, D), ids_BHSK.reshape(BH * S, K)
+    bh_of_q = torch.arange(BH, device=dev).repeat_interleave(S)
+    # per query: K pairs, each a tile row of scores and weights (fp32, a few copies) plus its bookkeeping
+    per_query = K * (16 * bs + 8 * D + 64)
+    nq = max(1, min(BH * S, budget_bytes // per_query))
+    outs = []
+    for c0 in range(0, BH * S, nq):
+        c1 = min(BH * S, c0 + nq)
+        n = c1 - c0
+        ids = idf[c0:c1]
+        ok = ids < nr
+        lq = torch.arange(n, device=dev)[:, None].expand_as(ids)[ok]  # the query of each pair
+        gr = (bh_of_q[c0:c1, None] * nr + ids)[ok]  # its key region, over all batches and heads
+        gr, order = gr.sort()
+        lq = lq[order]
+        counts = torch.bincount(gr, minlength=BH * nr)
+        ntile = (counts + tile - 1) // tile
+        tile_start = torch.cumsum(ntile, 0) - ntile
+        pair_start = torch.cumsum(counts, 0) - counts
+        pos = tile_start[gr] * tile + (torch.arange(gr.numel(), device=dev) - pair_start[gr])  # (tile, row), flat
+        T = int(ntile.sum())
+        t_reg = torch.repeat_interleave(torch.arange(BH * nr, device=dev), ntile)  # key region of each tile
+        qmap = torch.full((T * tile,), n, dtype=torch.long, device=dev)  # query of each tile row (n = empty row)
+        qmap[pos] = lq
+        qt = qf.new_zeros(T * tile, D).index_put((pos,), qf[c0:c1][lq] * scale).view(T, tile, D)
+        st = torch.bmm(qt, kf[t_reg].transpose(1, 2))  # (T, tile, R²)
+        st = st.masked_fill_(~kvf[t_reg][:, None, :], float("-inf"))  # empty slots; every region has a real patch
+        mx = st.new_full((n + 1,), float("-inf")).scatter_reduce(0, qmap, st.detach().amax(-1).view(-1), "amax")
+        mx[n] = 0.0  # empty rows: finite, discarded
+        e = torch.exp(st - mx[qmap].view(T, tile, 1))
+        den = e.new_zeros(n + 1).index_add(0, qmap, e.sum(-1).view(-1))
+        ot = torch.bmm(e, vf[t_reg]).view(T * tile, D)
+        outs.append(ot.new_zeros(n + 1, D).index_add(0, qmap, ot)[:n] / den[:n, None])
+    return torch.cat(outs, 0).view(B, H, S, D)
 
 
 def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, layout: RegionLayout,
                                topk: int, key_padding_mask: torch.Tensor, budget_bytes: int = 32 * 2**20,
-                               query_group: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                               query_group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Region attention with the ``topk`` regions chosen **per query** by its own Quest bound.
 
     Every query attends exactly to the keys of its region's neighbourhood (``layout.neighbours``) plus the
-    ``topk`` other regions with the highest bound ``Σ_i max(q_i·min_i, q_i·max_i)`` for that query. Groups
-    of ``query_group`` consecutive queries of a region are computed together over the union of their
-    choices (gathered once), each query masked to its own regions (``1`` = no sharing: every query gathers
-    its own keys; larger groups gather less often but score more masked keys; ``R²`` = one group per
-    region). The result is exact for every group size; only the cost changes.
-    Selections are computed a batch of query regions at a time and the attention a batch of groups at a
-    time, each sized to ``budget_bytes``.
+    ``topk`` other regions with the highest bound ``Σ_i max(q_i·min_i, q_i·max_i)`` for that query. The
+    attention is computed by key region: the queries that chose a region are scored against its keys in
+    tiles of ``query_group`` queries (:func:`_pair_attention`), so the cost is that of the chosen pairs, not
+    of a union of choices. The result is exact for every tile size; only the cost changes. Selections are
+    computed a batch of query regions at a time and the attention a batch of queries at a time, each sized
+    to ``budget_bytes``.
 
     Args:
         q_BHSD, k_BHSD, v_BHSD: (B, H, S, hd) in the region-padded layout (S = NR·R²).
@@ -389,7 +391,7 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
     M = neigh.shape[1]
     k_extra = min(topk, nr)
     width = min(M + k_extra, nr)  # ids kept per query (every valid id fits: a query attends at most nr regions)
-    g = math.gcd(bs, max(1, int(query_group)))  # queries per group; divides the region's R² slots
+    tile = max(1, int(query_group))
     chunk = _per_query_chunk(layout, B, H, hd, M + k_extra, budget_bytes)
     kmin, kmax = _region_summaries(k_BHSD.detach(), key_padding_mask, bs, max(1, chunk))  # (B, H, NR, hd)
     forced_all = torch.zeros(nr, nr + 1, dtype=torch.bool, device=q_BHSD.device)
@@ -415,13 +417,9 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
         del scores
         ids_all.append(ids.sort(dim=-1).values[..., :width].reshape(B, H, C * bs, width))  # ascending; nr = none
     ids = torch.cat(ids_all, dim=2)  # (B, H, S, width)
-    G = B * H * (S // g)
-    bh = torch.stack(torch.meshgrid(torch.arange(B, device=ids.device), torch.arange(H, device=ids.device),
-                                    indexing="ij"), -1).view(B, H, 1, 2).expand(B, H, S // g, 2).reshape(G, 2)
-    o = _union_attention(q_BHSD.reshape(G, g, hd), ids.view(G, g, width), bh,
-                         k_BHSD.reshape(B, H, nr, bs, hd), v_BHSD.reshape(B, H, nr, bs, hd),
-                         (~key_padding_mask).reshape(B, nr, bs), nr, 1.0 / math.sqrt(hd), budget_bytes)
-    return o.view(B, H, S, hd), torch.where(ids >= nr, -1, ids)
+    o = _pair_attention(q_BHSD, ids, k_BHSD.reshape(B, H, nr, bs, hd), v_BHSD.reshape(B, H, nr, bs, hd),
+                        (~key_padding_mask).reshape(B, nr, bs), nr, 1.0 / math.sqrt(hd), budget_bytes, tile)
+    return o, torch.where(ids >= nr, -1, ids)
 
 
 # ------------------------------------------------------------------------------------------------ layers
