@@ -591,7 +591,8 @@ def summarize(records: dict[str, dict], *, labels: Sequence[str] = LABELS, model
                                                  max(1, np.sum([r["steps"] for r in rs])))}
             if m != "dense" and dense:
                 d = pooled_auc_ci(rs, n_boot=n_boot, paired_with=dense)
-                row.update(minus_dense=d["auc"], minus_dense_lo=d["lo"], minus_dense_hi=d["hi"])
+                if d["seeds"]:  # no seed with both models on every bag yet: no paired difference
+                    row.update(minus_dense=d["auc"], minus_dense_lo=d["lo"], minus_dense_hi=d["hi"])
             rows.append(row)
     approx = []
     ap = [r for r in records.values() if r["stage"] == "approx"]

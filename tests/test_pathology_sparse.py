@@ -269,6 +269,10 @@ def test_records_resume_and_summary(tmp_path):
     # a seed missing a fold is left out of the pooled AUC, not mixed in
     partial = [r for k, r in recs.items() if r["model"] == "abmil" and not (r["seed"] == 1 and r["fold"] == 1)]
     assert pooled_auc_ci(partial, n_boot=10)["seeds"] == 1
+    # while dense has only part of its folds there is no paired difference (not a NaN in the table)
+    early = {k: r for k, r in recs.items() if r["model"] != "dense" or r["fold"] == 0}
+    rows = {r["model"]: r for r in summarize(early, labels=["spatial"], models=["dense", "abmil"], n_boot=20)["rows"]}
+    assert "minus_dense" not in rows["abmil"] and rows["dense"]["runs"] == 2
 
 
 def test_quick_run_writes_json_and_curve(tmp_path):
