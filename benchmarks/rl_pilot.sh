@@ -11,8 +11,9 @@
 #   bash benchmarks/rl_pilot.sh controls DATASET SEED   # dt-small, dm-random, dm-fixed after that case's DM
 #   bash benchmarks/rl_pilot.sh merge-controls DATASET  # DM, DT and the controls on one dataset
 #
-# The decisive run (docs/experiments/rl.md, "the decisive run at the pilot's settings") is this script with
-# SEEDS="0 1 2 3 4 5 6 7 8 9", then the controls on hopper-medium-replay for the same seeds.
+# The decisive run (docs/experiments/rl.md, "the decisive run at the pilot's settings") is this script with its
+# default seeds, 0-9, then the controls on hopper-medium-replay for the same seeds (each after its case: both
+# write that case's JSON).
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -20,7 +21,7 @@ PY=${PY:-python}
 RUNS=${RUNS:-runs/rl_pilot}
 OUT=${OUT:-benchmarks/results/rl_pilot}
 DATASETS=${DATASETS:-hopper-medium-replay,hopper-medium-expert,hopper-medium-replay-po}
-SEEDS=${SEEDS:-0 1 2 3 4 5}
+SEEDS=${SEEDS:-0 1 2 3 4 5 6 7 8 9}
 COMMON="--behaviour hopper=rl/weights/behaviour_hopper_long.safetensors --dataset-steps 200000 --algos dm,dt
   --steps 2000 --batch-size 64 --lr 1e-3 --warmup 200 --context 20 --embed-dim 64 --heads 1 --dt-layers 4
   --dm-layers 4 --routed-layers 1,3 --capacity-cost 0 --eval-episodes 50 --target-mode data-best
