@@ -273,19 +273,31 @@ def select_regions(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, layout: RegionLay
             # Padded query rows copy a real query of their region, so the max is over real queries only.
             rows = q[:, :, layout.fill_src[c0 * bs : c1 * bs]]  # (B, H, C·bs, hd)
             scores = block_upper_bound(rows, kmin, kmax).view(B, H, C, bs, nr).amax(dim=3)  # (B, H, C, NR)
-        own = neigh[c0:c1]  # (C, M)
-        # Neighbours are always attended (added below), so they are not ranked: their score becomes -inf.
-        forced = torch.zeros(C, nr + 1, dtype=torch.bool, device=scores.device)
-        forced.scatter_(1, torch.where(own < 0, nr, own), True)
-        scores = scores.masked_fill(forced[None, None, :, :nr], float("-inf"))
-        if k_extra > 0:
-            top = scores.topk(k_extra, dim=-1)
-            extra = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
-        else:
-            extra = scores.new_zeros(B, H, C, 0, dtype=torch.long)
-        own_ids = torch.where(own < 0, nr, own)[None, None].expand(B, H, C, M)
-        out[:, :, c0:c1] = torch.cat([own_ids, extra], dim=-1).sort(dim=-1).values  # nr = unused slot
+        own = torch.where(neigh[c0:c1] < 0, nr, neigh[c0:c1])  # (C, M), nr = none
+        out[:, :, c0:c1] = _neighbours_plus_topk(scores, own[None, None], k_extra, nr)
     return torch.where(out >= nr, -1, out)
+
+
+def _neighbours_plus_topk(scores: torch.Tensor, own_ids: torch.Tensor, k_extra: int, nr: int) -> torch.Tensor:
+    """Ascending region ids: the always-attended ``own_ids`` plus the ``k_extra`` best other regions by ``scores``.
+
+    Args:
+        scores: (..., NR) bounds, overwritten (the neighbours' become -inf: they are not ranked).
+        own_ids: (..., M) int64 neighbour ids, ``nr`` = none; its leading dims broadcast to those of ``scores``.
+
+    Returns:
+        int64 (..., M + k_extra), ``nr`` (= none) last.
+    """
+    forced = torch.zeros(*own_ids.shape[:-1], nr + 1, dtype=torch.bool, device=scores.device)
+    forced.scatter_(-1, own_ids, True)  # at own_ids' (unbroadcast) shape
+    scores.masked_fill_(forced[..., :nr], float("-inf"))
+    ids = own_ids = own_ids.expand(*scores.shape[:-1], own_ids.shape[-1])
+    if k_extra > 0:
+        top = scores.topk(k_extra, dim=-1)
+        # A -inf bound (a neighbour, an empty region) is never chosen.
+        extra = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
+        ids = torch.cat([own_ids, extra], dim=-1)
+    return ids.sort(dim=-1).values
 
 
 def _per_query_chunk(layout: RegionLayout, B: int, H: int, head_dim: int, k_sel: int, budget_bytes: int) -> int:
@@ -394,9 +406,6 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
     tile = max(1, int(query_group))
     chunk = _per_query_chunk(layout, B, H, hd, M + k_extra, budget_bytes)
     kmin, kmax = _region_summaries(k_BHSD.detach(), key_padding_mask, bs, max(1, chunk))  # (B, H, NR, hd)
-    forced_all = torch.zeros(nr, nr + 1, dtype=torch.bool, device=q_BHSD.device)
-    forced_all.scatter_(1, torch.where(neigh < 0, nr, neigh), True)
-    forced_all = forced_all[:, :nr]  # (NR, NR) region r always attends region n
     neigh_ids = torch.where(neigh < 0, nr, neigh)  # (NR, M), nr = none
     ids_all = []
     for c0 in range(0, nr, chunk):
@@ -405,17 +414,8 @@ def per_query_region_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
         # Padded query rows copy a real query of their region, so every row's choice is a real query's.
         rows = q_BHSD.detach()[:, :, layout.fill_src[c0 * bs : c1 * bs]]  # (B, H, C·bs, hd)
         scores = block_upper_bound(rows, kmin, kmax).view(B, H, C, bs, nr)
-        scores = scores.masked_fill(forced_all[c0:c1][None, None, :, None, :], float("-inf"))
-        own = neigh_ids[c0:c1][None, None, :, None, :].expand(B, H, C, bs, M)
-        if k_extra > 0:
-            top = scores.topk(k_extra, dim=-1)
-            # A -inf bound (a forced neighbour, an empty region) is never chosen.
-            extra = torch.where(torch.isneginf(top.values), torch.full_like(top.indices, nr), top.indices)
-            ids = torch.cat([own, extra], dim=-1)
-        else:
-            ids = own
-        del scores
-        ids_all.append(ids.sort(dim=-1).values[..., :width].reshape(B, H, C * bs, width))  # ascending; nr = none
+        ids = _neighbours_plus_topk(scores, neigh_ids[c0:c1][None, None, :, None, :], k_extra, nr)
+        ids_all.append(ids[..., :width].reshape(B, H, C * bs, width))  # ascending; nr = none
     ids = torch.cat(ids_all, dim=2)  # (B, H, S, width)
     o = _pair_attention(q_BHSD, ids, k_BHSD.reshape(B, H, nr, bs, hd), v_BHSD.reshape(B, H, nr, bs, hd),
                         (~key_padding_mask).reshape(B, nr, bs), nr, 1.0 / math.sqrt(hd), budget_bytes, tile)
