@@ -796,10 +796,14 @@ def run_approx(args, records: dict, path: str, cohorts: dict[str, list[GridBag]]
                                             "region_size": u[2][1], "topk": u[2][2], "settings_id": args.settings_id})
             not in records]
     cache: dict = {}
+    missing: set[str] = set()
     for lab, f, (sel, R, k) in tqdm(todo, desc="approx", unit="config", disable=args.no_progress):
         wpath = os.path.join(args.work, f"dense_{lab}_s{seed}_f{f}_{args.settings_id}.pt")  # this settings' weights
         if not os.path.exists(wpath):
-            logger.warning("approx: %s missing (run the cv stage for dense, seed %d, first); skipped", wpath, seed)
+            if wpath not in missing:  # one warning per fold, not per grid point
+                missing.add(wpath)
+                logger.warning("approx: %s missing (run the cv stage for dense, seed %d, first); fold %d skipped",
+                               wpath, seed, f)
             continue
         bags = cohorts[lab]
         y = [b.label for b in bags]
