@@ -889,6 +889,18 @@ def format_rows(summary: dict) -> str:
     return format_table(rows, list(rows[0]) if rows else [])
 
 
+def format_approx(summary: dict) -> str:
+    """The approximation rows as a markdown table (selection on the dense-trained weights of each fold)."""
+    from benchmarks.common import format_table
+
+    rows = [{"label": a["label"], "selection": a["selection"], "R": a["region_size"], "topk": a["topk"],
+             "folds": a["folds"], "regions kept per query": f"{a['regions_kept']:.3f}",
+             "rel. error of attention output": f"{a['rel_error']:.3f}", "OOF AUC": f"{a['auc']:.3f}",
+             "dense AUC (same weights)": f"{a['dense_auc']:.3f}"}
+            for a in sorted(summary["approx"], key=lambda a: (a["label"], a["regions_kept"]))]
+    return format_table(rows, list(rows[0]) if rows else [])
+
+
 # -------------------------------------------------------------------------------------------------- CLI
 
 
@@ -1003,6 +1015,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "curves_png": os.path.basename(png) if png else None, **summary})
         if summary["rows"]:
             print(format_rows(summary))
+        if summary["approx"]:
+            print(format_approx(summary))
         print(json.dumps(summary["targets"], indent=1))
     return 0
 
