@@ -62,3 +62,17 @@ def test_regions_for_a_clicked_patch():
     assert img.shape == a.heatmap.shape and f"patch {i} " in text
     r = int(a.region_of_patch[i])
     assert r in a.chosen[:, r]  # every region attends to itself
+
+
+def test_shipped_model_reads_the_bundled_samples_right():
+    """Golden check of the shipped weights through today's pipeline: each bundled sample's file name says its label."""
+    from pathology.inference import analyze_slide
+
+    samples = bundled_samples()
+    assert {os.path.basename(p) for p in samples} >= {"sample_lesion.tiff", "sample_normal.tiff"}
+    for path in samples:
+        a = analyze_slide(path)
+        want = "lesion" if "lesion" in os.path.basename(path) else "no lesion"
+        got = a.class_names[int(np.argmax(a.probabilities))]
+        assert got == want, (path, a.probabilities)
+        assert max(a.probabilities) > 0.9, (path, a.probabilities)
