@@ -22,6 +22,14 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
+def analyses():
+    """Each bundled sample analysed once with the shipped models, shared by the tests below."""
+    from pathology.inference import analyze_slide
+
+    return {path: analyze_slide(path) for path in bundled_samples()}
+
+
+@pytest.fixture(scope="module")
 def served():
     with served_ui("apps.querent.ui") as url:
         yield url
@@ -50,10 +58,10 @@ def test_bad_upload_is_a_clear_error(served, tmp_path):
         client.predict(None, gradio_client.handle_file(str(bad)), None, api_name="/querent_run")
 
 
-def test_regions_for_a_clicked_patch():
-    from pathology.inference import analyze_slide, regions_overlay
+def test_regions_for_a_clicked_patch(analyses):
+    from pathology.inference import regions_overlay
 
-    a = analyze_slide(bundled_samples()[0])
+    a = analyses[bundled_samples()[0]]
     assert a.n_patches > 0 and a.attention.shape == (a.n_patches,)
     assert abs(a.attention.sum() - 1) < 1e-4
     i = int(np.random.default_rng().integers(a.n_patches))
@@ -64,14 +72,10 @@ def test_regions_for_a_clicked_patch():
     assert r in a.chosen[:, r]  # every region attends to itself
 
 
-def test_shipped_model_reads_the_bundled_samples_right():
+def test_shipped_model_reads_the_bundled_samples_right(analyses):
     """Golden check of the shipped weights through today's pipeline: each bundled sample's file name says its label."""
-    from pathology.inference import analyze_slide
-
-    samples = bundled_samples()
-    assert {os.path.basename(p) for p in samples} >= {"sample_lesion.tiff", "sample_normal.tiff"}
-    for path in samples:
-        a = analyze_slide(path)
+    assert {os.path.basename(p) for p in analyses} >= {"sample_lesion.tiff", "sample_normal.tiff"}
+    for path, a in analyses.items():
         want = "lesion" if "lesion" in os.path.basename(path) else "no lesion"
         got = a.class_names[int(np.argmax(a.probabilities))]
         assert got == want, (path, a.probabilities)
