@@ -9,6 +9,7 @@
 #   bash benchmarks/rl_pilot.sh cases | xargs -P 2 -L 1 bash benchmarks/rl_pilot.sh case   # every case
 #   bash benchmarks/rl_pilot.sh merge           # the table with paired-bootstrap intervals (runs no missing case)
 #   bash benchmarks/rl_pilot.sh controls DATASET SEED   # dt-small, dm-random, dm-fixed after that case's DM
+#                                    (CONTROLS=dm,dm-random runs a subset; the arms must include dm)
 #   bash benchmarks/rl_pilot.sh merge-controls DATASET  # DM, DT and the controls on one dataset
 #
 # The decisive run (docs/experiments/rl.md, "the decisive run at the pilot's settings") is this script with its
@@ -32,7 +33,7 @@ case "${1:-}" in
   cases) for s in $SEEDS; do for d in ${DATASETS//,/ }; do echo "$d $s"; done; done ;;
   case) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --bootstrap 0 \
           --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3.log" 2>&1 && echo "done $2 seed $3" || echo "FAILED $2 seed $3" ;;
-  controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --algos dm,dt-small,dm-random,dm-fixed \
+  controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --algos "${CONTROLS:-dm,dt-small,dm-random,dm-fixed}" \
           --bootstrap 0 --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3-controls.log" 2>&1 \
           && echo "done controls $2 seed $3" || echo "FAILED controls $2 seed $3" ;;
   merge-controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON \
