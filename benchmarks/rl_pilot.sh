@@ -10,7 +10,8 @@
 #   bash benchmarks/rl_pilot.sh merge           # the table with paired-bootstrap intervals (runs no missing case)
 #   bash benchmarks/rl_pilot.sh controls DATASET SEED   # dt-small, dm-random, dm-fixed after that case's DM
 #                                    (CONTROLS=dm,dm-random runs a subset; the arms must include dm)
-#   bash benchmarks/rl_pilot.sh merge-controls DATASET  # DM, DT and the controls on one dataset
+#   bash benchmarks/rl_pilot.sh peer DATASET SEED       # d3rlpy's DT, the same data, evaluation seeds and steps
+#   bash benchmarks/rl_pilot.sh merge-controls DATASET  # DM, DT, the controls and d3rlpy's DT on one dataset
 #
 # The decisive run (docs/experiments/rl.md, "the decisive run at the pilot's settings") is this script with its
 # default seeds, 0-9, then the controls on hopper-medium-replay for the same seeds (each after its case: both
@@ -36,10 +37,13 @@ case "${1:-}" in
   controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --algos "${CONTROLS:-dm,dt-small,dm-random,dm-fixed}" \
           --bootstrap 0 --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3-controls.log" 2>&1 \
           && echo "done controls $2 seed $3" || echo "FAILED controls $2 seed $3" ;;
+  peer) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --algos d3rlpy-dt \
+          --bootstrap 0 --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3-peer.log" 2>&1 \
+          && echo "done peer $2 seed $3" || echo "FAILED peer $2 seed $3" ;;
   merge-controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON \
-          --algos dm,dt,dt-small,dm-random,dm-fixed --report-only --merge "$(ls "$OUT"/$2-s*.json | paste -sd,)" \
+          --algos dm,dt,dt-small,dm-random,dm-fixed,d3rlpy-dt --report-only --merge "$(ls "$OUT"/$2-s*.json | paste -sd,)" \
           --out "$OUT/merged-controls-$2.json" ;;
   merge) $PY -m benchmarks.rl_bench --datasets "$DATASETS" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON --report-only \
           --merge "$(ls "$OUT"/hopper-*.json | paste -sd,)" --out "$OUT/merged.json" ;;
-  *) echo "usage: $0 prep | cases | case DATASET SEED | merge | controls DATASET SEED | merge-controls DATASET" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | cases | case DATASET SEED | merge | controls DATASET SEED | peer DATASET SEED | merge-controls DATASET" >&2; exit 2 ;;
 esac
