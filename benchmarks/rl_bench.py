@@ -29,7 +29,7 @@ For the decisive DM-vs-DT experiment (``docs/experiments/rl.md``, "Decisive expe
   arm and seed; the indices are recorded) is never trained on; each model's action MSE on them in evaluation
   mode (DM routing with its causal auxiliary predictor) is reported next to its returns.
 - Paired bootstrap (``--bootstrap`` resamples of the seeds both arms finished): 95% intervals of DM − DT (and
-  of every other arm − DT, and DM − each DM control) per dataset and for the mean over datasets, for the
+  of every other arm − DT, and DM − each DM control and each d3rlpy peer) per dataset and for the mean over datasets, for the
   first target's normalized score and the held-out MSE, in the JSON and the printed tables.
 - Control arms for ``--algos``: ``dt-small`` (DT with ``--dt-small-layers`` blocks; ``auto``: the layers
   DM's blocks amount to at its learned routed fraction ``c``, ``round(plain + routed * c)``, so the two
@@ -565,7 +565,7 @@ def _order(algos: list[str]) -> list[str]:
 
 def _pairs(algos: list[str]) -> list[tuple[str, str]]:
     out = [(a, "dt") for a in algos if a != "dt" and "dt" in algos]
-    out += [("dm", c) for c in algos if c in ("dm-random", "dm-fixed") and "dm" in algos]
+    out += [("dm", c) for c in algos if c in ("dm-random", "dm-fixed", "d3rlpy-dt", "d3rlpy-iql") and "dm" in algos]
     return out
 
 

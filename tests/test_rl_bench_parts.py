@@ -161,3 +161,13 @@ def test_rollout_policy_sees_masked_observations():
     seen.clear()
     rollout(model, "Hopper-v5", target_return=100.0, episodes=1, seed=0, max_steps=3)
     assert seen[-1][0, :, 5:].abs().sum() > 0  # without the transform the velocities are there
+
+
+def test_bootstrap_pairs_compare_dm_with_dt_its_controls_and_the_d3rlpy_peers():
+    from benchmarks.rl_bench import _pairs
+
+    pairs = _pairs(["dm", "dt", "dt-small", "dm-random", "dm-fixed", "d3rlpy-dt", "d3rlpy-iql"])
+    assert {(a, "dt") for a in ("dm", "dt-small", "dm-random", "dm-fixed", "d3rlpy-dt", "d3rlpy-iql")} <= set(pairs)
+    assert {("dm", c) for c in ("dm-random", "dm-fixed", "d3rlpy-dt", "d3rlpy-iql")} <= set(pairs)
+    assert ("dm", "dt-small") not in pairs and len(pairs) == len(set(pairs))
+    assert _pairs(["dt", "d3rlpy-dt"]) == [("d3rlpy-dt", "dt")]  # no DM: nothing to compare DM with
