@@ -68,8 +68,8 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Offline RL with dynamic token selection, datasets and training runs.",
         package="rl/",
         ui_module="apps.decision_mixer.ui",
-        status=("works on Hopper, HalfCheetah and Walker2d; in the decisive run (3 wide Hopper datasets, 10 seeds) DM − DT "
-                "is −1.4 [−7.2, +5.0] normalized, so the +5 target is not met"),
+        status=("works on Hopper, HalfCheetah and Walker2d; in the decisive run (3 wide Hopper datasets, 10 seeds) "
+                "DM − DT is −1.4 [−7.2, +5.0] normalized, so the +5 target is not met"),
     ),
     AppSpec(
         key="comemo",

@@ -29,8 +29,8 @@ For the decisive DM-vs-DT experiment (``docs/experiments/rl.md``, "Decisive expe
   arm and seed; the indices are recorded) is never trained on; each model's action MSE on them in evaluation
   mode (DM routing with its causal auxiliary predictor) is reported next to its returns.
 - Paired bootstrap (``--bootstrap`` resamples of the seeds both arms finished): 95% intervals of DM − DT (and
-  of every other arm − DT, and DM − each DM control and each d3rlpy peer) per dataset and for the mean over datasets, for the
-  first target's normalized score and the held-out MSE, in the JSON and the printed tables.
+  of every other arm − DT, and DM − each DM control and each d3rlpy peer) per dataset and for the mean over
+  datasets, for the first target's normalized score and the held-out MSE, in the JSON and the printed tables.
 - Control arms for ``--algos``: ``dt-small`` (DT with ``--dt-small-layers`` blocks; ``auto``: the layers
   DM's blocks amount to at its learned routed fraction ``c``, ``round(plain + routed * c)``, so the two
   match in block compute; the CPU-time ratio of the two is in the table to check the match), ``dm-random``

@@ -9,7 +9,7 @@
 #   bash benchmarks/rl_pilot.sh cases | xargs -P 2 -L 1 bash benchmarks/rl_pilot.sh case   # every case
 #   bash benchmarks/rl_pilot.sh merge           # the table with paired-bootstrap intervals (runs no missing case)
 #   bash benchmarks/rl_pilot.sh controls DATASET SEED   # dt-small, dm-random, dm-fixed after that case's DM
-#                                    (CONTROLS=dm,dm-random runs a subset; the arms must include dm)
+#                                    (CONTROLS=dm,dm-random runs a subset; an arm that takes DM's value needs dm)
 #   bash benchmarks/rl_pilot.sh peer DATASET SEED       # d3rlpy's DT, the same data, evaluation seeds and steps
 #   bash benchmarks/rl_pilot.sh merge-controls DATASET  # DM, DT, the controls and d3rlpy's DT on one dataset
 #
@@ -29,21 +29,23 @@ COMMON="--behaviour hopper=rl/weights/behaviour_hopper_long.safetensors --datase
   --dm-layers 4 --routed-layers 1,3 --capacity-cost 0 --eval-episodes 50 --target-mode data-best
   --target-factors 1.0 --holdout-frac 0.1 --holdout-seed 0 --data-dir data/rl --work-dir $RUNS/work"
 mkdir -p "$RUNS" "$OUT"
+run_case() {  # DATASET SEED ALGOS LOG [WHAT]: these arms of one case, written into that case's JSON
+  $PY -m benchmarks.rl_bench --datasets "$1" --seeds "$2" $COMMON --algos "$3" --bootstrap 0 --out "$OUT/$1-s$2.json" \
+    > "$RUNS/$4.log" 2>&1 && echo "done ${5:+$5 }$1 seed $2" || echo "FAILED ${5:+$5 }$1 seed $2"
+}
+merge_cases() {  # DATASETS ALGOS JSONS OUT: the tables of the finished cases, with paired-bootstrap intervals
+  $PY -m benchmarks.rl_bench --datasets "$1" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON --algos "$2" --report-only \
+    --merge "$3" --out "$4"
+}
 case "${1:-}" in
   prep) $PY -m benchmarks.rl_bench --datasets "$DATASETS" $COMMON --algos "" --out "$RUNS/prep.json" ;;
   cases) for s in $SEEDS; do for d in ${DATASETS//,/ }; do echo "$d $s"; done; done ;;
-  case) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --bootstrap 0 \
-          --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3.log" 2>&1 && echo "done $2 seed $3" || echo "FAILED $2 seed $3" ;;
-  controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --algos "${CONTROLS:-dm,dt-small,dm-random,dm-fixed}" \
-          --bootstrap 0 --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3-controls.log" 2>&1 \
-          && echo "done controls $2 seed $3" || echo "FAILED controls $2 seed $3" ;;
-  peer) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$3" $COMMON --algos d3rlpy-dt \
-          --bootstrap 0 --out "$OUT/$2-s$3.json" > "$RUNS/$2-s$3-peer.log" 2>&1 \
-          && echo "done peer $2 seed $3" || echo "FAILED peer $2 seed $3" ;;
-  merge-controls) $PY -m benchmarks.rl_bench --datasets "$2" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON \
-          --algos dm,dt,dt-small,dm-random,dm-fixed,d3rlpy-dt --report-only --merge "$(ls "$OUT"/$2-s*.json | paste -sd,)" \
-          --out "$OUT/merged-controls-$2.json" ;;
-  merge) $PY -m benchmarks.rl_bench --datasets "$DATASETS" --seeds "$(echo $SEEDS | tr ' ' ,)" $COMMON --report-only \
-          --merge "$(ls "$OUT"/hopper-*.json | paste -sd,)" --out "$OUT/merged.json" ;;
-  *) echo "usage: $0 prep | cases | case DATASET SEED | merge | controls DATASET SEED | peer DATASET SEED | merge-controls DATASET" >&2; exit 2 ;;
+  case) run_case "$2" "$3" dm,dt "$2-s$3" ;;
+  controls) run_case "$2" "$3" "${CONTROLS:-dm,dt-small,dm-random,dm-fixed}" "$2-s$3-controls" controls ;;
+  peer) run_case "$2" "$3" d3rlpy-dt "$2-s$3-peer" peer ;;
+  merge-controls) merge_cases "$2" dm,dt,dt-small,dm-random,dm-fixed,d3rlpy-dt "$(ls "$OUT"/$2-s*.json | paste -sd,)" \
+          "$OUT/merged-controls-$2.json" ;;
+  merge) merge_cases "$DATASETS" dm,dt "$(ls "$OUT"/hopper-*.json | paste -sd,)" "$OUT/merged.json" ;;
+  *) echo "usage: $0 prep | cases | case DATASET SEED | merge | controls DATASET SEED | peer DATASET SEED" \
+          "| merge-controls DATASET" >&2; exit 2 ;;
 esac
