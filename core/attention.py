@@ -10,6 +10,12 @@ Mask semantics:
     key_padding_mask: bool ``(B, S_k)``, ``True`` marks a *padded* key that no query may attend to
         (the convention of ``torch.nn.MultiheadAttention``).
     attn_bias: float tensor broadcastable to ``(B, H_q, S_q, S_k)``, added to the scaled scores.
+    window: with ``causal``, a sliding window: query ``i`` sees key ``j`` iff
+        ``i + (S_k - S_q) - window < j <= i + (S_k - S_q)`` (its ``window`` latest keys, itself included;
+        Mistral's and transformers' ``sliding_window``).
+    softcap: scores become ``softcap · tanh(scores / softcap)`` after scaling, before bias and masks (Gemma 2's
+        attention logit soft-capping). The ``reference`` and ``chunked`` backends apply it; ``sdpa`` and
+        ``triton`` refuse it.
 
 A query row whose keys are all masked returns zeros (not NaN) in every backend.
 
@@ -93,6 +99,8 @@ class AttentionInputs:
     key_padding_mask: torch.Tensor | None  # (B, Sk) bool, True = padded
     attn_bias: torch.Tensor | None  # broadcastable to (B, Hq, Sq, Sk)
     scale: float
+    window: int | None = None  # causal sliding window (keys per query, itself included)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
     q_chunk_size: int | None = None  # chunked backend: queries per chunk (None = its default)
     k_chunk_size: int | None = None  # chunked backend: keys per chunk (None = its default)
 
@@ -112,6 +120,8 @@ def prepare_inputs(
     scale: float | None = None,
     q_chunk_size: int | None = None,
     k_chunk_size: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> AttentionInputs:
     """Check shapes, dtypes and devices; raise ``ValueError`` naming what is wrong."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -154,6 +164,15 @@ def prepare_inputs(
         attn_bias = attn_bias.to(q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int (keys per query) or None, got {window!r}")
+        if not causal:
+            raise ValueError("window needs causal=True (a sliding window over the latest keys)")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+        softcap = float(softcap)
     for name, size in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be a positive int or None, got {size!r}")
@@ -165,6 +184,8 @@ def prepare_inputs(
         key_padding_mask=key_padding_mask,
         attn_bias=attn_bias,
         scale=float(scale),
+        window=window,
+        softcap=softcap,
         q_chunk_size=q_chunk_size,
         k_chunk_size=k_chunk_size,
     )
@@ -182,6 +203,23 @@ def causal_keep(sq: int, sk: int, device: torch.device | None = None, q_offset: 
     return kj <= qi  # caller passes offsets already shifted by (S_k - S_q)
 
 
+def _mask_keep(a: AttentionInputs) -> torch.Tensor | None:
+    """Bool keep mask of the causal / window / padding masks, broadcastable to ``(B, 1, S_q, S_k)`` (None: none)."""
+    Sq, Sk = a.q.shape[2], a.k.shape[2]
+    keep = None
+    if a.causal:
+        qi = torch.arange(Sk - Sq, Sk, device=a.q.device)[:, None]
+        kj = torch.arange(Sk, device=a.q.device)[None, :]
+        keep = kj <= qi
+        if a.window is not None:
+            keep = keep & (kj > qi - a.window)
+        keep = keep[None, None]
+    if a.key_padding_mask is not None:
+        kp = ~a.key_padding_mask[:, None, None, :]
+        keep = kp if keep is None else keep & kp
+    return keep
+
+
 def _reference(a: AttentionInputs) -> torch.Tensor:
     """Plain fp32 math (fp64 for double inputs): the ground truth every other backend is tested against."""
     out_dtype = a.q.dtype
@@ -191,13 +229,13 @@ def _reference(a: AttentionInputs) -> torch.Tensor:
     v = _expand_kv(a.v.to(cdtype), a.groups)
     Sq, Sk = q.shape[2], k.shape[2]
     scores_BHQK = torch.matmul(q, k.transpose(-1, -2)) * a.scale
+    if a.softcap is not None:
+        scores_BHQK = torch.tanh(scores_BHQK / a.softcap) * a.softcap
     if a.attn_bias is not None:
         scores_BHQK = scores_BHQK + a.attn_bias.to(cdtype)
-    keep = torch.ones(1, 1, Sq, Sk, dtype=torch.bool, device=q.device)
-    if a.causal:
-        keep = keep & causal_keep(Sq, Sk, q.device, q_offset=Sk - Sq)[None, None]
-    if a.key_padding_mask is not None:
-        keep = keep & ~a.key_padding_mask[:, None, None, :]
+    keep = _mask_keep(a)
+    if keep is None:
+        keep = torch.ones(1, 1, Sq, Sk, dtype=torch.bool, device=q.device)
     scores_BHQK = scores_BHQK.masked_fill(~keep, float("-inf"))
     row_max = scores_BHQK.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -216,8 +254,8 @@ def _sdpa_mask_shape(a: AttentionInputs) -> tuple[int, ...] | None:
     """Shape of the mask ``sdpa`` hands to SDPA (None: none, ``is_causal`` or no masking at all)."""
     B, Hq, Sq, _ = a.q.shape
     Sk = a.k.shape[2]
-    causal = _sdpa_causal(a)
-    if causal and a.key_padding_mask is None and a.attn_bias is None and Sq == Sk:
+    causal = _sdpa_causal(a) or a.window is not None
+    if causal and a.key_padding_mask is None and a.attn_bias is None and Sq == Sk and a.window is None:
         return None
     shapes = []
     if causal:
@@ -258,21 +296,19 @@ def _sdpa_call(q, k, v, mask, *, is_causal: bool, scale: float, groups: int, per
 
 def _sdpa(a: AttentionInputs) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with our mask semantics."""
+    if a.softcap is not None:
+        raise ValueError("backend 'sdpa' cannot apply a softcap; use 'chunked', 'reference' or 'auto'")
     q, k, v = a.q, a.k, a.v
     Sq, Sk = q.shape[2], k.shape[2]
-    causal = _sdpa_causal(a)
+    causal = _sdpa_causal(a) or a.window is not None
     mask = None
     row_has_key = None
-    if causal and not (a.key_padding_mask is not None or a.attn_bias is not None) and Sq == Sk:
+    simple = not (a.key_padding_mask is not None or a.attn_bias is not None or a.window is not None)
+    if causal and simple and Sq == Sk:
         is_causal = True
     else:
         is_causal = False
-        keep = None
-        if causal:
-            keep = causal_keep(Sq, Sk, q.device, q_offset=Sk - Sq)[None, None]
-        if a.key_padding_mask is not None:
-            kp = ~a.key_padding_mask[:, None, None, :]
-            keep = kp if keep is None else keep & kp
+        keep = _mask_keep(a) if causal else _mask_keep(AttentionInputs(**{**vars(a), "causal": False}))
         if keep is not None:
             # Rows that see no key: let them see everything, then zero them, so that neither the output
             # nor the gradients carry SDPA's NaN for an all -inf row.
@@ -309,6 +345,8 @@ def _chunked(a: AttentionInputs) -> torch.Tensor:
         scale=a.scale,
         q_chunk_size=a.q_chunk_size,
         k_chunk_size=a.k_chunk_size,
+        window=a.window,
+        softcap=a.softcap,
     )
 
 
@@ -326,6 +364,8 @@ def _triton(a: AttentionInputs) -> torch.Tensor:
         )
     if not triton_installed():
         raise ValueError("backend 'triton' needs the triton package (pip install triton); use 'sdpa' or 'auto'")
+    if a.window is not None or a.softcap is not None:
+        raise ValueError("backend 'triton' has no sliding window or softcap; use 'chunked' or 'auto'")
     kernel = importlib.import_module("kernels.flash_attention")
     return kernel.flash_attention(
         a.q, a.k, a.v, causal=a.causal, key_padding_mask=a.key_padding_mask, attn_bias=a.attn_bias, scale=a.scale
@@ -390,6 +430,8 @@ def dispatch_facts(a: AttentionInputs, *, device_type: str | None = None, allow_
         and sdpa_fused(dtype=a.q.dtype, head_dim=a.q.shape[3], value_dim=a.v.shape[3]),
         "mask_bytes": sdpa_mask_bytes(a),
         "triton_ok": allow_triton and device_type == "cuda" and triton_installed(),
+        "has_window": a.window is not None,
+        "has_softcap": a.softcap is not None,
     }
 
 
@@ -406,6 +448,8 @@ def auto_rule(
     q_len: int | None = None,
     sdpa_fused: bool = False,
     mask_bytes: int = 0,
+    has_window: bool = False,
+    has_softcap: bool = False,
 ) -> str:
     """The ``auto`` rule as a plain function of the facts it looks at (see module docs).
 
@@ -420,6 +464,9 @@ def auto_rule(
         q_len: ``S_q``; up to ``DECODE_MAX_QUERIES`` is decode-sized (None: not known, not decode).
         sdpa_fused: whether SDPA runs these inputs on this device with a fused kernel (:func:`sdpa_fused`).
         mask_bytes: bytes of the masks ``sdpa`` would build (:func:`sdpa_mask_bytes`).
+        has_window: a sliding window is set (the Triton kernel has none; ``sdpa`` builds it as a mask).
+        has_softcap: a softcap is set: only ``reference`` (dense scores within the budget) and ``chunked``
+            apply one.
     """
     lo, hi = TRITON_HEAD_DIMS
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
@@ -431,6 +478,9 @@ def auto_rule(
         and not has_bias
         and triton_ok
     )
+    if has_softcap:
+        return "reference" if score_bytes <= budget else "chunked"
+    triton_fits = triton_fits and not has_window
     decode = q_len is not None and q_len <= DECODE_MAX_QUERIES
     if triton_fits and not decode:
         return "triton"
@@ -471,6 +521,8 @@ def attention(
     memory_budget: int | None = None,
     q_chunk_size: int | None = None,
     k_chunk_size: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, ``softmax(q kᵀ · scale + bias) v``.
 
@@ -487,6 +539,8 @@ def attention(
             (default ``DEFAULT_MEMORY_BUDGET``, 512 MiB).
         q_chunk_size: ``chunked`` only: queries per chunk (default up to 1024, fewer for large ``B · H_q``).
         k_chunk_size: ``chunked`` only: keys per chunk (default 1024).
+        window: with ``causal``, each query sees its ``window`` latest keys only (sliding window).
+        softcap: scores become ``softcap · tanh(scores / softcap)`` (``reference``/``chunked`` only).
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in the dtype of ``q``.
@@ -502,6 +556,8 @@ def attention(
         scale=scale,
         q_chunk_size=q_chunk_size,
         k_chunk_size=k_chunk_size,
+        window=window,
+        softcap=softcap,
     )
     if backend == "auto":
         name = choose_backend(a, memory_budget=memory_budget)

@@ -94,7 +94,7 @@ class _Blocks:
     head ``h_kv · G + g``. ``block5`` views them as ``(B, H_kv, G, n_q, n_k)`` for masks and bias.
     """
 
-    def __init__(self, q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk):
+    def __init__(self, q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk, window=None, softcap=None):
         self.B, self.Hq, self.Sq, self.D = q.shape
         self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.Hq // self.Hkv
@@ -103,6 +103,8 @@ class _Blocks:
         self.bias4 = bias4
         self.scale = scale
         self.causal = causal
+        self.window = window  # causal only: query i sees keys i + offset - window < j <= i + offset
+        self.softcap = softcap  # scores become softcap * tanh(scores / softcap) before bias and masks
         self.qc = q_chunk
         self.kc = k_chunk
         self.cdtype = torch.promote_types(q.dtype, torch.float32)
@@ -135,8 +137,28 @@ class _Blocks:
         end = self.Sk
         if self.causal:
             end = max(0, min(self.Sk, i1 + self.offset))  # last visible key of the last row is i1-1+offset
-        for j0 in range(0, end, self.kc):
+        start = 0
+        if self.window is not None:  # first visible key of the first row is i0+offset-window+1
+            start = max(0, i0 + self.offset - self.window + 1) // self.kc * self.kc
+        for j0 in range(start, end, self.kc):
             yield j0, min(j0 + self.kc, end)
+
+    def window_hides(self, i0: int, i1: int, j0: int, j1: int) -> bool:
+        """Whether the sliding window hides some key of chunk ``[j0, j1)`` from some query of ``[i0, i1)``."""
+        return self.window is not None and j0 <= i1 - 1 + self.offset - self.window
+
+    def hidden_pairs(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
+        """Bool ``(n_q, n_k)``: True where causality or the window hides key ``j`` from query ``i`` (None: none)."""
+        causal_hides = self.causal and j1 - 1 > i0 + self.offset  # some key after some query's frontier
+        window_hides = self.window_hides(i0, i1, j0, j1)
+        if not (causal_hides or window_hides):
+            return None
+        qi = torch.arange(i0 + self.offset, i1 + self.offset, device=self.device)[:, None]
+        kj = torch.arange(j0, j1, device=self.device)[None, :]
+        hide = kj > qi
+        if window_hides:
+            hide = hide | (kj <= qi - self.window)
+        return hide
 
     def rows(self, x: torch.Tensor, i0: int, i1: int, scale: float | None = None) -> torch.Tensor:
         """``(B, H_q, S, E)`` slice ``[i0, i1)`` as ``(B, H_kv, G·n, E)`` in the compute dtype."""
@@ -146,22 +168,28 @@ class _Blocks:
             x = x * scale
         return x.to(self.cdtype).reshape(self.B, self.Hkv, self.G * n, x.shape[-1])  # (B, Hkv, G*n, E)
 
-    def scores(self, q_rows: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
-        """Scaled, biased, masked scores ``(B, H_kv, G·n_q, n_k)`` for queries ``[i0,i1)``, keys ``[j0,j1)``,
-        written into the reusable block buffer (valid until the next call)."""
+    def scores(self, q_rows: torch.Tensor, i0: int, i1: int, j0: int, j1: int, want_dtanh: bool = False):
+        """Scaled, soft-capped, biased, masked scores ``(B, H_kv, G·n_q, n_k)`` for queries ``[i0,i1)``, keys
+        ``[j0,j1)``, written into the reusable block buffer (valid until the next call). With ``want_dtanh``
+        also ``1 - tanh²`` of the soft cap's argument (the cap's derivative; None without a cap)."""
         n, m = i1 - i0, j1 - j0
         s = self.block_buffer(self.G * n, m)
         torch.matmul(q_rows, self.kT[:, :, :, j0:j1], out=s)  # (B, Hkv, G*n, m); q_rows is pre-scaled
+        dtanh = None
+        if self.softcap is not None:
+            s.div_(self.softcap).tanh_()
+            if want_dtanh:
+                dtanh = 1.0 - s * s
+            s.mul_(self.softcap)
         s5 = s.view(self.B, self.Hkv, self.G, n, m)
         if self.bias4 is not None:
             s5.add_(self.bias_block(i0, i1, j0, j1))
-        if self.causal and j1 - 1 > i0 + self.offset:  # some key of the chunk is after some query's frontier
-            qi = torch.arange(i0 + self.offset, i1 + self.offset, device=s.device)[:, None]
-            kj = torch.arange(j0, j1, device=s.device)[None, :]
-            s5.masked_fill_(kj > qi, float("-inf"))
+        hide = self.hidden_pairs(i0, i1, j0, j1)
+        if hide is not None:
+            s5.masked_fill_(hide, float("-inf"))
         if self.kpm is not None:
             s5.masked_fill_(self.kpm[:, j0:j1].view(self.B, 1, 1, 1, m), float("-inf"))
-        return s
+        return (s, dtanh) if want_dtanh else s
 
     def additive_mask(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
         """Bias plus ``-inf`` for hidden pairs as one float block broadcastable to ``(B, H_kv, G·n, m)``,
@@ -175,10 +203,9 @@ class _Blocks:
                 mask = b5.flatten(2, 3)  # (B|1, Hkv|1, 1, m|1)
             else:
                 mask = b5.expand(*b5.shape[:2], G, n, b5.shape[4]).reshape(*b5.shape[:2], G * n, b5.shape[4])
-        if self.causal and j1 - 1 > i0 + self.offset:
-            qi = torch.arange(i0 + self.offset, i1 + self.offset, device=self.device)[:, None]
-            kj = torch.arange(j0, j1, device=self.device)[None, :]
-            hide = torch.zeros(n, m, dtype=self.cdtype, device=self.device).masked_fill_(kj > qi, float("-inf"))
+        hidden = self.hidden_pairs(i0, i1, j0, j1)
+        if hidden is not None:
+            hide = torch.zeros(n, m, dtype=self.cdtype, device=self.device).masked_fill_(hidden, float("-inf"))
             hide = hide.repeat(G, 1) if G > 1 else hide  # (G*n, m)
             mask = hide if mask is None else mask + hide
         if self.kpm is not None:
@@ -197,6 +224,7 @@ class _Blocks:
             self.causal
             and self.bias4 is None
             and self.kpm is None
+            and not self.window_hides(i0, i1, j0, j1)
             and i0 + self.offset == j0
             and j1 - 1 > i0 + self.offset
         )
@@ -385,13 +413,16 @@ def _backward(blocks: _Blocks, q, k, v, out, lse, dout, need_dbias: bool):
             m = j1 - j0
             k_cols = k[:, :, j0:j1].to(cd)  # (B, Hkv, m, D)
             v_cols = v[:, :, j0:j1].to(cd)  # (B, Hkv, m, Dv)
-            p = bl.scores(q_rows, i0, i1, j0, j1).sub_(lse_rows).exp_()  # (B, Hkv, G*n, m)
+            s, dtanh = bl.scores(q_rows, i0, i1, j0, j1, want_dtanh=True)
+            p = s.sub_(lse_rows).exp_()  # (B, Hkv, G*n, m)
             dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), do_rows)  # sums over the G heads
             dp = torch.matmul(do_rows, v_cols.transpose(-1, -2))  # (B, Hkv, G*n, m)
             ds = dp.sub_(delta).mul_(p)  # dS = P ∘ (dP − Δ)
             del p
             if dbias4 is not None:
                 _accumulate_bias_grad(bl, dbias4, ds.view(B, Hkv, G, n, m), i0, i1, j0, j1)
+            if dtanh is not None:  # through the soft cap: d(c·tanh(x/c))/dx = 1 - tanh²
+                ds.mul_(dtanh)
             dq_rows += torch.matmul(ds, k_cols)
             dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), q_rows)  # q_rows carries the scale
         dq5[:, :, :, i0:i1] = (dq_rows * bl.scale).view(B, Hkv, G, n, bl.D).to(q.dtype)
@@ -412,37 +443,41 @@ def _accumulate_bias_grad(bl: _Blocks, dbias4: torch.Tensor, ds5: torch.Tensor, 
 
 class _ChunkedAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, key_padding_mask, causal, scale, q_chunk, k_chunk, fused):
+    def forward(ctx, q, k, v, attn_bias, key_padding_mask, causal, scale, q_chunk, k_chunk, fused, window, softcap):
         bias4 = _bias_4d(attn_bias) if attn_bias is not None else None
-        blocks = _Blocks(q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk)
-        ops = _ops_for(q, v, fused)
+        blocks = _Blocks(q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk, window, softcap)
+        ops = _ops_for(q, v, fused, softcap)
         out, lse = _forward_fused(blocks, q, k, v, ops) if ops is not None else _forward(blocks, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
-        ctx.options = (causal, scale, q_chunk, k_chunk, fused)
+        ctx.options = (causal, scale, q_chunk, k_chunk, fused, window, softcap)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
-        causal, scale, q_chunk, k_chunk, fused = ctx.options
+        causal, scale, q_chunk, k_chunk, fused, window, softcap = ctx.options
         bias4 = _bias_4d(attn_bias) if attn_bias is not None else None
-        blocks = _Blocks(q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk)
+        blocks = _Blocks(q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk, window, softcap)
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
-        ops = None if need_dbias else _ops_for(q, v, fused)  # the fused backward gives no bias gradient
+        ops = None if need_dbias else _ops_for(q, v, fused, softcap)  # the fused backward gives no bias gradient
         dbias = None
         if ops is not None:
             dq, dk, dv = _backward_fused(blocks, q, k, v, out, lse, dout.contiguous(), ops)
         else:
             dq, dk, dv, dbias4 = _backward(blocks, q, k, v, out, lse, dout.contiguous(), need_dbias)
             dbias = dbias4.reshape(attn_bias.shape).to(attn_bias.dtype) if dbias4 is not None else None
-        return dq, dk, dv, dbias, None, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None
 
 
-def _ops_for(q: torch.Tensor, v: torch.Tensor, fused: bool | None):
+def _ops_for(q: torch.Tensor, v: torch.Tensor, fused: bool | None, softcap: float | None = None):
     """The fused CPU ops when allowed (``fused`` not False) and applicable (CPU tensors, value head dim equal
-    to the query head dim), else None."""
+    to the query head dim, no soft cap: the kernel cannot apply one), else None."""
     if fused is False or q.device.type != "cpu" or v.shape[-1] != q.shape[-1]:
+        return None
+    if softcap is not None:
+        if fused:
+            raise ValueError("fused=True cannot apply a softcap (PyTorch's fused kernel has none); use fused=None")
         return None
     ops = fused_block_ops()
     if ops is None and fused:
@@ -462,6 +497,8 @@ def chunked_attention(
     q_chunk_size: int | None = None,
     k_chunk_size: int | None = None,
     fused: bool | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact attention on already validated inputs (see :func:`core.attention.prepare_inputs`).
 
@@ -478,6 +515,10 @@ def chunked_attention(
         fused: on CPU, compute each block with PyTorch's fused attention kernel (None: when available;
             False: plain PyTorch block math, the path used on other devices). The bias gradient always
             uses the plain block math.
+        window: with ``causal``, each query sees only its ``window`` latest keys (itself included); key chunks
+            wholly outside every query's window are skipped.
+        softcap: scores become ``softcap · tanh(scores / softcap)`` before bias and masks (Gemma 2); uses the
+            plain block math.
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in ``q.dtype``; rows that see no key are zeros.
@@ -491,5 +532,5 @@ def chunked_attention(
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"chunk sizes must be positive, got q_chunk_size={q_chunk}, k_chunk_size={k_chunk}")
     return _ChunkedAttentionFn.apply(
-        q, k, v, attn_bias, key_padding_mask, causal, float(scale), q_chunk, k_chunk, fused
+        q, k, v, attn_bias, key_padding_mask, causal, float(scale), q_chunk, k_chunk, fused, window, softcap
     )

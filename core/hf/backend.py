@@ -1,0 +1,401 @@
+"""``"longctx"`` as a transformers attention implementation: every attention call runs on :func:`core.attention`.
+
+Two functions are registered under one name:
+
+* a **mask function** (transformers' ``AttentionMaskInterface``). transformers hands it the mask *pattern* (a
+  composed ``mask_function``) and sizes; it returns a :class:`LongctxMask` that keeps the pattern compact: causal or
+  not, the sliding window, the ``(B, S_k)`` key padding. A pattern it does not recognise (image-token overlays,
+  packed sequences, chunked attention, static-cache offsets it cannot align) is built densely with transformers'
+  own ``sdpa_mask`` (exact, ``O(S_q · S_k)`` memory; logged once per pattern).
+* an **attention function** (``AttentionInterface``), called by every attention layer with ``(B, H, S, D)``
+  tensors. It maps the mask onto :func:`core.attention.attention` (``backend="auto"``: ``chunked`` on a CPU
+  when the scores would not fit, Triton/SDPA on CUDA), with GQA, scaling, sliding window and softcapping, and
+  returns ``(B, S, H, D)``. What it cannot serve goes to transformers' ``sdpa`` (or ``eager`` when attention
+  weights are asked for) with a warning, once per reason, that names the reason: dropout in training, and
+  ``output_attentions``.
+
+Per-head hidden keys (a pruned cache whose heads keep different tokens, :mod:`core.hf.cache`) arrive as an
+attribute of the key tensor the cache returns and become an additive ``-inf`` bias per key/value head; the
+fallbacks receive them as part of a dense mask, so no path ignores them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    and_masks,
+    bidirectional_mask_function,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+    sliding_window_overlay,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from core.attention import attention
+from core.hf import probes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ATTN_NAME", "LongctxMask", "longctx_attention", "longctx_mask", "register", "is_registered",
+           "HIDDEN_ATTR", "OPTIONS_ATTR", "set_attention_options"]
+
+#: The name models are loaded with: ``attn_implementation="longctx"``.
+ATTN_NAME = "longctx"
+#: Attribute of an attention module: ``core.attention.attention`` options for its calls (``backend``,
+#: ``memory_budget``, ``q_chunk_size``, ``k_chunk_size``); see :func:`set_attention_options`.
+OPTIONS_ATTR = "longctx_options"
+#: Attribute of a key tensor returned by a pruned cache layer: bool ``(B, H_kv, S_k)``, True = hidden from that head.
+HIDDEN_ATTR = "_longctx_hidden"
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason: str, message: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning(message)
+
+
+@dataclass(eq=False)
+class LongctxMask:
+    """The attention pattern of one mask call, kept compact (what the mask function returns to the model).
+
+    Attributes:
+        causal: bottom-right aligned causal mask (:mod:`core.attention`'s convention).
+        window: with ``causal``, each query sees its ``window`` latest keys (transformers' ``sliding_window``).
+        key_padding: bool ``(B, S_k)``, True = padded key; None when nothing is padded.
+        q_length, kv_length: the sizes the mask was made for.
+
+    A pattern without a compact form is returned by the mask function as transformers' dense bool mask instead.
+    """
+
+    causal: bool
+    window: int | None
+    key_padding: torch.Tensor | None
+    q_length: int
+    kv_length: int
+
+    #: Reads as an already prepared 4-D mask to transformers' mask helpers (generation prepares masks ahead for
+    #: static caches and passes them back in; :func:`longctx_mask` then returns them unchanged).
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b = self.key_padding.shape[0] if self.key_padding is not None else 1
+        return (b, 1, self.q_length, self.kv_length)
+
+    def contiguous(self) -> LongctxMask:
+        """Itself (transformers' generation calls ``.contiguous()`` on prepared masks)."""
+        return self
+
+    def to(self, *args, **kwargs) -> LongctxMask:
+        """The same pattern with its tensors moved (``Tensor.to`` arguments)."""
+        pad = self.key_padding
+        if pad is not None and "dtype" not in kwargs and not any(isinstance(a, torch.dtype) for a in args):
+            pad = pad.to(*args, **kwargs)
+        return LongctxMask(causal=self.causal, window=self.window, key_padding=pad, q_length=self.q_length,
+                           kv_length=self.kv_length)  # fmt: skip
+
+    def to_bool(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        """The same pattern as a dense bool ``(B, 1, S_q, S_k)`` keep mask (for the fallbacks and tests)."""
+        sq, sk = self.q_length, self.kv_length
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        if self.causal:
+            qi = torch.arange(sk - sq, sk, device=device)[:, None]
+            kj = torch.arange(sk, device=device)[None, :]
+            keep = kj <= qi
+            if self.window is not None:
+                keep = keep & (kj > qi - self.window)
+        keep = keep[None, None].expand(batch_size, 1, sq, sk)
+        if self.key_padding is not None:
+            keep = keep & ~self.key_padding[:, None, None, :].to(device)
+        return keep
+
+
+# --- recognising transformers' mask patterns -------------------------------------------------------------------
+
+_AND_CODE = and_masks(causal_mask_function).__code__
+_WINDOW_CODE = sliding_window_overlay(1).__code__
+
+
+def _closure(fn) -> dict:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+
+
+def recognise(mask_function) -> tuple[str, int | None] | None:
+    """``("causal", None)``, ``("causal", window)``, ``("full", None)`` for the patterns transformers builds for
+    plain causal, sliding-window causal and bidirectional attention; None for anything else (structural match on
+    the functions transformers composes, so an unknown composition is never mistaken for a known one)."""
+    if mask_function is causal_mask_function:
+        return "causal", None
+    if mask_function is bidirectional_mask_function:
+        return "full", None
+    if getattr(mask_function, "__code__", None) is _AND_CODE:
+        parts = _closure(mask_function).get("mask_functions", ())
+        if len(parts) == 2 and causal_mask_function in parts:
+            other = parts[0] if parts[1] is causal_mask_function else parts[1]
+            if getattr(other, "__code__", None) is _WINDOW_CODE:
+                window = _closure(other).get("sliding_window")
+                if isinstance(window, int) and window >= 1:
+                    return "causal", window
+    return None
+
+
+def longctx_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    use_vmap: bool = False,
+    **kwargs,
+) -> LongctxMask | torch.Tensor:
+    """transformers' mask interface for ``"longctx"`` (signature of ``transformers.masking_utils.sdpa_mask``).
+
+    Query ``i`` has absolute index ``q_offset + i``, key ``j`` has ``kv_offset + j``; the 2-D ``attention_mask``
+    (True = real token) is indexed by absolute key index. Returns a compact :class:`LongctxMask` for plain causal,
+    sliding-window causal and bidirectional patterns aligned as :mod:`core.attention` aligns them; otherwise
+    (overlays, packed sequences, a static cache's offsets) transformers' own dense bool ``(B, 1, S_q, S_k)`` mask.
+    """
+    if isinstance(attention_mask, LongctxMask):  # prepared ahead (generation with a static cache)
+        return attention_mask
+    q_offset = int(q_offset)
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    key_padding = None
+    if padding is not None:
+        padding = padding[:, kv_offset : kv_offset + kv_length].to(device=device, dtype=torch.bool)
+        if not bool(padding.all()):
+            key_padding = ~padding
+    pattern = recognise(mask_function)
+    common = dict(q_length=q_length, kv_length=kv_length)
+    if pattern is not None:
+        kind, window = pattern
+        if kind == "full":
+            return LongctxMask(causal=False, window=None, key_padding=key_padding, **common)
+        # causal: key j visible to query i iff kv_offset + j <= q_offset + i, i.e. j <= i + d; core.attention's
+        # bottom-right alignment is d = S_k - S_q (a dynamic cache; a static cache's unfilled tail is not)
+        if q_offset - kv_offset == kv_length - q_length:
+            return LongctxMask(causal=True, window=window, key_padding=key_padding, **common)
+    _warn_once(
+        f"dense:{getattr(mask_function, '__qualname__', mask_function)}",
+        "longctx: this mask pattern has no compact form here (an overlay, packed sequences or a static cache's "
+        "offsets); it is built densely, O(S_q * S_k) memory",
+    )
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        use_vmap=use_vmap,
+        device=device,
+    )
+
+
+# --- the attention function -----------------------------------------------------------------------------------
+
+
+def _fallback_reason(module, query, dropout: float, kwargs: dict) -> str | None:
+    if dropout and dropout > 0 and module.training:
+        return "dropout"
+    if kwargs.get("output_attentions"):
+        return "output_attentions"
+    return None
+
+
+def _hidden_bias(hidden: torch.Tensor, key: torch.Tensor, hq: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-head hidden keys of a pruned cache (bool ``(B, H_kv, S_k)``) as an additive bias ``(B, H_q, 1, S_k)``."""
+    B, hkv, sk = hidden.shape
+    if sk != key.shape[2] or hkv != key.shape[1]:
+        raise ValueError(f"per-head mask {tuple(hidden.shape)} does not match keys {tuple(key.shape)}")
+    bias = torch.zeros(B, hkv, sk, dtype=dtype, device=key.device).masked_fill_(hidden.to(key.device), float("-inf"))
+    return bias.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # (B, Hq, 1, Sk)
+
+
+def _as_dense_for_fallback(attention_mask, query, key, module, kwargs) -> tuple[torch.Tensor | None, bool]:
+    """(mask for transformers' own functions, is_causal) from whatever the model passed."""
+    is_causal = kwargs.get("is_causal")
+    if isinstance(attention_mask, LongctxMask):
+        mask = attention_mask.to_bool(query.shape[0], query.device)
+    else:
+        mask = attention_mask
+    hidden = getattr(key, HIDDEN_ATTR, None)
+    if hidden is not None:
+        G = query.shape[1] // key.shape[1]
+        keep_h = ~hidden.repeat_interleave(G, dim=1)[:, :, None, :]  # (B, Hq, 1, Sk)
+        if mask is None:
+            causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+            mask = torch.ones(1, 1, query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
+            if causal:
+                mask = torch.ones_like(mask[0, 0]).tril(key.shape[2] - query.shape[2])[None, None]
+        if mask.dtype == torch.bool:
+            mask = mask & keep_h
+        else:
+            mask = mask.masked_fill(~keep_h, torch.finfo(mask.dtype).min)
+    return mask, is_causal
+
+
+def _fallback(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask, is_causal = _as_dense_for_fallback(attention_mask, query, key, module, kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    if reason == "output_attentions":
+        _warn_once(reason, "longctx: output_attentions=True needs the attention weights; this call runs transformers' "
+                           "eager attention")  # fmt: skip
+        return _eager(module, query, key, value, mask, scaling, dropout, kwargs.get("softcap"))
+    if kwargs.get("softcap") is not None:
+        _warn_once(reason + "+softcap", f"longctx: {reason} is not served by core.attention; with a softcap this call "
+                                        "runs transformers' eager attention")  # fmt: skip
+        return _eager(module, query, key, value, mask, scaling, dropout, kwargs.get("softcap"))
+    _warn_once(reason, f"longctx: {reason} is not served by core.attention; this call runs transformers' sdpa")
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        mask = mask.to(query.dtype)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)  # fmt: skip
+
+
+def _eager(module, query, key, value, mask, scaling, dropout, softcap):
+    """transformers' eager math (with Gemma 2's soft cap) on a dense mask: the reference the fallbacks need."""
+    G = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(G, dim=1)
+    v = value.repeat_interleave(G, dim=1)
+    scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and getattr(module, "is_causal", True) and query.shape[2] > 1:
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
+            key.shape[2] - query.shape[2])  # fmt: skip
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
+                ~mask, torch.finfo(scores.dtype).min)  # fmt: skip
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, v)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def longctx_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for ``"longctx"``: ``(B, H, S, D)`` in, ``((B, S_q, H, D_v), None)`` out.
+
+    ``attention_mask`` is a :class:`LongctxMask` (decoders: our mask function made it), None (vision towers:
+    ``is_causal`` from the call or the module decides, as in transformers' ``sdpa``), or a tensor a model built
+    itself: bool (True = attend) or additive float, broadcastable to ``(B, H, S_q, S_k)``.
+    """
+    reason = _fallback_reason(module, query, dropout, kwargs)
+    if reason is not None:
+        return _fallback(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    Sq = query.shape[2]
+    causal, window, key_padding, bias = False, None, None, None
+    hidden = getattr(key, HIDDEN_ATTR, None)  # read before any slicing: a slice does not carry the attribute
+    if isinstance(attention_mask, LongctxMask):
+        m = attention_mask
+        causal, window = m.causal, m.window
+        if m.key_padding is not None:
+            if m.kv_length != key.shape[2]:
+                raise ValueError(
+                    f"this layer holds {key.shape[2]} keys, the padding mask was made for {m.kv_length} (a cache whose "
+                    "layers differ in length, e.g. pruned per layer): prune padded tokens out of the cache and pass "
+                    "an all-ones attention_mask"
+                )
+            key_padding = m.key_padding
+    elif attention_mask is None:
+        is_causal = kwargs.get("is_causal")
+        is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = bool(is_causal) and Sq > 1
+        if causal and key.shape[2] > Sq:  # as transformers' sdpa: is_causal aligns top-left, extra keys unseen
+            key, value = key[:, :, :Sq], value[:, :, :Sq]
+    elif isinstance(attention_mask, torch.Tensor):
+        mask = attention_mask
+        if mask.dim() == 2:  # (B, S_k), True/1 = real token
+            key_padding = ~mask.to(torch.bool)
+        else:
+            mask = mask[..., : key.shape[2]]
+            bias = _bool_to_bias(mask, query.dtype) if mask.dtype == torch.bool else mask.to(query.dtype)
+    else:
+        raise ValueError(
+            f"longctx attention got a mask of type {type(attention_mask).__name__}; it takes the masks its own mask "
+            "function makes, None, or a bool/float tensor"
+        )
+    if hidden is not None:
+        hidden_bias = _hidden_bias(hidden[:, :, : key.shape[2]], key, query.shape[1], query.dtype)
+        bias = hidden_bias if bias is None else bias + hidden_bias
+    softcap = kwargs.get("softcap")
+    options = getattr(module, OPTIONS_ATTR, None) or {}
+    out = attention(query, key, value, causal=causal, key_padding_mask=key_padding, attn_bias=bias, scale=scaling,
+                    window=window if causal else None, softcap=softcap, **options)  # fmt: skip
+    if probes.active():
+        probes.record(module, query, key, causal=causal, window=window, key_padding=key_padding, bias=bias,
+                      scale=scaling, softcap=softcap)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _bool_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+# --- registration ---------------------------------------------------------------------------------------------
+
+
+def register() -> str:
+    """Add ``"longctx"`` to transformers' attention and mask interfaces (idempotent); returns the name.
+
+    Then ``AutoModel...from_pretrained(path, attn_implementation="longctx", local_files_only=True)`` (or
+    ``model.set_attn_implementation("longctx")``) runs every attention call of the model on :mod:`core.attention`.
+    """
+    AttentionInterface.register(ATTN_NAME, longctx_attention)
+    AttentionMaskInterface.register(ATTN_NAME, longctx_mask)
+    return ATTN_NAME
+
+
+def is_registered() -> bool:
+    """Whether :func:`register` has run in this process."""
+    return ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME) is longctx_attention and (
+        ALL_MASK_ATTENTION_FUNCTIONS.get(ATTN_NAME) is longctx_mask
+    )
+
+
+_OPTION_NAMES = ("backend", "memory_budget", "q_chunk_size", "k_chunk_size")
+
+
+def set_attention_options(model: torch.nn.Module, **options) -> int:
+    """Per-module :func:`core.attention.attention` options for a model's ``"longctx"`` calls (no process-wide
+    switch): ``backend`` (``"auto"``, ``"chunked"``, ``"sdpa"``, ``"reference"``, ``"triton"``), ``memory_budget``,
+    ``q_chunk_size``, ``k_chunk_size``. Set on every submodule whose class name ends in ``Attention`` (the modules
+    that call the attention interface); no options: back to the defaults. Returns how many modules were set."""
+    bad = sorted(set(options) - set(_OPTION_NAMES))
+    if bad:
+        raise ValueError(f"unknown attention options {bad}; accepted: {list(_OPTION_NAMES)}")
+    n = 0
+    for mod in model.modules():
+        if type(mod).__name__.endswith("Attention"):
+            setattr(mod, OPTIONS_ATTR, dict(options) if options else None)
+            n += 1
+    return n

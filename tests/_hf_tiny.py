@@ -1,0 +1,131 @@
+"""Tiny random transformers models of the real architectures, built from configs (no weights, milliseconds), and
+inputs for them. Shared by the core.hf tests; each builder returns ``(model, inputs)`` with the model in eval mode
+under ``attn_implementation="eager"`` (switch with ``model.set_attn_implementation``)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 160
+LLM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+
+
+def _finish(model):
+    model.config._attn_implementation = "eager"
+    model.set_attn_implementation("eager")
+    return model.eval()
+
+
+def _ids(B: int, S: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB - 8, (B, S), generator=g)
+
+
+def llama(B=2, S=24):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _finish(LlamaForCausalLM(LlamaConfig(**LLM))), {"input_ids": _ids(B, S)}
+
+
+def qwen2(B=2, S=24):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _finish(Qwen2ForCausalLM(Qwen2Config(**LLM))), {"input_ids": _ids(B, S)}
+
+
+def mistral(B=2, S=24, window=7):
+    """Sliding window 7 < prompt length, so the window bites in prefill and decode."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _finish(MistralForCausalLM(MistralConfig(**LLM, sliding_window=window))), {"input_ids": _ids(B, S)}
+
+
+def gemma2(B=2, S=24, window=6):
+    """Alternating sliding/full layers, attention logit soft-capping (small cap so it bites), GQA."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(**{**LLM, "num_hidden_layers": 4}, head_dim=16, sliding_window=window,
+                       attn_logit_softcapping=1.5, final_logit_softcapping=30.0)  # fmt: skip
+    return _finish(Gemma2ForCausalLM(cfg)), {"input_ids": _ids(B, S)}
+
+
+QWEN2VL_IMAGE = 150
+
+
+def qwen2_vl(B=1, S_text=10):
+    """Qwen2-VL with a depth-2 vision tower and one 56x56 image (4x4 patches of 14 -> 4 merged tokens)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = {**LLM, "bos_token_id": 1, "eos_token_id": 2, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)  # fmt: skip
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN2VL_IMAGE, video_token_id=151,
+                        vision_start_token_id=152, vision_end_token_id=153)  # fmt: skip
+    model = _finish(Qwen2VLForConditionalGeneration(cfg))
+    grid = torch.tensor([[1, 4, 4]] * B)  # t, h, w patches per image
+    n_img = 4  # 16 patches / merge 2x2
+    g = torch.Generator().manual_seed(1)
+    pixel_values = torch.randn(B * 16, 3 * 2 * 14 * 14, generator=g)
+    ids = _ids(B, S_text)
+    img = torch.tensor([152] + [QWEN2VL_IMAGE] * n_img + [153]).expand(B, -1)
+    input_ids = torch.cat([ids[:, :3], img, ids[:, 3:]], dim=1)
+    mm = (input_ids == QWEN2VL_IMAGE).int()
+    return model, {"input_ids": input_ids, "pixel_values": pixel_values, "image_grid_thw": grid,
+                   "mm_token_type_ids": mm}  # fmt: skip
+
+
+INTERNVL_IMAGE = 150
+
+
+def internvl(B=1, S_text=10):
+    """InternVL: InternViT-style vision tower (2 layers, 28x28 image, 4 image tokens) + a Qwen2 LM."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  image_size=[28, 28], patch_size=[7, 7])  # fmt: skip
+    text = {**LLM, "model_type": "qwen2"}
+    cfg = InternVLConfig(vision_config=vision, text_config=text, image_token_id=INTERNVL_IMAGE, image_seq_length=4)
+    model = _finish(InternVLForConditionalGeneration(cfg))
+    g = torch.Generator().manual_seed(2)
+    pixel_values = torch.randn(B, 3, 28, 28, generator=g)
+    ids = _ids(B, S_text)
+    input_ids = torch.cat([ids[:, :2], torch.full((B, 4), INTERNVL_IMAGE), ids[:, 2:]], dim=1)
+    return model, {"input_ids": input_ids, "pixel_values": pixel_values}
+
+
+BLIP_VIDEO = 150
+
+
+def instructblip_video(B=1, S_text=8, frames=2, queries=4):
+    """InstructBLIP-Video: EVA-style ViT (2 layers), BLIP-2 Q-former with cross-attention (2 layers), Llama LM."""
+    from transformers import InstructBlipVideoConfig, InstructBlipVideoForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)  # fmt: skip
+    qformer = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                   max_position_embeddings=64, cross_attention_frequency=1, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0)  # fmt: skip
+    text = {**LLM, "model_type": "llama"}
+    cfg = InstructBlipVideoConfig(vision_config=vision, qformer_config=qformer, text_config=text,
+                                  num_query_tokens=queries, video_token_index=BLIP_VIDEO)  # fmt: skip
+    model = _finish(InstructBlipVideoForConditionalGeneration(cfg))
+    g = torch.Generator().manual_seed(3)
+    pixel_values = torch.randn(B, frames, 3, 28, 28, generator=g)
+    ids = _ids(B, S_text)
+    input_ids = torch.cat([torch.full((B, frames * queries), BLIP_VIDEO), ids], dim=1)
+    q_ids = _ids(B, 5, seed=4)
+    return model, {"input_ids": input_ids, "pixel_values": pixel_values, "qformer_input_ids": q_ids,
+                   "qformer_attention_mask": torch.ones_like(q_ids)}  # fmt: skip
+
+
+FAMILIES = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "mistral-sliding": mistral,
+    "gemma2-sliding-softcap": gemma2,
+    "qwen2-vl": qwen2_vl,
+    "internvl": internvl,
+    "instructblip-video": instructblip_video,
+}
+TEXT_ONLY = ("llama", "qwen2", "mistral-sliding", "gemma2-sliding-softcap")
