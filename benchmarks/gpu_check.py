@@ -1,4 +1,4 @@
-"""Everything a first GPU run must tell us, in one command (<= 8 minutes on one GPU)::
+"""Everything a first GPU run must tell us, in one command (<= 9.5 minutes on one GPU)::
 
     python -m benchmarks.gpu_check benchmarks/results/gpu_check
 
@@ -17,9 +17,13 @@ every case it had finished:
    and FlexAttention at S = 4K-64K, D = 128, bf16; block-sparse at 10 % density against dense; the targets.
 6. ``dispatch``: what ``auto`` chooses for typical shapes (facts from meta tensors, so it runs anywhere),
    whether SDPA really takes its fused kernels where the rule counts on them, forced fallbacks.
+7. ``hf_bench``: ``benchmarks.hf_attention`` on CUDA in bf16 at S = 32K and 128K: the ``"longctx"``
+   transformers backend against transformers' ``sdpa`` and ``eager`` on a random Qwen2 (prefill time, peak
+   memory, last-token logits compared). The bf16 parity tests of the bridge (``tests/test_hf_bridge.py``,
+   marked ``gpu``) run in step 2.
 
 Steps 2, 3, 4 and 6 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
-GPU work there is small); step 5 times kernels and runs alone after them. ``summary.md`` in OUT holds the
+GPU work there is small); steps 5 and 7 time kernels and run alone after them, one after the other. ``summary.md`` in OUT holds the
 tables for the README. On a machine without CUDA, steps 1 and 6 run, the others are recorded as skipped,
 and the exit code is 0; on a GPU it is 0 when every step ran and passed, else 1.
 """
@@ -44,11 +48,13 @@ from benchmarks.common import format_table, read_json, write_json_atomic
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch")
-GPU_STEPS = ("pytest", "numerics", "int64", "bench")
+STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench")
+GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench")
+TIMING_STEPS = ("bench", "hf_bench")
 #: Seconds each step may take (``--box STEP=S`` overrides); steps 2-4 and 6 overlap, so the total stays
-#: under ``--budget-s`` (default 470 s: 8 minutes less process start-up).
-DEFAULT_BOXES = {"env": 30.0, "pytest": 200.0, "numerics": 200.0, "int64": 150.0, "bench": 230.0, "dispatch": 120.0}
+#: under ``--budget-s`` (default 560 s: 9.5 minutes less process start-up).
+DEFAULT_BOXES = {"env": 30.0, "pytest": 200.0, "numerics": 200.0, "int64": 150.0, "bench": 230.0, "dispatch": 120.0,
+                 "hf_bench": 100.0}  # fmt: skip
 NUMERICS_SHARDS = 4
 
 
@@ -58,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", type=Path, nargs="?", help="folder for gpu_check.json, summary.md and the step logs")
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
     p.add_argument("--box", action="append", default=[], metavar="STEP=SECONDS", help="a step's time box")
-    p.add_argument("--budget-s", type=float, default=470.0, help="wall-clock budget of the whole command")
+    p.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget of the whole command")
     p.add_argument("--child", choices=["numerics", "int64", "dispatch"], help=argparse.SUPPRESS)
     p.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
@@ -178,6 +184,13 @@ def _bench_job(out: Path, box: float) -> Job:
     return Job(step="bench", argv=argv, box_s=box, log=out / "logs" / "bench.log", extra={"json": path})
 
 
+def _hf_bench_job(out: Path, box: float) -> Job:
+    path = out / "hf_attention_gpu.json"
+    argv = [sys.executable, "-m", "benchmarks.hf_attention", "--device", "cuda", "--dtype", "bfloat16", "--sizes",
+            "32K,128K", "--quick", "--timeout", str(int(max(10, box - 5))), "--out", str(path)]  # fmt: skip
+    return Job(step="hf_bench", argv=argv, box_s=box, log=out / "logs" / "hf_bench.log", extra={"json": path})
+
+
 def _junit_summary(xml: Path) -> dict[str, Any]:
     """Counts and failing test ids from pytest's JUnit XML."""
     import xml.etree.ElementTree as ET
@@ -210,6 +223,12 @@ def _finish(job: Job, out: Path) -> dict[str, Any]:
     if job.step == "pytest":
         rec["tests"] = _junit_summary(job.extra["xml"])
         ok = rc == 0
+    elif job.step == "hf_bench":
+        data = read_json(job.extra["json"]) or {}
+        rec["rows"] = [{k: r.get(k) for k in ("S", "case", "impl", "status", "median_s", "peak_mb", "reason",
+                                              "time_ratio_longctx_over_this", "memory_ratio_longctx_over_this",
+                                              "max_abs_diff_vs_longctx")} for r in data.get("rows", [])]  # fmt: skip
+        ok = rc == 0 and bool(rec["rows"])
     elif job.step == "bench":
         data = read_json(job.extra["json"]) or {}
         rec["targets"] = data.get("targets")
@@ -265,11 +284,18 @@ def summarize(report: dict[str, Any]) -> str:
         elif name == "bench" and rec.get("targets"):
             t = rec["targets"]
             what = "; ".join(f"{k} {v}" for k, v in t.items() if not isinstance(v, (dict, list)))
+        elif name == "hf_bench" and rec.get("rows"):
+            what = f"{sum(r.get('status') == 'ok' for r in rec['rows'])} of {len(rec['rows'])} cases ran"
         lines.append({"step": name, "status": status, "seconds": rec.get("seconds"), "result": what})
     text = format_table(lines, ["step", "status", "seconds", "result"])
     targets = report["steps"].get("bench", {}).get("targets") or {}
     if targets.get("table"):
         text += "\n\n" + format_table(targets["table"], list(targets["table"][0]))
+    hf_rows = report["steps"].get("hf_bench", {}).get("rows") or []
+    if hf_rows:
+        text += "\n\n" + format_table(hf_rows, ["S", "case", "impl", "status", "median_s", "peak_mb",
+                                                "time_ratio_longctx_over_this", "memory_ratio_longctx_over_this",
+                                                "max_abs_diff_vs_longctx", "reason"])  # fmt: skip
     return text
 
 
@@ -359,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     cuda = bool(env.get("cuda_available"))
     if not cuda:
-        print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64 and bench need one "
+        print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64, bench and hf_bench "
+              "need one "
               "(recorded as skipped); running env and dispatch only.")  # fmt: skip
         for name in GPU_STEPS:
             if name in steps:
@@ -367,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     # Phase A: the correctness steps, concurrently.
-    bench_reserve = boxes["bench"] if (cuda and "bench" in steps) else 0.0
+    bench_reserve = sum(boxes[n] for n in TIMING_STEPS if cuda and n in steps)
     jobs: list[Job] = []
     for name in ("pytest", "numerics", "int64", "dispatch"):
         if name not in steps or report["steps"].get(name, {}).get("status") == "skipped":
@@ -407,17 +434,20 @@ def main(argv: list[str] | None = None) -> int:
             save()
     bar.close()
 
-    # Phase B: timings, alone on the GPU.
-    if cuda and "bench" in steps:
-        box = min(boxes["bench"], deadline - time.monotonic())
+    # Phase B: timings, alone on the GPU, one after the other.
+    for name, make in (("bench", _bench_job), ("hf_bench", _hf_bench_job)):
+        if not (cuda and name in steps):
+            continue
+        box = min(boxes[name], deadline - time.monotonic())
         if box < 1:
-            skip("bench", f"no time left in the {args.budget_s:.0f} s budget")
-        else:
-            job = _bench_job(out, box)
-            job.start()
-            while not job.poll():
-                time.sleep(0.5)
-            report["steps"]["bench"] = _finish(job, out)
+            skip(name, f"no time left in the {args.budget_s:.0f} s budget")
+            continue
+        job = make(out, box)
+        job.start()
+        while not job.poll():
+            time.sleep(0.5)
+        report["steps"][name] = _finish(job, out)
+        save()
     report["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     summary = summarize(report)
     _write_text_atomic(out / "summary.md", summary + "\n")

@@ -203,3 +203,48 @@ def test_attention_options_are_validated():
         H.set_attention_options(model, chunk=3)
     assert H.set_attention_options(model, backend="reference") == 2
     assert H.set_attention_options(model) == 2
+
+
+def bf16_parity_errors(family: str, device: str) -> tuple[float, float]:
+    """Teacher-forced prefill and 8 cached decode steps in bf16: (longctx's, bf16 eager's) max error against fp32
+    eager on the same device."""
+    model, inputs = T.FAMILIES[family]()
+    model = model.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.no_grad():
+        steps = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)[:, -8:]
+
+    def run(impl, dtype):
+        model.to(dtype).set_attn_implementation(impl)
+        x = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in inputs.items()}
+        lm = model.language_model if family == "instructblip-video" else model  # its LM decodes on the cache
+        pos, nxt = {}, None
+        if family == "qwen2-vl":  # explicit M-RoPE ids, then text positions from the next free one
+            mm = {k: x[k] for k in ("mm_token_type_ids", "image_grid_thw")}
+            ids3, nxt = H.mrope_position_ids(model, x["input_ids"], **mm)
+            pos = {"position_ids": ids3}
+        with torch.no_grad():
+            out = model(**x, **pos, use_cache=True)
+            cache = getattr(out, "past_key_values", None) or out.language_model_outputs.past_key_values
+            logits = [out.logits[:, -1].float()]
+            for t in range(8):
+                mask = torch.ones(steps.shape[0], cache.get_seq_length() + 1, dtype=torch.long, device=device)
+                step_pos = {} if nxt is None else {"position_ids": (nxt + t).view(-1, 1)}
+                out = lm(input_ids=steps[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True,
+                         **step_pos)  # fmt: skip
+                logits.append(out.logits[:, -1].float())
+        return torch.stack(logits)
+
+    truth = run("eager", torch.float32)
+    err_eager = (run("eager", torch.bfloat16) - truth).abs().max()
+    err_ours = (run("longctx", torch.bfloat16) - truth).abs().max()
+    return float(err_ours), float(err_eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(T.FAMILIES))
+def test_cuda_bf16_matches_eager_within_eagers_own_error(family):
+    """On CUDA in bf16 (Triton/SDPA underneath): longctx's error against fp32 eager stays within 2x bf16 eager's
+    own error against it, plus 0.02 (logits of a random tiny model are O(1))."""
+    err_ours, err_eager = bf16_parity_errors(family, "cuda")
+    assert err_ours <= 2 * err_eager + 0.02, (err_ours, err_eager)

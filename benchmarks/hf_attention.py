@@ -1,0 +1,210 @@
+"""``"longctx"`` against transformers' ``sdpa`` and ``eager`` on a real architecture: prefill time and peak memory.
+
+The model is a random Qwen2 (``transformers.Qwen2ForCausalLM``) of tiny width and enough depth that attention
+dominates at long context: hidden 64, one 64-dim attention head and one key/value head, 4 layers, vocabulary 256,
+fp32, eval mode, weights seeded identically in every case. One forward over the prompt with ``use_cache=True``
+(a prefill) per timed call.
+
+Cases (each in a fresh subprocess, :func:`benchmarks.common.run_isolated`):
+    causal: one sequence of ``S`` tokens, no attention mask (transformers' ``sdpa`` then runs PyTorch's fused
+        causal kernel without a mask: its best case).
+    padded: a batch of two, the second left-padded by ``S / 8`` tokens (an ``attention_mask`` with zeros, so
+        transformers builds an explicit ``(B, 1, S, S)`` mask for ``sdpa`` and ``eager``; ``longctx`` keeps
+        the ``(B, S)`` key padding).
+
+Measured per case: median wall time of the prefill (``benchmarks.common.time_call``; one run past 5 s) and
+the peak resident-memory growth during it (``benchmarks.common.PeakRSS``: the ``VmHWM`` high-water mark reset
+after the model and inputs exist). A case that does not finish inside ``--memory-limit-gb`` (an address-space
+limit set in the subprocess: the allocation fails) or ``--timeout`` is recorded with its reason; ``eager`` is
+not started where its score and mask tensors alone (``B · H · S²`` elements, three times: mask, scores,
+softmax) exceed the limit (on CUDA: the GPU's memory). The last position's logits of every finished case are compared with ``longctx``'s
+(max abs difference), so a fast wrong answer cannot pass.
+
+Ratios are ``longctx / peer`` for time and memory (below 1: ``longctx`` is faster / leaner).
+FLOPs of attention per layer: ``4 · B · H · S² · D / 2`` (causal: half the score matrix).
+
+Usage:
+    python -m benchmarks.hf_attention                       # S = 4K, 16K, 32K on CPU
+    python -m benchmarks.hf_attention --sizes 4K --quick
+    python -m benchmarks.hf_attention --device cuda --dtype bfloat16 --sizes 32K,128K   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+from benchmarks.common import (
+    PeakRSS,
+    env_info,
+    format_table,
+    parse_size,
+    portable_args,
+    run_isolated,
+    time_call,
+    write_json_atomic,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hf_attention.json"
+IMPLS = ("longctx", "sdpa", "eager")
+CASES = ("causal", "padded")
+MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=1,
+             num_key_value_heads=1, max_position_embeddings=1 << 18, rope_theta=10000.0)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hf_attention",
+                                description="Prefill time and peak memory: longctx vs transformers' sdpa and eager.")
+    p.add_argument("--sizes", default="4K,16K,32K", help="comma-separated prompt lengths (default 4K,16K,32K)")
+    p.add_argument("--cases", default=",".join(CASES), help=f"subset of {CASES}")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {IMPLS}")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads on CPU (default 2)")
+    p.add_argument("--memory-limit-gb", type=float, default=20.0, help="address-space cap per case on CPU (GiB)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case (default 1800)")
+    p.add_argument("--quick", action="store_true", help="one timed run per case")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="result JSON (written atomically)")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
+    return p
+
+
+def _dense_bytes(batch: int, S: int) -> int:
+    return batch * MODEL["num_attention_heads"] * S * S * 4
+
+
+def run_case(spec: dict) -> dict:
+    """One (impl, case, S) in this process; returns the measurement."""
+    import torch
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    dtype = getattr(torch, spec["dtype"])
+    if spec["impl"] == "longctx":
+        from core.hf import register
+
+        register()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**MODEL)
+    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(spec["impl"])
+    S, batch = spec["S"], (1 if spec["case"] == "causal" else 2)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MODEL["vocab_size"], (batch, S), generator=g).to(device)
+    kwargs = {}
+    if spec["case"] == "padded":
+        mask = torch.ones(batch, S, dtype=torch.long)
+        mask[1, : S // 8] = 0
+        kwargs["attention_mask"] = mask.to(device)
+
+    def prefill():
+        with torch.no_grad():
+            return model(input_ids=ids, past_key_values=DynamicCache(config=cfg), use_cache=True, **kwargs).logits
+
+    out = {"impl": spec["impl"], "case": spec["case"], "S": S, "batch": batch}
+    peak = PeakRSS() if device.type == "cpu" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        peak.start()
+    try:
+        timing = time_call(prefill, reps=1 if spec["quick"] else 3, warmup=1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except (RuntimeError, MemoryError) as err:  # an allocation past the cap
+        return {**out, "status": "skipped", "reason": f"did not fit: {str(err).splitlines()[0][:160]}"}
+    if device.type == "cuda":
+        out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        out["peak_mb"], out["peak_method"] = peak.peak_mb(), peak.method
+    last = prefill()[:, -1].float().cpu()
+    return {**out, "status": "ok", "median_s": timing["median_s"], "runs": timing.get("runs"),
+            "last_logits": last.tolist()}  # fmt: skip
+
+
+def _limit_memory(gb: float) -> None:
+    cap = int(gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.case:
+        spec = json.loads(args.case)
+        if spec["device"] == "cpu" and spec.get("memory_limit_gb"):
+            _limit_memory(spec["memory_limit_gb"])
+        print(json.dumps(run_case(spec)))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except ValueError as err:
+        print(f"error: --sizes: {err}", file=sys.stderr)
+        return 2
+    cases = [c for c in args.cases.split(",") if c]
+    impls = [i for i in args.impls.split(",") if i]
+    bad = [c for c in cases if c not in CASES] + [i for i in impls if i not in IMPLS]
+    if bad:
+        print(f"error: unknown case or implementation {bad}; accepted: {CASES} and {IMPLS}", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        cap_bytes, cap_name = args.memory_limit_gb * 2**30, "cap"
+    else:
+        import torch
+
+        cap_bytes, cap_name = torch.cuda.get_device_properties(0).total_memory, "of GPU memory"
+    rows = []
+    for S in sizes:
+        for case in cases:
+            group = []
+            for impl in impls:
+                batch = 1 if case == "causal" else 2
+                spec = {"impl": impl, "case": case, "S": S, "device": args.device, "dtype": args.dtype,
+                        "threads": args.threads, "quick": args.quick, "memory_limit_gb": args.memory_limit_gb}
+                need = 3 * _dense_bytes(batch, S) * (1 if args.dtype == "float32" else 0.5)
+                if impl == "eager" and need > cap_bytes:
+                    res = {"impl": impl, "case": case, "S": S, "batch": batch, "status": "skipped",
+                           "reason": f"its mask, scores and softmax take {need / 2**30:.0f} GiB, over the "
+                                     f"{cap_bytes / 2**30:.0f} GiB {cap_name}"}  # fmt: skip
+                else:
+                    logger.info("S=%d %s %s ...", S, case, impl)
+                    res = run_isolated([sys.executable, "-m", "benchmarks.hf_attention", "--case", json.dumps(spec)],
+                                       timeout_s=args.timeout,
+                                       env={"OMP_NUM_THREADS": str(args.threads)})  # fmt: skip
+                    res.setdefault("impl", impl), res.setdefault("case", case), res.setdefault("S", S)
+                logger.info("  %s", {k: v for k, v in res.items() if k not in ("last_logits", "runs")})
+                group.append(res)
+            ours = next((r for r in group if r["impl"] == "longctx" and r.get("status") == "ok"), None)
+            for r in group:
+                if ours is not None and r.get("status") == "ok":
+                    import torch
+
+                    r["max_abs_diff_vs_longctx"] = float(
+                        (torch.tensor(r["last_logits"]) - torch.tensor(ours["last_logits"])).abs().max())
+                    r["time_ratio_longctx_over_this"] = ours["median_s"] / r["median_s"]
+                    r["memory_ratio_longctx_over_this"] = ours["peak_mb"] / max(r["peak_mb"], 1e-9)
+            rows += group
+    for r in rows:
+        r.pop("last_logits", None)
+    result = {"benchmark": "hf_attention", "args": portable_args(args), "model": MODEL, "device": args.device, "dtype": args.dtype,
+              "threads": args.threads, "memory_limit_gb": args.memory_limit_gb, "env": env_info(), "rows": rows}  # fmt: skip
+    write_json_atomic(args.out, result)
+    cols = ["S", "case", "impl", "status", "median_s", "peak_mb", "time_ratio_longctx_over_this",
+            "memory_ratio_longctx_over_this", "max_abs_diff_vs_longctx", "reason"]  # fmt: skip
+    print(format_table(rows, cols))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""``benchmarks.hf_attention`` end to end at a tiny size: every implementation runs in its own process, the last-token
+logits agree, ratios are filled in, bad arguments exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+from benchmarks import hf_attention  # noqa: E402
+
+
+def test_tiny_run_writes_rows_that_agree(tmp_path, capsys):
+    out = tmp_path / "hf.json"
+    assert hf_attention.main(["--sizes", "192", "--quick", "--threads", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {(r["case"], r["impl"]) for r in rows} == {(c, i) for c in hf_attention.CASES for i in hf_attention.IMPLS}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["max_abs_diff_vs_longctx"] < 1e-4  # the same model and inputs in every process
+        assert r["median_s"] > 0 and r["peak_mb"] >= 0 and "last_logits" not in r
+    ours = [r for r in rows if r["impl"] == "longctx"]
+    assert all(r["time_ratio_longctx_over_this"] == 1 for r in ours)
+    assert data["args"]["out"].endswith("hf.json") and "| 192 | padded | eager | ok |" in capsys.readouterr().out
+
+
+def test_eager_too_large_for_the_cap_is_skipped_with_its_reason(tmp_path):
+    out = tmp_path / "hf.json"
+    assert hf_attention.main(["--sizes", "64K", "--impls", "eager", "--cases", "padded", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "skipped" and "over the 20 GiB cap" in row["reason"]
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert hf_attention.main(["--sizes", "4Q", "--out", str(tmp_path / "x.json")]) == 2
+    assert hf_attention.main(["--impls", "flash", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "bad size '4Q'" in err and "unknown case or implementation ['flash']" in err
