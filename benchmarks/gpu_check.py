@@ -23,9 +23,9 @@ every case it had finished:
    marked ``gpu``) run in step 2.
 
 Steps 2, 3, 4 and 6 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
-GPU work there is small); steps 5 and 7 time kernels and run alone after them, one after the other. ``summary.md`` in OUT holds the
-tables for the README. On a machine without CUDA, steps 1 and 6 run, the others are recorded as skipped,
-and the exit code is 0; on a GPU it is 0 when every step ran and passed, else 1.
+GPU work there is small); steps 5 and 7 time kernels and run alone after them, one after the other.
+``summary.md`` in OUT holds the tables for the README. On a machine without CUDA, steps 1 and 6 run, the others
+are recorded as skipped, and the exit code is 0; on a GPU it is 0 when every step ran and passed, else 1.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ the peak resident-memory growth during it (``benchmarks.common.PeakRSS``: the ``
 after the model and inputs exist). A case that does not finish inside ``--memory-limit-gb`` (an address-space
 limit set in the subprocess: the allocation fails) or ``--timeout`` is recorded with its reason; ``eager`` is
 not started where its score and mask tensors alone (``B · H · S²`` elements, three times: mask, scores,
-softmax) exceed the limit (on CUDA: the GPU's memory). The last position's logits of every finished case are compared with ``longctx``'s
-(max abs difference), so a fast wrong answer cannot pass.
+softmax) exceed the limit (on CUDA: the GPU's memory). The last position's logits of every finished case are
+compared with ``longctx``'s (max abs difference), so a fast wrong answer cannot pass.
 
 Ratios are ``longctx / peer`` for time and memory (below 1: ``longctx`` is faster / leaner).
 FLOPs of attention per layer: ``4 · B · H · S² · D / 2`` (causal: half the score matrix).
@@ -196,8 +196,9 @@ def main(argv=None) -> int:
             rows += group
     for r in rows:
         r.pop("last_logits", None)
-    result = {"benchmark": "hf_attention", "args": portable_args(args), "model": MODEL, "device": args.device, "dtype": args.dtype,
-              "threads": args.threads, "memory_limit_gb": args.memory_limit_gb, "env": env_info(), "rows": rows}  # fmt: skip
+    result = {"benchmark": "hf_attention", "args": portable_args(args), "model": MODEL, "device": args.device,
+              "dtype": args.dtype, "threads": args.threads, "memory_limit_gb": args.memory_limit_gb, "env": env_info(),
+              "rows": rows}  # fmt: skip
     write_json_atomic(args.out, result)
     cols = ["S", "case", "impl", "status", "median_s", "peak_mb", "time_ratio_longctx_over_this",
             "memory_ratio_longctx_over_this", "max_abs_diff_vs_longctx", "reason"]  # fmt: skip

@@ -57,7 +57,8 @@ def qwen2_vl(B=1, S_text=10):
     """Qwen2-VL with a depth-2 vision tower and one 56x56 image (4x4 patches of 14 -> 4 merged tokens)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    text = {**LLM, "bos_token_id": 1, "eos_token_id": 2, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}  # sections sum to head_dim/2
+    text = {**LLM, "bos_token_id": 1, "eos_token_id": 2, "rope_parameters": rope}
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
                   temporal_patch_size=2, in_channels=3)  # fmt: skip
     cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN2VL_IMAGE, video_token_id=151,

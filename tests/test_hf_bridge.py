@@ -248,3 +248,27 @@ def test_cuda_bf16_matches_eager_within_eagers_own_error(family):
     own error against it, plus 0.02 (logits of a random tiny model are O(1))."""
     err_ours, err_eager = bf16_parity_errors(family, "cuda")
     assert err_ours <= 2 * err_eager + 0.02, (err_ours, err_eager)
+
+
+def test_an_argument_the_core_cannot_serve_goes_to_the_models_own_eager(caplog):
+    """GPT-OSS passes attention sinks (``s_aux``): the core has none, so its own eager math runs, with a warning."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(**{**T.LLM, "num_hidden_layers": 2}, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                       sliding_window=6, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    model = T._finish(GptOssForCausalLM(cfg))
+    torch.nn.init.normal_(model.model.layers[0].self_attn.sinks, std=2.0)  # sinks that matter
+    ids = T._ids(2, 14)
+    ref = _logits(model, "eager", {"input_ids": ids})
+    B._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="core.hf.backend"):
+        got = _logits(model, "longctx", {"input_ids": ids})
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert any("'s_aux'" in r.getMessage() for r in caplog.records)
+
+    class Bare(torch.nn.Module):  # no modeling file with an eager function: refuse rather than drop the argument
+        is_causal = True
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="'s_aux'.*attn_implementation='eager'"):
+        B.longctx_attention(Bare(), q, q, q, None, s_aux=torch.zeros(2))

@@ -22,6 +22,7 @@ fallbacks receive them as part of a dense mask, so no path ignores them.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -211,21 +212,28 @@ def longctx_mask(
 # --- the attention function -----------------------------------------------------------------------------------
 
 
+#: Keyword arguments the attention function serves (the rest of the pattern comes through the mask).
+_SERVED = frozenset({"softcap", "is_causal", "position_bias", "output_attentions"})
+#: Keyword arguments models pass that do not change the attention (positions are already in q and k; the varlen
+#: and window arguments are for flash kernels, whose pattern the mask already holds).
+_INFORMATIONAL = frozenset({"position_ids", "use_cache", "cache_position", "sliding_window", "cu_seq_lens_q",
+                            "cu_seq_lens_k", "max_length_q", "max_length_k", "output_hidden_states", "return_dict",
+                            "layer_idx", "image_sizes", "past_key_values", "past_key_value"})  # fmt: skip
+
+
 def _fallback_reason(module, query, dropout: float, kwargs: dict) -> str | None:
     if dropout and dropout > 0 and module.training:
         return "dropout"
     if kwargs.get("output_attentions"):
         return "output_attentions"
+    unknown = sorted(
+        k for k, v in kwargs.items()
+        if v is not None and k not in _SERVED and k not in _INFORMATIONAL
+        and not (isinstance(v, bool) and k.startswith(("output_", "return_", "use_")))  # flags for the outputs
+    )  # fmt: skip
+    if unknown:  # e.g. attention sinks (s_aux): never drop an argument that may change the answer
+        return f"argument {unknown[0]!r}"
     return None
-
-
-def _hidden_bias(hidden: torch.Tensor, key: torch.Tensor, hq: int, dtype: torch.dtype) -> torch.Tensor:
-    """Per-head hidden keys of a pruned cache (bool ``(B, H_kv, S_k)``) as an additive bias ``(B, H_q, 1, S_k)``."""
-    B, hkv, sk = hidden.shape
-    if sk != key.shape[2] or hkv != key.shape[1]:
-        raise ValueError(f"per-head mask {tuple(hidden.shape)} does not match keys {tuple(key.shape)}")
-    bias = torch.zeros(B, hkv, sk, dtype=dtype, device=key.device).masked_fill_(hidden.to(key.device), float("-inf"))
-    return bias.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # (B, Hq, 1, Sk)
 
 
 def _as_dense_for_fallback(attention_mask, query, key, module, kwargs) -> tuple[torch.Tensor | None, bool]:
@@ -251,24 +259,56 @@ def _as_dense_for_fallback(attention_mask, query, key, module, kwargs) -> tuple[
     return mask, is_causal
 
 
+def _hidden_bias(hidden: torch.Tensor, key: torch.Tensor, hq: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-head hidden keys of a pruned cache (bool ``(B, H_kv, S_k)``) as an additive bias ``(B, H_q, 1, S_k)``."""
+    B, hkv, sk = hidden.shape
+    if sk != key.shape[2] or hkv != key.shape[1]:
+        raise ValueError(f"per-head mask {tuple(hidden.shape)} does not match keys {tuple(key.shape)}")
+    bias = torch.zeros(B, hkv, sk, dtype=dtype, device=key.device).masked_fill_(hidden.to(key.device), float("-inf"))
+    return bias.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # (B, Hq, 1, Sk)
+
+
+def _model_eager(module):
+    """The ``eager_attention_forward`` of the module's own modeling file (it knows the model's extras: sinks, caps)."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
 def _fallback(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     mask, is_causal = _as_dense_for_fallback(attention_mask, query, key, module, kwargs)
-    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
-    if reason == "output_attentions":
-        _warn_once(reason, "longctx: output_attentions=True needs the attention weights; this call runs transformers' "
-                           "eager attention")  # fmt: skip
-        return _eager(module, query, key, value, mask, scaling, dropout, kwargs.get("softcap"))
-    if kwargs.get("softcap") is not None:
-        _warn_once(reason + "+softcap", f"longctx: {reason} is not served by core.attention; with a softcap this call "
-                                        "runs transformers' eager attention")  # fmt: skip
-        return _eager(module, query, key, value, mask, scaling, dropout, kwargs.get("softcap"))
-    _warn_once(reason, f"longctx: {reason} is not served by core.attention; this call runs transformers' sdpa")
-    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-        mask = mask.to(query.dtype)
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)  # fmt: skip
+    rest = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    if reason == "dropout" and rest.get("softcap") is None and rest.get("position_bias") is None:
+        _warn_once(reason, "longctx: dropout in training is not served by core.attention; these calls run "
+                           "transformers' sdpa")  # fmt: skip
+        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+            mask = mask.to(query.dtype)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **rest)  # fmt: skip
+    _warn_once(reason, f"longctx: {reason} is not served by core.attention; these calls run the model's eager "
+                       "attention")  # fmt: skip
+    if mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True)) \
+            and query.shape[2] > 1:  # fmt: skip
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
+            key.shape[2] - query.shape[2])[None, None]  # fmt: skip
+    if mask is not None and mask.dtype == torch.bool:  # eager functions take an additive float mask
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)  # fmt: skip
+    if rest.get("position_bias") is not None:
+        pb = rest.pop("position_bias").to(query.dtype)
+        mask = pb if mask is None else mask + pb
+    eager = _model_eager(module)
+    if eager is not None:
+        try:
+            return eager(module, query, key, value, mask, scaling=scaling, dropout=dropout, **rest)
+        except TypeError as err:  # an eager function of another signature: the generic one below
+            logger.debug("model eager attention refused the call (%s); using the generic eager math", err)
+    if reason.startswith("argument"):
+        raise ValueError(
+            f"longctx attention cannot serve the {reason} that {type(module).__name__} passes, and its modeling file "
+            "has no eager attention to fall back to; load the model with attn_implementation='eager'"
+        )
+    return _eager(module, query, key, value, mask, scaling, dropout, rest.get("softcap"))
 
 
 def _eager(module, query, key, value, mask, scaling, dropout, softcap):
@@ -347,6 +387,10 @@ def longctx_attention(
     if hidden is not None:
         hidden_bias = _hidden_bias(hidden[:, :, : key.shape[2]], key, query.shape[1], query.dtype)
         bias = hidden_bias if bias is None else bias + hidden_bias
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:  # an additive relative-position bias (T5-style), as transformers' sdpa adds it
+        position_bias = position_bias[..., : key.shape[2]].to(query.dtype)
+        bias = position_bias if bias is None else bias + position_bias
     softcap = kwargs.get("softcap")
     options = getattr(module, OPTIONS_ATTR, None) or {}
     out = attention(query, key, value, causal=causal, key_padding_mask=key_padding, attn_bias=bias, scale=scaling,

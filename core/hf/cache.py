@@ -256,7 +256,9 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, *, device=None) 
     with f:
         meta = f.metadata() or {}
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a saved longctx cache (format {meta.get('format')!r}, expected {FORMAT!r})")
+            raise ValueError(
+                f"{path} is not a saved longctx cache (format {meta.get('format')!r}, expected {FORMAT!r})"
+            )
         want = model_fingerprint(model)
         if meta.get("fingerprint") != want:
             raise CacheMismatchError(

@@ -177,7 +177,8 @@ def load(
 
         register()
     try:
-        model = cls.from_pretrained(str(p), local_files_only=True, dtype=_resolve_dtype(dtype), attn_implementation=attn, **model_kwargs)  # fmt: skip  # noqa: E501
+        kwargs = {"dtype": _resolve_dtype(dtype), "attn_implementation": attn, **model_kwargs}
+        model = cls.from_pretrained(str(p), local_files_only=True, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"could not load {path} as {cls.__name__}: {err}") from None
     model.to(_resolve_device(device)).eval()
