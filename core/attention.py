@@ -38,7 +38,10 @@ The ``auto`` rule (:func:`choose_backend`, as a plain function of its facts :fun
        memory ``O(S)``; :func:`sdpa_fused`) and whose masks, as ``sdpa`` builds them, fit the memory budget
        (:func:`sdpa_mask_bytes`) -> ``sdpa``. This takes decode-sized queries (SDPA's kernels split the keys
        across the GPU, where the Triton kernel would run one program per (batch, head)), fp32, and biases.
-    3. the dense score matrix, ``B · H_q · S_q · S_k · 4`` bytes, fits the memory budget -> ``sdpa``.
+    3. the dense score matrix, ``B · H_q · S_q · S_k · 4`` bytes, fits the memory budget -> ``sdpa``; except on a
+       CPU when ``sdpa`` would have to build a causal (or window) mask together with padding or a bias, for at
+       least ``CPU_MASKED_CHUNKED_MIN_PAIRS`` query-key pairs -> ``chunked``, which skips the hidden blocks and
+       runs the fused kernel's own causal mode on the diagonal ones (measured 1.2-2.8x faster from 512² pairs).
     4. eligible for step 1 but decode-sized (neither step 2 nor 3 applied) -> ``triton``.
     5. otherwise -> ``chunked``.
     The budget is ``DEFAULT_MEMORY_BUDGET`` (512 MiB) unless the call passes ``memory_budget=`` (bytes).
@@ -75,6 +78,7 @@ __all__ = [
     "auto_rule",
     "DEFAULT_MEMORY_BUDGET",
     "DECODE_MAX_QUERIES",
+    "CPU_MASKED_CHUNKED_MIN_PAIRS",
 ]
 
 #: Largest dense score matrix (bytes, counted as fp32) that ``auto`` hands to ``sdpa``; per call: ``memory_budget=``.
@@ -84,6 +88,9 @@ TRITON_HEAD_DIMS = (16, 128)
 #: Query lengths up to this are decode-sized: one Triton query tile (64-128 rows) per (batch, head) would be
 #: mostly idle rows, and ``B · H`` programs fill a few percent of a large GPU; ``auto`` prefers SDPA there.
 DECODE_MAX_QUERIES = 16
+#: On a CPU, causal attention that also needs a mask (padding, window, bias) goes to ``chunked`` from this many
+#: query-key pairs (``S_q · S_k``) on: SDPA would take a materialised mask and compute the hidden half.
+CPU_MASKED_CHUNKED_MIN_PAIRS = 512 * 512
 #: Head dims up to which ``auto`` counts on SDPA's fused CUDA kernels (flash: <= 256; memory-efficient: more).
 SDPA_FUSED_MAX_HEAD_DIM = 256
 
@@ -432,6 +439,8 @@ def dispatch_facts(a: AttentionInputs, *, device_type: str | None = None, allow_
         "triton_ok": allow_triton and device_type == "cuda" and triton_installed(),
         "has_window": a.window is not None,
         "has_softcap": a.softcap is not None,
+        "masked_causal": _sdpa_causal(a) or a.window is not None,
+        "k_len": a.k.shape[2],
     }
 
 
@@ -450,6 +459,8 @@ def auto_rule(
     mask_bytes: int = 0,
     has_window: bool = False,
     has_softcap: bool = False,
+    masked_causal: bool = False,
+    k_len: int | None = None,
 ) -> str:
     """The ``auto`` rule as a plain function of the facts it looks at (see module docs).
 
@@ -467,6 +478,9 @@ def auto_rule(
         has_window: a sliding window is set (the Triton kernel has none; ``sdpa`` builds it as a mask).
         has_softcap: a softcap is set: only ``reference`` (dense scores within the budget) and ``chunked``
             apply one.
+        masked_causal: the call is causal (per-query mask, ``S_q > 1``) or windowed; with ``mask_bytes > 0``
+            ``sdpa`` would build that mask densely.
+        k_len: ``S_k`` (None: not known).
     """
     lo, hi = TRITON_HEAD_DIMS
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
@@ -487,6 +501,9 @@ def auto_rule(
     if device_type == "cuda" and sdpa_fused and mask_bytes <= budget:
         return "sdpa"
     if score_bytes <= budget:
+        pairs = (q_len or 0) * (k_len or 0)
+        if device_type == "cpu" and masked_causal and mask_bytes > 0 and pairs >= CPU_MASKED_CHUNKED_MIN_PAIRS:
+            return "chunked"
         return "sdpa"
     return "triton" if triton_fits else "chunked"
 

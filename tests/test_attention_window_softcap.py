@@ -123,3 +123,17 @@ def test_window_and_softcap_validation_and_dispatch():
     assert auto_rule(device_type="cuda", dtype=torch.float16, has_window=True, **common) == "chunked"
     assert auto_rule(device_type="cuda", dtype=torch.float16, has_window=True, sdpa_fused=True, **common) == "sdpa"
     assert auto_rule(device_type="cuda", dtype=torch.float16, has_softcap=True, **common) == "chunked"
+
+
+def test_cpu_masked_causal_goes_to_chunked_from_the_threshold():
+    from core.attention import CPU_MASKED_CHUNKED_MIN_PAIRS
+
+    side = int(CPU_MASKED_CHUNKED_MIN_PAIRS**0.5)
+    for S, pad, causal, want in ((side, True, True, "chunked"), (side - 1, True, True, "sdpa"),
+                                 (side, False, True, "sdpa"),  # no mask needed: SDPA's fused causal kernel
+                                 (side, True, False, "sdpa")):  # fmt: skip
+        q = torch.empty(1, 1, S, 8)
+        kpm = torch.zeros(1, S, dtype=torch.bool) if pad else None
+        assert choose_backend(prepare_inputs(q, q, q, causal=causal, key_padding_mask=kpm)) == want, (S, pad, causal)
+    q = torch.empty(1, 1, side, 8)
+    assert choose_backend(prepare_inputs(q, q, q, causal=True, window=16)) == "chunked"

@@ -10,9 +10,10 @@ Two functions are registered under one name:
 * an **attention function** (``AttentionInterface``), called by every attention layer with ``(B, H, S, D)``
   tensors. It maps the mask onto :func:`core.attention.attention` (``backend="auto"``: ``chunked`` on a CPU
   when the scores would not fit, Triton/SDPA on CUDA), with GQA, scaling, sliding window and softcapping, and
-  returns ``(B, S, H, D)``. What it cannot serve goes to transformers' ``sdpa`` (or ``eager`` when attention
-  weights are asked for) with a warning, once per reason, that names the reason: dropout in training, and
-  ``output_attentions``.
+  returns ``(B, S, H, D)``. What it cannot serve falls back with a warning, once per reason, that names the reason:
+  dropout in training to transformers' ``sdpa``; ``output_attentions`` and any keyword argument it does not know
+  (attention sinks, ...) to the model's own ``eager_attention_forward`` — refused with an error where the modeling
+  file has none, never dropped.
 
 Per-head hidden keys (a pruned cache whose heads keep different tokens, :mod:`core.hf.cache`) arrive as an
 attribute of the key tensor the cache returns and become an additive ``-inf`` bias per key/value head; the
