@@ -4,7 +4,8 @@ D4RL HDF5 (``.hdf5`` / ``.h5``): top-level datasets ``observations (N, obs_dim)`
 ``rewards (N,)``, ``terminals (N,)``, ``timeouts (N,)``; optional ``next_observations`` and ``infos/*`` are
 not needed and not read. The file attribute ``metadata`` (a JSON string, written by :func:`save_hdf5`) holds this
 project's metadata; a file from elsewhere has none, and its environment is taken from a string attribute
-``env`` or ``env_id`` if present (else ``rl.train --env`` names it).
+``env`` or ``env_id`` if present (else ``rl.train --env`` names it). A file whose last step is neither terminal
+nor timeout (D4RL files may stop mid-episode) has that step marked as a timeout, with a warning.
 
 Minari (``minari:/path/to/dataset``): a dataset folder (as ``minari.create_dataset_from_buffers`` or a
 ``DataCollector`` writes it under ``MINARI_DATASETS_PATH``) holding ``data/metadata.json`` and
@@ -13,9 +14,11 @@ last one follows the last action and is dropped), ``actions (T, act_dim)``, ``re
 ``truncations`` ``(T,)``. Episodes are read in id order; the environment id comes from ``env_spec`` in the
 metadata. Only Box observation and action spaces and the ``hdf5`` data format are read (Minari's ``arrow`` format
 needs pyarrow, which is not a dependency here). An episode whose last step is neither terminated nor truncated
-(collection stopped mid-episode) is marked as a timeout, and the count is recorded in the metadata.
+(collection stopped mid-episode) is marked as a timeout, with a warning.
 
-Both loaders end in ``rl.data.validate_arrays``: the same checks and errors as the ``.npz`` format.
+Both readers close such a cut episode through one function, :func:`close_cut_episode`, and record how many they
+closed in the metadata (``episodes_marked_timeout``); then both end in ``rl.data.validate_arrays``: the same
+checks and errors as the ``.npz`` format.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rl.data import REQUIRED_KEYS, FORMAT_VERSION, OfflineDataset, validate_arra
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HDF5_SUFFIXES", "MINARI_PREFIX", "load_hdf5", "save_hdf5", "load_minari"]
+__all__ = ["HDF5_SUFFIXES", "MINARI_PREFIX", "close_cut_episode", "load_hdf5", "save_hdf5", "load_minari"]
 
 HDF5_SUFFIXES = (".hdf5", ".h5")
 MINARI_PREFIX = "minari:"
@@ -45,6 +48,36 @@ def _h5py():
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("reading or writing HDF5 datasets needs h5py: pip install 'longctx-suite[rl]'") from e
     return h5py
+
+
+def close_cut_episode(terminals: np.ndarray, timeouts: np.ndarray, *, source: str) -> tuple[np.ndarray, bool]:
+    """Mark the last step as a timeout if it ends no episode (the data stops mid-episode).
+
+    Args:
+        terminals: ``(N,)`` terminal flags (bool or 0/1) of a file, or of one Minari episode.
+        timeouts: ``(N,)`` timeout flags, the same.
+        source: the file (and episode) named in the warning.
+
+    Returns:
+        ``(timeouts, cut)``: a copy with ``timeouts[-1]`` set and ``cut=True`` when the last step was neither
+        terminal nor timeout (one ``logging`` warning names ``source`` and the cut episode's steps); otherwise
+        ``timeouts`` itself and ``False``. Arrays that are not two equal-length non-empty numeric vectors are
+        returned unchanged, for ``rl.data.validate_arrays`` to refuse with its own error.
+    """
+    term, tout = np.asarray(terminals), np.asarray(timeouts)
+    flags = all(a.dtype == bool or np.issubdtype(a.dtype, np.number) for a in (term, tout))
+    if not flags or term.ndim != 1 or term.shape != tout.shape or term.size == 0:
+        return timeouts, False
+    ends = term.astype(bool) | tout.astype(bool)
+    if ends[-1]:
+        return timeouts, False
+    earlier = np.flatnonzero(ends)
+    steps = int(term.size - (earlier[-1] + 1 if earlier.size else 0))
+    logger.warning("%s: an episode of %d steps ends with neither a terminal nor a timeout (the data stops "
+                   "mid-episode); its last step is marked as a timeout", source, steps)
+    tout = tout.copy()
+    tout[-1] = True
+    return tout, True
 
 
 def _dataset(arrays: dict[str, np.ndarray], meta: dict, source: str) -> OfflineDataset:
@@ -89,6 +122,9 @@ def load_hdf5(path: str | os.PathLike) -> OfflineDataset:
             if "env" not in meta and isinstance(f.attrs.get(key), str):
                 meta["env"] = f.attrs[key]
     meta.setdefault("source_format", "d4rl-hdf5")
+    arrays["timeouts"], cut = close_cut_episode(arrays["terminals"], arrays["timeouts"], source=str(path))
+    if cut:
+        meta["episodes_marked_timeout"] = 1
     return _dataset(arrays, meta, str(path))
 
 
@@ -179,10 +215,8 @@ def load_minari(spec: str | os.PathLike) -> OfflineDataset:
                 raise ValueError(f"{source}: {name} has {T} rewards but observations {obs.shape}, actions "
                                  f"{act.shape}, terminations {term.shape}, truncations {trunc.shape} (expected "
                                  f"T + 1 observations and T of the rest)")
-            if not (term[-1] or trunc[-1]):
-                trunc = trunc.copy()
-                trunc[-1] = True
-                cut += 1
+            trunc, was_cut = close_cut_episode(term, trunc, source=f"{source} ({name})")
+            cut += was_cut
             parts["observations"].append(obs[:T].reshape(T, -1) if obs.ndim == 1 else obs[:T])
             parts["actions"].append(act.reshape(T, -1) if act.ndim == 1 else act)
             parts["rewards"].append(rew.reshape(T))
@@ -202,6 +236,4 @@ def load_minari(spec: str | os.PathLike) -> OfflineDataset:
         env_id = None
     if env_id:
         meta["env"] = env_id
-    if cut:
-        logger.info("%s: %d episode(s) ended neither terminated nor truncated; marked as timeouts", source, cut)
     return _dataset(arrays, meta, source)

@@ -1,9 +1,11 @@
-"""rl.formats: D4RL-style HDF5 and local Minari datasets load with the .npz format's validation; rl.generate writes
-HDF5 or refuses a file name in one line; rl.train takes an HDF5 file whose metadata names no environment."""
+"""rl.formats: D4RL-style HDF5 and local Minari datasets load with the .npz format's validation; data that stops
+mid-episode ends in a timeout, with a warning, the same in both readers; rl.generate writes HDF5 or refuses a file
+name in one line; rl.train takes an HDF5 file whose metadata names no environment."""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -60,13 +62,45 @@ def test_d4rl_file_from_elsewhere_loads(tmp_path):
 @pytest.mark.parametrize("override, match", [
     ({"timeouts": None}, r"missing keys \['timeouts'\]"),
     ({"rewards": np.r_[np.zeros(10), np.nan, np.zeros(49)]}, "rewards contains 1 NaN/inf values"),
-    ({"timeouts": np.zeros(60, bool)}, "the last transition ends no episode"),
     ({"actions": np.zeros((59, 3))}, "actions has shape"),
 ])
 def test_d4rl_file_gets_the_npz_validation(tmp_path, override, match):
     _write_d4rl(tmp_path / "bad.hdf5", **override)
     with pytest.raises(ValueError, match=match):
         load_dataset(tmp_path / "bad.hdf5")
+
+
+def _cut_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "rl.formats" and r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("first_end, cut_steps", [(20, 39), (None, 60)])
+def test_d4rl_file_cut_mid_episode_ends_in_a_timeout_with_a_warning(tmp_path, caplog, first_end, cut_steps):
+    terminals = np.zeros(60, bool)
+    if first_end is not None:
+        terminals[first_end] = True
+    path = tmp_path / "cut.hdf5"
+    arrays = _write_d4rl(path, terminals=terminals, timeouts=np.zeros(60, bool))
+    with caplog.at_level(logging.WARNING, logger="rl.formats"):
+        ds = load_dataset(path)
+    assert ds.timeouts[-1] and not ds.terminals[-1] and not ds.timeouts[:-1].any()
+    np.testing.assert_array_equal(ds.terminals, terminals)
+    np.testing.assert_allclose(ds.rewards, arrays["rewards"].astype(np.float32))
+    assert [t.length for t in ds.trajectories()][-1] == cut_steps
+    assert ds.trajectories()[-1].terminal is False
+    assert ds.metadata["episodes_marked_timeout"] == 1
+    (msg,) = _cut_warnings(caplog)
+    assert str(path) in msg and f"{cut_steps} steps" in msg and "timeout" in msg
+    # the same data ending its last episode loads unchanged, silently
+    caplog.clear()
+    ended = np.zeros(60, bool)
+    ended[-1] = True
+    arrays = _write_d4rl(tmp_path / "ended.hdf5", terminals=terminals, timeouts=ended)
+    with caplog.at_level(logging.WARNING, logger="rl.formats"):
+        ds = load_dataset(tmp_path / "ended.hdf5")
+    np.testing.assert_array_equal(ds.timeouts, ended)
+    np.testing.assert_array_equal(ds.terminals, terminals)
+    assert _cut_warnings(caplog) == [] and "episodes_marked_timeout" not in ds.metadata
 
 
 def test_hdf5_file_errors(tmp_path):
@@ -127,6 +161,29 @@ def test_minari_dataset_loads_in_episode_order(tmp_path, monkeypatch):
         np.testing.assert_allclose(t.actions, ep.actions)
         assert t.terminal == bool(ep.terminations[-1])
     assert load_dataset(folder).metadata["env"] == "Hopper-v5"  # a folder without the prefix works too
+
+
+def test_cut_episode_reads_the_same_from_d4rl_and_minari(tmp_path, monkeypatch, caplog):
+    folder, bufs = _minari_dataset(tmp_path / "minari", monkeypatch, lengths=(5, 7, 6), ends=("term", "trunc", None))
+    flags = {"terminals": [], "timeouts": []}
+    for b in bufs:  # the same episodes in the D4RL layout, the last one cut
+        flags["terminals"].append(np.asarray(b.terminations, bool))
+        flags["timeouts"].append(np.asarray(b.truncations, bool))
+    path = tmp_path / "same.hdf5"
+    _write_d4rl(path, n=18, observations=np.concatenate([np.asarray(b.observations)[:-1] for b in bufs]),
+                actions=np.concatenate([b.actions for b in bufs]), rewards=np.concatenate([b.rewards for b in bufs]),
+                **{k: np.concatenate(v) for k, v in flags.items()})
+    with caplog.at_level(logging.WARNING, logger="rl.formats"):
+        from_d4rl = load_dataset(path)
+        from_minari = load_dataset(f"minari:{folder}")
+    for k, v in from_minari.arrays().items():
+        np.testing.assert_array_equal(from_d4rl.arrays()[k], v)
+    assert [t.length for t in from_d4rl.trajectories()] == [5, 7, 6]
+    assert [t.terminal for t in from_d4rl.trajectories()] == [True, False, False]
+    assert from_d4rl.metadata["episodes_marked_timeout"] == from_minari.metadata["episodes_marked_timeout"] == 1
+    d4rl_msg, minari_msg = _cut_warnings(caplog)
+    assert str(path) in d4rl_msg and "6 steps" in d4rl_msg
+    assert str(folder) in minari_msg and "episode_2" in minari_msg and "6 steps" in minari_msg
 
 
 def test_minari_errors(tmp_path, monkeypatch):
