@@ -1,5 +1,6 @@
-"""The tables of ``tabular/README.md`` from ``benchmarks.tabular_bench`` result JSONs, so that every number there is
-one a command wrote (nothing is typed by hand).
+"""The per-table and aggregate tables of the tabular experiment log (``docs/experiments/tabular.md``, where the
+README's former results tables now live) from ``benchmarks.tabular_bench`` result JSONs, so that every number there
+is one a command wrote (nothing is typed by hand).
 
 - ``per-table``: one row per table of a result JSON: size, majority rate, TabICL, HistGradientBoosting,
   LogisticRegression, the best peer among every model of that JSON that finished the table (all its splits; ties: the model

@@ -1,4 +1,4 @@
-"""benchmarks.tabular_readme: the README's tables come from a result JSON, with its flags and missing cells."""
+"""benchmarks.tabular_readme: the experiment log's tables come from a result JSON, with its flags and missing cells."""
 
 import json
 
