@@ -11,8 +11,10 @@ One loader for every package that embeds images (``video``, ``pathology``, CoMem
   (``{"mlp_layer": "SwiGLUPacked", "act_layer": "silu"}``) so the settings stay JSON;
 - a missing package raises ``ImportError`` with the install command.
 
-Domain packages keep only their own defaults and named presets on top of :func:`load_timm` and
-:func:`load_open_clip`.
+:func:`build_timm` and :func:`build_open_clip` build the architecture alone (for a model whose own file holds
+the backbone's weights); :func:`load_timm` and :func:`load_open_clip` build it the same way and load a local
+file. This is the only module that calls ``timm.create_model`` or ``open_clip.create_model`` (a test checks the
+repository's packages): domain packages keep only their own defaults and named presets on top of these four.
 
 Example::
 
@@ -34,8 +36,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backbone", "load_state_dict_file", "load_weights", "load_timm", "load_open_clip",
-           "resolve_timm_kwargs", "INSTALL_HINT"]
+__all__ = ["Backbone", "load_state_dict_file", "load_weights", "build_timm", "build_open_clip", "load_timm",
+           "load_open_clip", "resolve_timm_kwargs", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'longctx-suite[backbones]'"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -179,22 +181,20 @@ def _check_file(weights) -> str:
     return w
 
 
-def load_timm(name: str, weights: str | os.PathLike | None, *, model_kwargs: Mapping[str, Any] | None = None,
-              strict: bool = True, ignore_unexpected: Iterable[str] = ()) -> Backbone:
-    """A timm model built with ``pretrained=False`` and ``model_kwargs``, weights from a local file.
+def build_timm(name: str, *, model_kwargs: Mapping[str, Any] | None = None) -> Backbone:
+    """A timm model built with ``pretrained=False`` and ``model_kwargs``, its weights left at their initialisation.
+
+    For a caller that fills the weights itself (a saved model whose file also holds the backbone's tensors);
+    :func:`load_timm` is this plus a local weights file.
 
     Args:
         name: timm architecture (``"vit_large_patch16_224"``).
-        weights: local ``.safetensors`` / torch state dict. Required: nothing is downloaded.
         model_kwargs: constructor arguments (``num_classes``, ``img_size``, ``init_values``,
             ``reg_tokens``, ``mlp_layer`` by name, ...); ``num_classes`` defaults to 0 (features).
-        strict: see :func:`load_weights`.
-        ignore_unexpected: key prefixes allowed in the file without a place in the model.
 
     Returns:
-        A :class:`Backbone` in eval mode on the CPU.
+        A :class:`Backbone` in eval mode on the CPU; mean and std are the architecture's (``pretrained_cfg``).
     """
-    w = _check_file(weights)
     timm = _import("timm", "timm")
     kwargs = {"num_classes": 0, **resolve_timm_kwargs(model_kwargs)}
     try:
@@ -206,16 +206,6 @@ def load_timm(name: str, weights: str | os.PathLike | None, *, model_kwargs: Map
     except (TypeError, AssertionError) as e:  # timm asserts on some impossible sizes
         raise ValueError(f"timm model {name!r} cannot be built with the arguments {kwargs}: {e!r}") from e
     cfg = dict(getattr(model, "pretrained_cfg", None) or {})
-    ignore = tuple(ignore_unexpected)
-    head = cfg.get("classifier")
-    if kwargs.get("num_classes") == 0 and isinstance(head, str):
-        ignore += (head + ".",)  # a classifier in the file is dropped on purpose by num_classes=0
-    sd = load_state_dict_file(w)
-    dropped = [k for k in sd if isinstance(head, str) and k.startswith(head + ".") and k not in model.state_dict()]
-    if dropped:
-        logger.info("num_classes=0: the classifier in %s is not used (%s)", w, _examples(dropped))
-    missing, unexpected, mismatched = load_weights(model, sd, strict=strict, source=f"weights {w!r}",
-                                                   ignore_unexpected=ignore)
     size = cfg.get("input_size", (3, 224, 224))[-1]
     pe = getattr(model, "patch_embed", None)
     if pe is not None and getattr(pe, "img_size", None) is not None:
@@ -223,8 +213,39 @@ def load_timm(name: str, weights: str | os.PathLike | None, *, model_kwargs: Map
     elif "img_size" in kwargs:
         size = kwargs["img_size"]
     return Backbone(model.eval(), "timm", name, int(model.num_features), int(size),
-                    tuple(cfg.get("mean", IMAGENET_MEAN)), tuple(cfg.get("std", IMAGENET_STD)),
-                    missing, unexpected, mismatched)
+                    tuple(cfg.get("mean", IMAGENET_MEAN)), tuple(cfg.get("std", IMAGENET_STD)))
+
+
+def load_timm(name: str, weights: str | os.PathLike | None, *, model_kwargs: Mapping[str, Any] | None = None,
+              strict: bool = True, ignore_unexpected: Iterable[str] = ()) -> Backbone:
+    """A timm model built by :func:`build_timm`, weights from a local file.
+
+    Args:
+        name: timm architecture (``"vit_large_patch16_224"``).
+        weights: local ``.safetensors`` / torch state dict. Required: nothing is downloaded.
+        model_kwargs: constructor arguments, see :func:`build_timm`; ``num_classes`` defaults to 0 (features),
+            and a classifier in the file is then dropped without a report.
+        strict: see :func:`load_weights`.
+        ignore_unexpected: key prefixes allowed in the file without a place in the model.
+
+    Returns:
+        A :class:`Backbone` in eval mode on the CPU.
+    """
+    w = _check_file(weights)
+    bb = build_timm(name, model_kwargs=model_kwargs)
+    model = bb.model
+    cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    ignore = tuple(ignore_unexpected)
+    head = cfg.get("classifier")
+    if (model_kwargs or {}).get("num_classes", 0) == 0 and isinstance(head, str):
+        ignore += (head + ".",)  # a classifier in the file is dropped on purpose by num_classes=0
+    sd = load_state_dict_file(w)
+    dropped = [k for k in sd if isinstance(head, str) and k.startswith(head + ".") and k not in model.state_dict()]
+    if dropped:
+        logger.info("num_classes=0: the classifier in %s is not used (%s)", w, _examples(dropped))
+    bb.missing, bb.unexpected, bb.mismatched = load_weights(model, sd, strict=strict, source=f"weights {w!r}",
+                                                            ignore_unexpected=ignore)
+    return bb
 
 
 def _merge(base: dict, over: Mapping) -> dict:
@@ -234,19 +255,17 @@ def _merge(base: dict, over: Mapping) -> dict:
     return out
 
 
-def load_open_clip(name: str, weights: str | os.PathLike | None, *, model_kwargs: Mapping[str, Any] | None = None,
-                   strict: bool = True) -> Backbone:
-    """The image tower of an open_clip model, weights from a local file.
+def build_open_clip(name: str, *, model_kwargs: Mapping[str, Any] | None = None) -> Backbone:
+    """The image tower of an open_clip model (``pretrained=None``), its weights left at their initialisation.
 
-    The file may hold a whole CLIP model (keys ``visual.*`` next to the text tower's, which are
-    ignored) or the image tower alone. ``model_kwargs`` override the named config; dict values
-    (``vision_cfg``, ``text_cfg``) are merged into it, so ``{"vision_cfg": {"image_size": 64}}``
-    changes only the image size.
+    For a caller that fills the weights itself; :func:`load_open_clip` is this plus a local weights file.
+    ``model_kwargs`` override the named config; dict values (``vision_cfg``, ``text_cfg``) are merged into it,
+    so ``{"vision_cfg": {"image_size": 64}}`` changes only the image size.
 
     Returns:
-        A :class:`Backbone` whose ``model`` is the image tower (output ``(B, embed_dim)``).
+        A :class:`Backbone` in eval mode on the CPU whose ``model`` is the image tower (output
+        ``(B, embed_dim)``); mean and std are the model's preprocessing ones.
     """
-    w = _check_file(weights)
     open_clip = _import("open_clip", "open_clip_torch")
     base = open_clip.get_model_config(name)
     if base is None:
@@ -257,14 +276,29 @@ def load_open_clip(name: str, weights: str | os.PathLike | None, *, model_kwargs
         model = open_clip.create_model(name, pretrained=None, **over)
     except TypeError as e:
         raise ValueError(f"open_clip model {name!r} does not take the arguments {sorted(over)}: {e}") from e
-    sd = load_state_dict_file(w)
-    if any(k.startswith("visual.") for k in sd):
-        sd = {k.removeprefix("visual."): v for k, v in sd.items() if k.startswith("visual.")}
     visual = model.visual
-    missing, unexpected, mismatched = load_weights(visual, sd, strict=strict, source=f"weights {w!r}")
     pre = open_clip.get_model_preprocess_cfg(model) or {}
     size = pre.get("size", getattr(visual, "image_size", 224))
     size = size[-1] if isinstance(size, (tuple, list)) else size
     dim = int(getattr(visual, "output_dim", 0) or model.text_projection.shape[-1])
     return Backbone(visual.eval(), "open_clip", name, dim, int(size), tuple(pre.get("mean", OPENAI_CLIP_MEAN)),
-                    tuple(pre.get("std", OPENAI_CLIP_STD)), missing, unexpected, mismatched)
+                    tuple(pre.get("std", OPENAI_CLIP_STD)))
+
+
+def load_open_clip(name: str, weights: str | os.PathLike | None, *, model_kwargs: Mapping[str, Any] | None = None,
+                   strict: bool = True) -> Backbone:
+    """The image tower of an open_clip model built by :func:`build_open_clip`, weights from a local file.
+
+    The file may hold a whole CLIP model (keys ``visual.*`` next to the text tower's, which are
+    ignored) or the image tower alone. ``model_kwargs``: see :func:`build_open_clip`.
+
+    Returns:
+        A :class:`Backbone` whose ``model`` is the image tower (output ``(B, embed_dim)``).
+    """
+    w = _check_file(weights)
+    bb = build_open_clip(name, model_kwargs=model_kwargs)
+    sd = load_state_dict_file(w)
+    if any(k.startswith("visual.") for k in sd):
+        sd = {k.removeprefix("visual."): v for k, v in sd.items() if k.startswith("visual.")}
+    bb.missing, bb.unexpected, bb.mismatched = load_weights(bb.model, sd, strict=strict, source=f"weights {w!r}")
+    return bb

@@ -1,7 +1,10 @@
 """Model cards for the shipped weights, generated from their JSON provenance.
 
 Every shipped weights file ``<package>/weights/<name>.safetensors`` (also ``apps/<app>/weights/``) has its provenance
-in ``<name>.json`` beside it, written by the script that trained it. This module turns that JSON into a model card
+in ``<name>.json`` beside it, written by the script that trained or shipped it. Weights shipped as a folder
+(``weights/<name>/model.safetensors`` beside the files its app loads with them, as ``apps.ncal.ship`` writes them)
+have their provenance and card at the folder's side: ``weights/<name>.json`` and ``weights/<name>.md``
+(:func:`card_path`, :func:`provenance_path`). This module turns that JSON into a model card
 ``<name>.md`` in the Hugging Face convention: a YAML header (licence, library, tags, datasets, metrics) and sections
 for the model, intended use, out-of-scope use, training data, training procedure, evaluation and limitations. The
 card is a rendering of the JSON and of the weights file itself (size, tensor and parameter counts from its
@@ -11,16 +14,14 @@ needs and the JSON lacks reads "not recorded", and no number is added.
     python -m core.model_card            # (re)write every card
     python -m core.model_card --check    # exit 1 when a card is missing or differs from its JSON
 
-Weights are found by globbing (``*/weights/*.safetensors`` and ``*/*/weights/*.safetensors`` inside Python
+Weights are found by globbing (``*/weights/**/*.safetensors`` and ``*/*/weights/**/*.safetensors`` inside Python
 packages), so new shipped files need no registration here. Package-level text (intended use, out-of-scope use,
 tags) comes from ``PACKAGE_TEXT``; a package missing there gets "not recorded" for the intended use, unless its
-JSON carries a ``model_card`` object with ``intended_use``, ``out_of_scope``, ``tags``, ``datasets`` or
-``pipeline_tag``.
+JSON carries a ``model_card`` object with ``intended_use``, ``out_of_scope``, ``tags``, ``datasets``,
+``pipeline_tag``, ``language`` or ``limitations``.
 
-Weights shipped as a folder (``weights/<name>/model.safetensors`` with its own JSON files, as ``apps.ncal.ship``
-writes them) are not generated here: their card is ``weights/<name>.md``, written by that app's ship script from
-its JSON; the tests check that it exists and follows the convention (``discover_weights(nested=True)``,
-``card_path``).
+A JSON object ``{"columns": [...], "rows": [[...], ...]}`` is rendered as a table; a ``selection`` field (prose) and a
+``selection_candidates`` table make a section "How this model was chosen".
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "CardText",
     "discover_weights",
     "card_path",
+    "provenance_path",
     "weights_summary",
     "render_card",
     "write_cards",
@@ -68,6 +70,7 @@ class CardText:
     pipeline_tag: str | None = None  # Hugging Face task id, when one fits
     datasets: list[str] = field(default_factory=list)  # data names for the YAML header (the body has the details)
     limitations: list[str] = field(default_factory=list)  # general limits of the family, before the JSON's notes
+    language: str | None = None  # ISO 639-1 code of the text the model reads, when it reads text
 
 
 _SYNTHETIC_SLIDES = "synthetic slides (pathology.synthetic)"
@@ -175,8 +178,9 @@ _TRAIN = (
 )
 _EVAL = (
     "metrics", "held_out_metrics", "held_out_slides", "validation", "validation_on_held_out_prior", "benchmark",
-    "finetuned_benchmark", "scaling", "eval_targets", "snapshots", "qualities", "quality_rule",
+    "finetuned_benchmark", "scaling", "eval_targets", "snapshots", "qualities", "quality_rule", "per_class",
 )
+_SELECTION = ("selection", "selection_candidates")  # how the shipped checkpoint was chosen among others
 _NOTES = ("notes", "note")
 _METRIC_WORDS = (  # leaf-key fragments -> metric ids for the YAML header
     ("balanced_accuracy", "balanced_accuracy"),
@@ -189,19 +193,19 @@ _METRIC_WORDS = (  # leaf-key fragments -> metric ids for the YAML header
     ("score", "normalized_score"),
     ("peak_rss", "peak_rss_mb"),
     ("cpu_s", "cpu_seconds"),
+    ("f1", "f1"),
 )
 
 
 # --------------------------------------------------------------------------------------------- discovery
 
 
-def discover_weights(root: Path = REPO, *, nested: bool = False) -> list[Path]:
+def discover_weights(root: Path = REPO) -> list[Path]:
     """Every shipped ``*.safetensors`` in a ``weights/`` folder of a Python package of ``root``, sorted.
 
-    Looks in ``<pkg>/weights/`` and ``<pkg>/<sub>/weights/`` (``tabular/weights/``, ``apps/ncal/weights/``); a
-    folder counts as a package when it holds ``__init__.py``. Hidden folders (``.venv``) are skipped. By default
-    only files directly in ``weights/`` (the layout this module generates cards for); with ``nested`` also
-    files in sub-folders of it (``weights/<name>/model.safetensors``, whose card is ``weights/<name>.md``).
+    Looks in ``<pkg>/weights/`` and ``<pkg>/<sub>/weights/`` (``tabular/weights/``, ``apps/ncal/weights/``) and in
+    their sub-folders (``weights/<name>/model.safetensors``); a folder counts as a package when it holds
+    ``__init__.py``. Hidden folders (``.venv``) are skipped.
     """
     root = Path(root)
     found = set()
@@ -211,9 +215,7 @@ def discover_weights(root: Path = REPO, *, nested: bool = False) -> list[Path]:
             if any(part.startswith(".") for part in rel.parts):
                 continue
             weights_dir = next(p for p in path.parents if p.name == "weights")
-            if not (weights_dir.parent / "__init__.py").is_file():
-                continue
-            if path.parent == weights_dir or nested:
+            if (weights_dir.parent / "__init__.py").is_file():
                 found.add(path)
     return sorted(found)
 
@@ -228,6 +230,12 @@ def card_path(weights: Path) -> Path:
     if weights_dir is None:
         raise ValueError(f"{weights} is not inside a weights/ folder")
     return weights_dir / (weights.relative_to(weights_dir).parts[0] + ".md")
+
+
+def provenance_path(weights: Path) -> Path:
+    """The JSON a card is rendered from: ``<stem>.json`` beside a file directly in ``weights/``,
+    ``weights/<name>.json`` for a file inside ``weights/<name>/...`` (always beside the card)."""
+    return card_path(weights).with_suffix(".json")
 
 
 def weights_summary(path: Path) -> dict[str, Any]:
@@ -295,6 +303,23 @@ def _cell(v: Any) -> str:
     return " ".join(_scalar(v).replace("|", "\\|").split())
 
 
+def _is_table(v: Any) -> bool:
+    """``{"columns": [...], "rows": [[...], ...]}`` with scalar cells and one cell per column in every row."""
+    if not (isinstance(v, dict) and set(v) == {"columns", "rows"}):
+        return False
+    cols, rows = v["columns"], v["rows"]
+    return (isinstance(cols, list) and bool(cols) and all(_is_scalar(c) for c in cols) and isinstance(rows, list)
+            and all(isinstance(r, list) and len(r) == len(cols) and all(_is_scalar(x) for x in r) for r in rows))
+
+
+def _table(v: dict[str, list]) -> list[str]:
+    return [
+        "| " + " | ".join(_cell(c) for c in v["columns"]) + " |",
+        "|" + "---|" * len(v["columns"]),
+        *("| " + " | ".join(_cell(x) for x in row) + " |" for row in v["rows"]),
+    ]
+
+
 def _render(value: Any, indent: int = 0) -> list[str]:
     """Markdown lines for any JSON value: a scalar inline, lists and objects as nested bullet lists.
 
@@ -304,6 +329,8 @@ def _render(value: Any, indent: int = 0) -> list[str]:
     pad = "  " * indent
     if _is_scalar(value):
         return [pad + _scalar(value)]
+    if _is_table(value):
+        return ["", *(pad + line for line in _table(value)), ""]
     if isinstance(value, list):
         if _inline_list(value):
             return [pad + (", ".join(_scalar(v) for v in value) if value else "(empty)")]
@@ -334,6 +361,8 @@ def _field_lines(label: str, value: Any) -> list[str]:
     """``- **label**: value`` for a scalar or a list of scalars, a nested list below the label otherwise."""
     if _is_scalar(value) or _inline_list(value):
         return [f"- **{label}**: {_render(value)[0]}"]
+    if _is_table(value):
+        return [f"- **{label}**:", ""] + ["  " + line for line in _table(value)] + [""]
     if isinstance(value, dict) and len(value) >= 4 and all(_is_scalar(v) for v in value.values()):
         return [f"- **{label}**:", ""] + ["  " + line for line in _render(value)] + [""]
     return [f"- **{label}**:"] + _render(value, 1)
@@ -400,6 +429,7 @@ def _card_text(package: str, stem: str, record: dict[str, Any]) -> CardText:
         pipeline_tag=base.pipeline_tag,
         datasets=list(base.datasets),
         limitations=list(base.limitations),
+        language=base.language,
     )
     prefixes = sorted((k for k in PACKAGE_TEXT if k.startswith(package + "/") and stem.startswith(k[len(package) + 1 :])), key=len)
     for key in prefixes:
@@ -414,13 +444,15 @@ def _card_text(package: str, stem: str, record: dict[str, Any]) -> CardText:
             text.pipeline_tag = extra.pipeline_tag
         if extra.datasets:
             text.datasets = list(extra.datasets)
+        if extra.language:
+            text.language = extra.language
         text.limitations += extra.limitations
     for name in ("intended_use", "out_of_scope"):  # the JSON's own words win over the package's
         if isinstance(record.get(name), str) and record[name].strip():
             setattr(text, name, record[name])
     own = record.get("model_card")
     if isinstance(own, dict):
-        for name in ("intended_use", "out_of_scope", "pipeline_tag"):
+        for name in ("intended_use", "out_of_scope", "pipeline_tag", "language"):
             if own.get(name):
                 setattr(text, name, str(own[name]))
         for name in ("tags", "datasets", "limitations"):
@@ -463,14 +495,15 @@ def _pick(record: dict[str, Any], keys: Sequence[str], used: set[str]) -> list[t
 
 
 def render_card(weights: Path, *, root: Path = REPO) -> str:
-    """The model card (Markdown with a YAML header) of ``weights``, from ``<stem>.json`` beside it.
+    """The model card (Markdown with a YAML header) of ``weights``, from its JSON (:func:`provenance_path`).
 
     Raises ``FileNotFoundError`` when the JSON is missing and ``ValueError`` when it is not a JSON object.
     """
     weights = Path(weights)
-    prov = weights.with_suffix(".json")
+    prov = provenance_path(weights)
     if not prov.is_file():
-        raise FileNotFoundError(f"{weights} has no provenance file {prov.name} beside it; every shipped weights file needs one")
+        where = "beside it" if prov.parent == weights.parent else f"in {prov.parent}"
+        raise FileNotFoundError(f"{weights} has no provenance file {prov.name} {where}; every shipped weights file needs one")
     try:
         record = json.loads(prov.read_text(encoding="utf-8"))
     except ValueError as e:
@@ -484,7 +517,7 @@ def render_card(weights: Path, *, root: Path = REPO) -> str:
     package = rel.parts[0] if len(rel.parts) > 2 else "unknown"
     if package == "apps" and len(rel.parts) > 3:
         package = f"apps/{rel.parts[1]}"
-    stem = weights.stem
+    stem = prov.stem
     text = _card_text(package, stem, record)
     info = weights_summary(weights)
     # dm_hopper-style records keep their card fields one level down; lift them (names stay visible in the card).
@@ -497,6 +530,7 @@ def render_card(weights: Path, *, root: Path = REPO) -> str:
             evaluation[f"card.{k}"] = nested[k]
     header = {
         "license": LICENSE,
+        **({"language": text.language} if text.language else {}),
         "library_name": "pytorch",
         "tags": ["longctx", package.split("/")[-1], *[t for t in text.tags if t != package], "safetensors"],
         "datasets": _datasets(record, text),
@@ -586,6 +620,11 @@ def render_card(weights: Path, *, root: Path = REPO) -> str:
         lines.append(f"- **wall time**: {NOT_RECORDED}")
     for k, v in train:
         lines += _field_lines(k, v)
+    selection = _pick(record, _SELECTION, used)
+    if selection:
+        lines += ["", "## How this model was chosen", ""]
+        for k, v in selection:
+            lines += [v, ""] if isinstance(v, str) else _field_lines(k, v)
     lines += ["", "## Evaluation", ""]
     eval_cmd = None
     for k in ("benchmark", "finetuned_benchmark", "scaling"):
@@ -643,8 +682,13 @@ def write_cards(root: Path = REPO, *, check: bool = False) -> dict[Path, str]:
     Returns ``{card path: "ok" | "written" | "missing" | "differs"}`` ("missing"/"differs" only with ``check``).
     """
     status: dict[Path, str] = {}
+    owner: dict[Path, Path] = {}
     for weights in discover_weights(root):
-        card = weights.with_suffix(".md")
+        card = card_path(weights)
+        if card in owner:
+            raise ValueError(f"{weights} and {owner[card]} would share the card {card}: ship one weights file per "
+                             "weights/<name>/ folder, and no weights/<name>.safetensors beside a weights/<name>/ folder")
+        owner[card] = weights
         text = render_card(weights, root=root)
         old = card.read_text(encoding="utf-8") if card.is_file() else None
         if old == text:

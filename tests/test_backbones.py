@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import builtins
 import logging
+from pathlib import Path
 
 import open_clip  # timm and open_clip_torch are dependencies (the backbones extra): tests run, never skip
 import pytest
@@ -11,7 +13,17 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from core.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights, resolve_timm_kwargs
+from core.backbones import (
+    build_open_clip,
+    build_timm,
+    load_open_clip,
+    load_state_dict_file,
+    load_timm,
+    load_weights,
+    resolve_timm_kwargs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 VIT_KW = {"img_size": 32, "depth": 2}  # a tiny ViT-Ti/16: 2 blocks on 32 px (4 patches)
@@ -148,6 +160,81 @@ def test_open_clip_tower_from_full_or_visual_checkpoint(tmp_path):
                        model_kwargs={**CLIP_KW, "vision_cfg": {"image_size": 64}})
     with pytest.raises(ValueError, match="unknown open_clip model"):
         load_open_clip("No-Such-Clip", tmp_path / "vis.safetensors")
+
+
+def test_build_without_weights_is_the_loaders_architecture(tmp_path):
+    """build_timm / build_open_clip: the same model, kwargs and normalisation as the loaders, no file needed."""
+    kw = {**VIT_KW, "reg_tokens": 2, "mlp_layer": "SwiGLUPacked", "act_layer": "silu", "mlp_ratio": 2.0}
+    torch.manual_seed(0)
+    built = build_timm("vit_tiny_patch16_224", model_kwargs=kw)
+    assert not built.model.training and built.missing == built.unexpected == built.mismatched == []
+    assert isinstance(built.model.blocks[0].mlp, timm.layers.GluMlp) and built.model.num_prefix_tokens == 3
+    assert (built.library, built.num_features, built.input_size) == ("timm", 192, 32)
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, **resolve_timm_kwargs(kw))
+    assert {k: v.shape for k, v in built.model.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    loaded = load_timm("vit_tiny_patch16_224", _save(built.model.state_dict(), tmp_path / "b.safetensors"), model_kwargs=kw)
+    assert (loaded.mean, loaded.std, loaded.input_size) == (built.mean, built.std, built.input_size)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x), built.model(x))
+    with pytest.raises(ValueError, match="unknown timm model"):
+        build_timm("no_such_model_xyz")
+    with pytest.raises(ValueError, match="cannot be built"):
+        build_timm("vit_tiny_patch16_224", model_kwargs={"no_such_arg": 1})
+
+    torch.manual_seed(0)
+    tower = build_open_clip("ViT-S-32", model_kwargs=CLIP_KW)
+    assert not tower.model.training and (tower.library, tower.num_features, tower.input_size) == ("open_clip", 32, 32)
+    full = open_clip.create_model("ViT-S-32", pretrained=None, **CLIP_KW)
+    assert tower.model.state_dict().keys() == full.visual.state_dict().keys()
+    clip = load_open_clip("ViT-S-32", _save(tower.model.state_dict(), tmp_path / "t.safetensors"), model_kwargs=CLIP_KW)
+    assert (clip.mean, clip.std) == (tower.mean, tower.std) != (built.mean, built.std)  # CLIP's, not ImageNet's
+    with torch.no_grad():
+        torch.testing.assert_close(clip.model(x), tower.model(x))
+    with pytest.raises(ValueError, match="unknown open_clip model"):
+        build_open_clip("No-Such-Clip")
+
+
+def test_building_without_weights_names_the_install_command(monkeypatch):
+    real_import = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name in ("timm", "open_clip"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(ImportError, match=r"pip install 'longctx-suite\[backbones\]'"):
+        build_timm("vit_tiny_patch16_224")
+    with pytest.raises(ImportError, match="open_clip_torch"):
+        build_open_clip("ViT-S-32")
+
+
+def _model_constructor_calls(path: Path) -> list[str]:
+    """``timm.create_model`` / ``open_clip.create_model*`` uses in a source file (calls, attributes, imports)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("create_model"):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("timm", "open_clip"):
+            found += [f"{path.relative_to(REPO)}:{node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names if a.name.startswith("create_model")]
+    return found
+
+
+def test_only_core_backbones_builds_timm_and_open_clip_models():
+    """One backbone loader: outside core/backbones.py no package calls timm/open_clip's model constructors
+    (tests may, to make reference models)."""
+    skip = {REPO / "core" / "backbones.py"}
+    sources = [p for p in REPO.rglob("*.py") if p not in skip
+               and not any(part.startswith(".") or part == "tests" or part.endswith(".egg-info")
+                           for part in p.relative_to(REPO).parts)]
+    assert REPO / "apps" / "comemo" / "encoders.py" in sources and len(sources) > 50
+    calls = [c for p in sorted(sources) for c in _model_constructor_calls(p)]
+    assert calls == [], "build through core.backbones (build_timm / load_timm / build_open_clip / load_open_clip):\n" + "\n".join(calls)
+    # the check sees the forms it forbids
+    probe = REPO / "core" / "backbones.py"
+    assert any(".create_model" in c for c in _model_constructor_calls(probe))
 
 
 def test_load_weights_on_a_plain_module():

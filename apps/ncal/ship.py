@@ -2,12 +2,14 @@
 
 Copies the run's ``model.safetensors``, ``ncal.json``, ``tokenizer.json`` and ``metrics.jsonl`` into
 ``apps/ncal/weights/<name>/``, computes the test-set collapse measures and class-mean cosines
-(``collapse.json``, shown by the demo), the golden probabilities of the first test texts (``golden.json``,
-checked by the tests), and writes the model card ``apps/ncal/weights/<name>.md`` from that JSON.
+(``collapse.json``, shown by the demo) and the golden probabilities of the first test texts (``golden.json``,
+checked by the tests). From the folder it then writes the provenance ``apps/ncal/weights/<name>.json`` and, with
+``core.model_card`` (the generator of every shipped card), the model card ``apps/ncal/weights/<name>.md``.
 ``--selection benchmarks/results/ncal/selection.json`` (written by ``python -m benchmarks.ncal_select``) says in
 the card how the run was chosen (every loss's validation numbers) and is copied as ``<name>/selection.json``;
 the run must be of the chosen loss.
 ``--encoder runs/ncal_mlm`` ships the MLM-pretrained encoder instead (``weights/mlm_encoder/`` + card).
+``--provenance tmwpl pmtd mlm_encoder`` rewrites the provenance and card of shipped models from their folders.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "ship_run", "ship_encoder", "model_card", "selection_text", "GOLDEN_N"]
+__all__ = ["build_parser", "main", "ship_run", "ship_encoder", "run_record", "encoder_record", "provenance",
+           "write_provenance", "selection_text", "GOLDEN_N", "ENCODER_NAME"]
 
 WEIGHTS = Path(__file__).resolve().parent / "weights"
 GOLDEN_N = 8  # test texts whose probabilities are stored
+ENCODER_NAME = "mlm_encoder"  # the shipped encoder's folder; every other folder holds a classifier
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -43,13 +47,9 @@ LOSS_TEXT = {"ce": "cross-entropy", "tc": "cross-entropy + λ·text collapse, λ
 
 
 def selection_text(meta: dict, sel: dict, entry: dict) -> str:
-    """The card's "How this model was chosen" section from a ``benchmarks.ncal_select`` file and its dataset entry."""
+    """How the shipped run was chosen, in words, from a ``benchmarks.ncal_select`` file and its dataset entry."""
     vs = entry["valid_split"]
     chosen = entry["chosen"]
-    rows = "\n".join(
-        f"| {loss}{' (chosen)' if loss == chosen else ''} | {100 * r['valid']['accuracy']:.1f} | "
-        f"{100 * r['valid']['macro_f1']:.1f} | {_pct(r['valid'].get('recall_tail'))} |"
-        for loss, r in entry["losses"].items())
     s = meta["settings"]
     same = s["epochs"] == sel["epochs"] and s["encoder"] == sel["encoder"] and meta["context"] == sel["context"]
     recipe = ("the same recipe (epochs, encoder, context)" if same else
@@ -68,84 +68,179 @@ def selection_text(meta: dict, sel: dict, entry: dict) -> str:
         per_class += (f". The hold-out keeps the train split's long tail while the test split has {test_counts[0]} items of "
                       "every class, so validation and test macro-F1 weigh the classes' precision differently and can "
                       "rank the losses differently")
-    return f"""## How this model was chosen
-Without the test split. Each of the {len(entry['losses'])} losses ({', '.join(entry['losses'])}) was trained
+    return f"""Without the test split. Each of the {len(entry['losses'])} losses ({', '.join(entry['losses'])}) was trained
 with seed {sel['seed']} on the train split minus a stratified hold-out of {100 * vs['frac']:.0f}% ({vs['n_valid']} of
 {vs['n_valid'] + vs['n_train']} items, split seed {vs['seed']}, the same items for every loss{miss}); rule: {sel['rule']}.
 Chosen: **{chosen}**. This model is the `{chosen}` benchmark run with seed {s['seed']} (seed 0 was fixed before
 any choice) trained on the full train split with {recipe}. It then got test accuracy {t['accuracy']:.4f} and
 macro-F1 {t['macro_f1']:.4f} (Evaluation below): measured after the choice, they played no part in it.{close}
 Command: `python -m benchmarks.ncal_select` (`benchmarks/results/ncal/selection.json`, copied here as
-`{meta['dataset']}/selection.json`).
+`{meta['dataset']}/selection.json`; the table below is in %).
 
-| loss | validation accuracy | validation macro-F1 | validation tail recall |
-|---|---|---|---|
-{rows}
-
-Validation items per class: {per_class}.
-
-"""
+Validation items per class: {per_class}."""
 
 
-def _pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}"
+def _selection_candidates(entry: dict) -> dict:
+    """Every loss's validation numbers (%) as a card table."""
+    return {"columns": ["loss", "validation accuracy", "validation macro-F1", "validation tail recall"],
+            "rows": [[f"{loss}{' (chosen)' if loss == entry['chosen'] else ''}", round(100 * r["valid"]["accuracy"], 1),
+                      round(100 * r["valid"]["macro_f1"], 1), _pct(r["valid"].get("recall_tail"))]
+                     for loss, r in entry["losses"].items()]}
 
 
-def model_card(name: str, meta: dict, collapse: dict, size_mb: float, note: str = "", chosen: str = "") -> str:
-    """Hugging Face-style card (YAML header, intended use, data, recipe, evaluation, limits) from the JSON."""
-    loss_text = LOSS_TEXT[meta["loss"]["name"]].format(**meta["loss"])
+def _pct(x) -> float | str:
+    return "n/a" if x is None else round(100 * x, 1)
+
+
+_LANGUAGE = "zh"  # both shipped sets are Chinese
+_LIMITS = ("Trained on one source of Chinese primary-school material; a small model pretrained here on ~12K short "
+           "texts, far below the paper's 7B LLM in capacity.")
+
+
+def run_record(name: str, folder: Path, *, note: str = "") -> dict:
+    """The provenance of a shipped classifier (``weights/<name>.json``), from the files of its ``folder``.
+
+    ``ncal.json`` (settings, test metrics), ``collapse.json`` (test-feature NC1/NC2), ``selection.json`` when the
+    run was chosen by ``benchmarks.ncal_select``, ``golden.json`` (the ship command) and the weights file's size.
+    """
+    from apps.ncal.weights_io import read_json
+
+    meta = read_json(folder / "ncal.json")
+    collapse = read_json(folder / "collapse.json")
+    loss = meta["loss"]
     t = meta["test"]
     s = meta["settings"]
+    size_mb = (folder / "model.safetensors").stat().st_size / 2**20
+    task = ("maths word problems into 7 TIMSS cognitive levels" if meta["dataset"] == "tmwpl"
+            else "teacher–student dialogue turns into 8 dialogue acts")
     weak = ", ".join(f"{c} ({t['recall'][c]:.2f})" for c in meta["classes"] if t["recall"][c] < 0.5) or "none"
-    rec = "\n".join(f"| {c} | {meta['train_counts'][c]} | {meta['bins'][c]} | {t['recall'][c]:.3f} | {t['f1'][c]:.3f} |"
-                    for c in meta["classes"])
-    cmd = (f"python -m apps.ncal.train --dataset {meta['dataset']} --loss {s['loss']} --seed {s['seed']} "
-           f"--epochs {s['epochs']} --out {s['out']}")
-    return f"""---
-license: mit
-language: zh
-library_name: longctx-suite
-pipeline_tag: text-classification
-tags: [ncal, neural-collapse, long-tail, education]
-datasets: [{meta['dataset']}]
-metrics: [accuracy, macro-f1]
----
+    record = {
+        "name": f"NCAL {name} — {loss['name']} loss, character transformer",
+        "what_it_is": (
+            f"A {size_mb:.1f} MB classifier of Chinese {task}: the character transformer of `apps.ncal.encoder` "
+            "(pretrained here by masked-language modelling on the train text of TMWPL and PMTD, "
+            f"[`{ENCODER_NAME}.md`]({ENCODER_NAME}.md)) fine-tuned with the `{loss['name']}` loss "
+            f"({LOSS_TEXT[loss['name']].format(**loss)}). Folder `{name}/`: weights, `ncal.json` (settings and "
+            "metrics), `tokenizer.json`, `metrics.jsonl`, `collapse.json`, `golden.json`."),
+        "command": (f"python -m apps.ncal.train --dataset {meta['dataset']} --loss {s['loss']} --seed {s['seed']} "
+                    f"--epochs {s['epochs']} --out {s['out']}"),
+        "data": (
+            f"`apps/ncal/data/{meta['dataset'].upper()}_train.jsonl` ({sum(meta['train_counts'].values())} items; MIT "
+            "licence, copyright 2025 Hu Hanglei, released with \"Advancing Personalized Learning with Neural Collapse "
+            f"for Long-Tail Challenge\", ICML 2025). PMTD context: `{meta['context']}` (the previous turn and the current "
+            "one with speakers; never the next turn)."),
+        "model_config": {"encoder": meta["encoder"], "loss": loss, "classes": meta["classes"]},
+        "train_config": s,
+        "steps": meta["steps"],
+        "train_wall_s": meta["train_wall_s"],
+    }
+    if (folder / "selection.json").is_file():
+        sel = read_json(folder / "selection.json")  # the ncal_select settings with this dataset's entry merged in
+        record["selection"] = selection_text(meta, sel, sel)
+        record["selection_candidates"] = _selection_candidates(sel)
+    record["held_out_metrics"] = {
+        "evaluation": (f"official test split ({t['n']} items), evaluated by the training command at its end; recall "
+                       "per long-tail bin of the train counts (head, medium, tail); NC1/NC2 of the test features "
+                       "(`collapse.json`)"),
+        "accuracy": t["accuracy"], "macro_f1": t["macro_f1"], "recall_head": t.get("recall_head"),
+        "recall_medium": t.get("recall_medium"), "recall_tail": t.get("recall_tail"),
+        "test_feature_nc1": collapse["nc1"], "test_feature_nc2": collapse["nc2"],
+    }
+    record["per_class"] = {
+        "columns": ["class", "train items", "bin", "test recall", "test F1"],
+        "rows": [[c, meta["train_counts"][c], meta["bins"][c], t["recall"][c], t["f1"][c]] for c in meta["classes"]]}
+    golden = folder / "golden.json"
+    if golden.is_file():
+        record["ship_command"] = read_json(golden)["command"]
+    if note:
+        record["ship_note"] = note
+    record["model_card"] = {
+        "intended_use": ("Tagging problems or dialogue turns in personalised-learning tools, as a starting point to "
+                         "fine-tune on your own labels (`NCALClassifier`), and as the demo's model."),
+        "out_of_scope": ("Grading or decisions about students without a person checking: classes with test recall "
+                         f"under 0.5 — {weak} — are mostly misclassified (per-class table under Evaluation)."),
+        "tags": ["neural-collapse", "long-tail", "education", "text-classification"],
+        "datasets": [meta["dataset"]],
+        "pipeline_tag": "text-classification",
+        "language": _LANGUAGE,
+        "limitations": [
+            _LIMITS + f" Long texts keep their last {meta['encoder']['config']['max_length'] - 2} characters.",
+            "The benchmark (`apps/ncal/README.md`) compares it with the other losses and a TF-IDF baseline.",
+        ],
+    }
+    return record
 
-# NCAL {name} — {meta['loss']['name']} loss, character transformer
 
-A {size_mb:.1f} MB classifier of Chinese {'maths word problems into 7 TIMSS cognitive levels' if meta['dataset'] == 'tmwpl' else 'teacher–student dialogue turns into 8 dialogue acts'}:
-the character transformer of `apps.ncal.encoder` (pretrained here by masked-language modelling on the train
-text of TMWPL and PMTD, `apps/ncal/weights/mlm_encoder.md`) fine-tuned with the `{meta['loss']['name']}` loss
-({loss_text}).{(' ' + note) if note else ''}
+def encoder_record(folder: Path) -> dict:
+    """The provenance of the shipped MLM encoder (``weights/mlm_encoder.json``), from ``encoder.json`` and
+    ``metrics.jsonl`` in its ``folder``."""
+    from apps.ncal.weights_io import read_json
 
-{chosen}## Intended use
-Tagging problems or dialogue turns in personalised-learning tools, as a starting point to fine-tune on your own
-labels (`NCALClassifier`), and as the demo's model. Not for grading or decisions about students without a person
-checking: classes with test recall under 0.5 — {weak} — are mostly misclassified (table below).
+    info = read_json(folder / "encoder.json")
+    recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+    c = info["config"]
+    size_mb = (folder / "encoder.safetensors").stat().st_size / 2**20
+    record = {
+        "name": "NCAL MLM encoder (character transformer)",
+        "what_it_is": (
+            f"The default text encoder of `apps.ncal` ({size_mb:.1f} MB): {c['num_layers']} pre-norm transformer "
+            f"blocks of width {c['dim']} ({c['num_heads']} heads, MLP ×{c['mlp_ratio']}) on "
+            f"`core.layers.SelfAttentionBlock`, learned positions up to {c['max_length']} tokens, a character "
+            f"vocabulary of {c['vocab_size']} tokens (`{ENCODER_NAME}/tokenizer.json`)."),
+        "command": info.get("command"),
+        "data": (
+            "Masked-language modelling (15% of characters; 80/10/10 mask/random/keep) on the train text only of "
+            f"TMWPL and PMTD ({info.get('texts')} texts after holding out 2% for validation; PMTD turns with the "
+            "previous turn and speakers)."),
+        "model_config": c,
+        "steps": info.get("step"),
+        "train_wall_s": info.get("wall_s"),
+        "held_out_metrics": {
+            "evaluation": "validation MLM loss on the held-out 2% of the train texts, by step (`metrics.jsonl`)",
+            "val_loss_by_step": {str(r["step"]): r["val_loss"] for r in recs if "val_loss" in r},
+        },
+    }
+    if info.get("note"):
+        record["notes"] = info["note"][:1].upper() + info["note"][1:] + "."
+    record["model_card"] = {
+        "intended_use": "Initialising NCAL classifiers (`python -m apps.ncal.train --encoder default`).",
+        "out_of_scope": "Use as a general Chinese language model.",
+        "tags": ["character-transformer", "mlm"],
+        "datasets": ["tmwpl", "pmtd"],
+        "pipeline_tag": "fill-mask",
+        "language": _LANGUAGE,
+        "limitations": ["Seen ~12K short texts of one domain; characters outside its vocabulary become `[UNK]`."],
+    }
+    return record
 
-## Training data
-`apps/ncal/data/{meta['dataset'].upper()}_train.jsonl` ({sum(meta['train_counts'].values())} items; MIT licence,
-copyright 2025 Hu Hanglei, released with "Advancing Personalized Learning with Neural Collapse for Long-Tail
-Challenge", ICML 2025). PMTD context: `{meta['context']}` (the previous turn and the current one with speakers;
-never the next turn).
 
-## Recipe
-`{cmd}` ({meta['steps']} steps, {meta['train_wall_s']:.0f} s of training on a shared CPU).
+def provenance(name: str, *, note: str | None = None) -> dict:
+    """The provenance record of the shipped model ``name`` (``mlm_encoder`` or a classifier), from its folder.
 
-## Evaluation (official test split, {t['n']} items)
-Accuracy {t['accuracy']:.4f}, macro-F1 {t['macro_f1']:.4f}; recall head {_f(t.get('recall_head'))},
-medium {_f(t.get('recall_medium'))}, tail {_f(t.get('recall_tail'))};
-test-feature NC1 {collapse['nc1']:.3f}, NC2 {collapse['nc2']:.3f}.
+    ``note`` (a sentence recorded as ``ship_note``): ``None`` keeps the note of the current record.
+    """
+    folder = WEIGHTS / name
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no shipped model {name!r}: {folder} is not a folder")
+    if name == ENCODER_NAME:
+        return encoder_record(folder)
+    if note is None:
+        old = WEIGHTS / f"{name}.json"
+        note = json.loads(old.read_text(encoding="utf-8")).get("ship_note", "") if old.is_file() else ""
+    return run_record(name, folder, note=note)
 
-| class | train items | bin | test recall | test F1 |
-|---|---|---|---|---|
-{rec}
 
-## Limitations
-Trained on one source of Chinese primary-school material; a small model pretrained here on ~12K short texts,
-far below the paper's 7B LLM in capacity. Long texts keep their last {meta['encoder']['config']['max_length'] - 2}
-characters. The benchmark (`apps/ncal/README.md`) compares it with the other losses and a TF-IDF baseline.
-"""
+def write_provenance(name: str, *, note: str | None = None) -> Path:
+    """Write ``weights/<name>.json`` from the folder and render its card ``weights/<name>.md`` with
+    ``core.model_card``; returns the card's path."""
+    from core.fileio import write_json_atomic, write_text_atomic
+    from core.model_card import card_path, render_card
+
+    write_json_atomic(WEIGHTS / f"{name}.json", provenance(name, note=note))
+    weights = WEIGHTS / name / ("encoder.safetensors" if name == ENCODER_NAME else "model.safetensors")
+    card = card_path(weights)
+    write_text_atomic(card, render_card(weights))
+    return card
 
 
 def ship_run(run: Path, name: str, note: str = "", selection: Path | None = None) -> Path:
@@ -154,7 +249,7 @@ def ship_run(run: Path, name: str, note: str = "", selection: Path | None = None
     from apps.ncal.data import load_split
     from apps.ncal.metrics import collapse_metrics
     from apps.ncal.model import infer, load_checkpoint
-    from core.fileio import write_json_atomic, write_text_atomic
+    from core.fileio import write_json_atomic
 
     from apps.ncal.weights_io import read_json
 
@@ -188,64 +283,23 @@ def ship_run(run: Path, name: str, note: str = "", selection: Path | None = None
         "probs": [[round(float(p), 6) for p in row] for row in probs[:GOLDEN_N].tolist()],
         "torch": torch.__version__,
     })
-    size = (dst / "model.safetensors").stat().st_size / 2**20
-    chosen = ""
     if sel is not None:
         keep = {k: sel[k] for k in ("rule", "seed", "valid_frac", "valid_seed", "epochs", "encoder", "context")}
         write_json_atomic(dst / "selection.json", {**keep, "dataset": meta["dataset"], **entry})
-        chosen = selection_text(meta, sel, entry)
     elif (dst / "selection.json").exists():
         (dst / "selection.json").unlink()  # a stale choice of an earlier shipped run
-    write_text_atomic(WEIGHTS / f"{name}.md", model_card(name, meta, col, size, note, chosen))
-    logger.info("shipped %s to %s (%.1f MB)", run, dst, size)
+    card = write_provenance(name, note=note)
+    logger.info("shipped %s to %s (%.1f MB), card %s", run, dst, (dst / "model.safetensors").stat().st_size / 2**20, card)
     return dst
 
 
 def ship_encoder(run: Path) -> Path:
-    from apps.ncal.weights_io import read_json
-    from core.fileio import write_text_atomic
-
-    dst = WEIGHTS / "mlm_encoder"
+    dst = WEIGHTS / ENCODER_NAME
     dst.mkdir(parents=True, exist_ok=True)
     for f in ("encoder.safetensors", "encoder.json", "tokenizer.json", "metrics.jsonl"):
         _copy(run / f, dst / f)
-    info = read_json(dst / "encoder.json")
-    recs = [json.loads(x) for x in (dst / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    vals = [r for r in recs if "val_loss" in r]
-    c = info["config"]
-    size = (dst / "encoder.safetensors").stat().st_size / 2**20
-    card = f"""---
-license: mit
-language: zh
-library_name: longctx-suite
-pipeline_tag: fill-mask
-tags: [ncal, character-transformer, mlm]
-datasets: [tmwpl, pmtd]
----
-
-# NCAL MLM encoder (character transformer, {size:.1f} MB)
-
-The default text encoder of `apps.ncal`: {c['num_layers']} pre-norm transformer blocks of width {c['dim']}
-({c['num_heads']} heads, MLP ×{c['mlp_ratio']}) on `core.layers.SelfAttentionBlock`, learned positions up to
-{c['max_length']} tokens, a character vocabulary of {c['vocab_size']} tokens (`tokenizer.json`).
-
-## Intended use
-Initialising NCAL classifiers (`python -m apps.ncal.train --encoder default`). Not a general Chinese language model.
-
-## Training data and recipe
-Masked-language modelling (15% of characters; 80/10/10 mask/random/keep) on the train text only of TMWPL and
-PMTD ({info.get('texts')} texts after holding out 2% for validation; PMTD turns with the previous turn and
-speakers). `{info.get('command')}` — {info.get('step')} steps, {info.get('wall_s')} s of training on a shared CPU.
-{('Note: ' + info['note'] + '.') if info.get('note') else ''}
-
-## Evaluation
-Validation MLM loss (held-out 2% of the train texts): {vals[0]['val_loss'] if vals else 'n/a'} at step
-{vals[0]['step'] if vals else 'n/a'}, {vals[-1]['val_loss'] if vals else 'n/a'} at step {vals[-1]['step'] if vals else 'n/a'}.
-
-## Limitations
-Seen ~12K short texts of one domain; characters outside its vocabulary become `[UNK]`.
-"""
-    write_text_atomic(WEIGHTS / "mlm_encoder.md", card)
+    card = write_provenance(ENCODER_NAME)
+    logger.info("shipped the encoder of %s to %s, card %s", run, dst, card)
     return dst
 
 
@@ -256,7 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder", default=None, help="an apps.ncal.pretrain run folder to ship as the default encoder")
     p.add_argument("--selection", default=None,
                    help="benchmarks.ncal_select output: the card says how the run was chosen (validation numbers)")
-    p.add_argument("--note", default="", help="a sentence for the model card (e.g. how the run was chosen)")
+    p.add_argument("--note", default="", help="a sentence for the model card (recorded as ship_note)")
+    p.add_argument("--provenance", nargs="+", default=None, metavar="NAME",
+                   help=f"rewrite weights/NAME.json and the card NAME.md of shipped models from their folders "
+                        f"(tmwpl, pmtd, {ENCODER_NAME})")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -266,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.encoder:
         ship_encoder(Path(args.encoder))
+    for name in args.provenance or ():
+        logger.info("wrote %s", write_provenance(name, note=args.note or None))
     if args.run:
         if not args.name:
             raise ValueError("--run needs --name (tmwpl or pmtd)")
