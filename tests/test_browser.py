@@ -5,7 +5,8 @@ Chromium, and for each registered app clicks its example button (``#<key>-exampl
 output (``#<key>-status``) to show the app's expected text. Then it waits until every image, plot, gallery and video
 that the example fills (read from the hub's Gradio config) has rendered in the tab, checks that each shows
 something (an image of more than one colour, a video with frames), and only then takes the "after" screenshot.
-Screenshots go to ``artifacts/screenshots/``.
+Every tab's visible text must also be drawn with real glyphs, not the empty boxes of a missing font (the NCAL tab
+shows Chinese: Debian's ``fonts-noto-cjk``, which ``.ci/run`` installs). Screenshots go to ``artifacts/screenshots/``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,76 @@ _MEDIA_JS = """(key) => {
 }"""
 
 
+# Runs in the page: which characters of the visible text under `sel` (text nodes and the values of inputs) Chromium
+# draws with no glyph. A missing glyph is drawn as the font's "missing glyph" box (.notdef), the same box that an
+# unassigned code point gets, since no font has a glyph for one. So each distinct non-ASCII character is drawn on a
+# canvas in its element's font and compared, pixel by pixel and by advance width, with U+0378 (unassigned) in the
+# same font: identical means the character has no glyph. Canvas text goes through the same font matching and
+# fallback as the page's text. (The DevTools call CSS.getPlatformFontsForNode was not enough: it names the fonts that
+# drew a node and their glyph counts, but a missing glyph counts as a glyph of the primary font, so tofu and real
+# text look the same there.) Combining marks, format characters and spaces draw nothing and are skipped.
+_GLYPHS_JS = r"""(sel) => {
+    const root = document.querySelector(sel);
+    if (!root) return null;
+    const W = 96, H = 64;
+    const canvas = Object.assign(document.createElement('canvas'), {width: W, height: H});
+    const g = canvas.getContext('2d', {willReadFrequently: true});
+    const draw = (font, ch) => {
+        g.clearRect(0, 0, W, H);
+        g.font = font; g.fillStyle = '#000'; g.textBaseline = 'middle'; g.fillText(ch, 8, H / 2);
+        return {w: g.measureText(ch).width, px: g.getImageData(0, 0, W, H).data};
+    };
+    const same = (a, b) => a.w === b.w && a.px.every((v, i) => v === b.px[i]);
+    const items = [];
+    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+        const el = n.parentElement;
+        if (el && n.data.trim() && el.checkVisibility({visibilityProperty: true})) items.push([el, n.data]);
+    }
+    for (const el of root.querySelectorAll('input, textarea'))
+        if (el.value && el.checkVisibility({visibilityProperty: true})) items.push([el, el.value]);
+    const refs = new Map(), seen = new Set(), checked = new Set(), missing = [];
+    for (const [el, text] of items) {
+        const cs = getComputedStyle(el);
+        const font = `${cs.fontStyle} ${cs.fontWeight} 32px ${cs.fontFamily}`;
+        if (!refs.has(font)) refs.set(font, draw(font, '\u0378'));
+        for (const ch of text) {  // code points, not UTF-16 units
+            if (ch.codePointAt(0) < 128 || /[\p{M}\p{Cf}\p{Z}\s]/u.test(ch) || seen.has(font + ch)) continue;
+            seen.add(font + ch);
+            checked.add(ch);
+            if (same(draw(font, ch), refs.get(font)))
+                missing.push({char: ch, code: 'U+' + ch.codePointAt(0).toString(16).toUpperCase().padStart(4, '0'),
+                              text: text.trim().slice(0, 60), font: cs.fontFamily});
+        }
+    }
+    return {checked: [...checked].join(''), missing: missing};
+}"""
+
+
+def _glyph_report(page, sel: str = "body") -> dict:
+    """``{"checked": the distinct non-ASCII characters looked at, "missing": [one entry per character drawn
+    without a glyph: its code point, its text and font]}``."""
+    report = page.evaluate(_GLYPHS_JS, sel)
+    assert report is not None, f"no element {sel!r} on the page"
+    return report
+
+
+def _assert_glyphs_drawn(page, where: str) -> str:
+    """Fail, naming the characters and their text, when visible text is drawn with missing glyphs; return the
+    characters checked."""
+    report = _glyph_report(page)
+    by_text: dict[str, str] = {}  # text -> its characters without a glyph
+    for m in report["missing"]:
+        if m["char"] not in by_text.get(m["text"], ""):
+            by_text[m["text"]] = by_text.get(m["text"], "") + m["char"]
+    assert not by_text, (
+        f"{where}: {len({m['char'] for m in report['missing']})} distinct characters are drawn as empty boxes, no "
+        f"installed font has them (for Chinese install Debian's fonts-noto-cjk, as .ci/run does). Text: "
+        + "; ".join(f"{t!r} lacks {c}" for t, c in list(by_text.items())[:10])
+    )
+    return report["checked"]
+
+
 def _wait_for_media(page, key: str, expected: list[str]) -> list[dict]:
     """Wait until the tab holds at least one loaded picture per expected output (videos as videos); return them."""
     want_videos = expected.count("video")
@@ -170,6 +241,7 @@ def test_overview_tab(page):
     for spec in REGISTRY:
         assert spec.title in text, f"overview lacks {spec.title}"
     _shot(page, "overview")
+    _assert_glyphs_drawn(page, "Overview")
     assert not _visible_errors(page)
     assert not page.page_errors, page.page_errors
 
@@ -187,6 +259,21 @@ def _dismiss_toasts(page) -> None:
     except Exception:
         page.reload(wait_until="domcontentloaded")
         page.get_by_role("tab", name="Overview").wait_for(timeout=180_000)
+
+
+def test_glyph_check_tells_tofu_from_text(browser):
+    """The missing-glyph check flags a character no font has and passes characters every font here has."""
+    context = browser.new_context()
+    try:
+        p = context.new_page()
+        p.set_content('<p id="ok">caf\u00e9 \u221e-Video \u2013 \u00d7</p><p id="bad">x\u0379y</p>'
+                      '<input id="field" value="\u0380">')
+        assert _glyph_report(p, "#ok") == {"checked": "\u00e9\u221e\u2013\u00d7", "missing": []}
+        bad = _glyph_report(p, "#bad")
+        assert [m["code"] for m in bad["missing"]] == ["U+0379"] and bad["missing"][0]["text"] == "x\u0379y"
+        assert [m["code"] for m in _glyph_report(p, "body")["missing"]] == ["U+0379", "U+0380"]
+    finally:
+        context.close()
 
 
 def test_media_outputs_reads_the_config():
@@ -250,5 +337,8 @@ def test_app_tab_runs_its_example(page, hub_config, spec):
     for m in videos:
         assert m["w"] > 0 and m["h"] > 0 and m["duration"] > 0, f"{spec.title}: the output video has no frames: {m}"
     assert re.search(re.escape(spec.example_expect), status.inner_text())
+    checked = _assert_glyphs_drawn(page, spec.title)
+    if spec.key == "ncal":  # its example fills the text box and the class names with Chinese: the check saw them
+        assert re.search(r"[\u4e00-\u9fff]", checked), f"NCAL: no Chinese character was checked ({checked!r})"
     assert not _visible_errors(page), _visible_errors(page)
     assert not page.page_errors, page.page_errors

@@ -1,5 +1,5 @@
-"""apps.ncal faces: shipped models (golden outputs, size, cards), evaluate/predict CLIs, the demo's functions,
-and the benchmark's summary statistics."""
+"""apps.ncal faces: shipped models (golden outputs, size, cards), data rows as inputs, evaluate/predict CLIs, the
+demo's functions, and the benchmark's summary statistics."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_shipped_model_golden_size_and_card(name):
     folder = WEIGHTS / name
     assert (folder / "model.safetensors").stat().st_size < 20 * 2**20
     card = (WEIGHTS / f"{name}.md").read_text(encoding="utf-8")
-    assert card.startswith("---\nlicense: mit") and "## Evaluation" in card and "## Limitations" in card
+    assert card.startswith('---\nlicense: "mit"') and "## Evaluation" in card and "## Limitations" in card
     golden = json.loads((folder / "golden.json").read_text(encoding="utf-8"))  # regenerate: see its "command"
     probs = classify(name, golden["texts"])
     meta = json.loads((folder / "ncal.json").read_text(encoding="utf-8"))
@@ -131,3 +131,85 @@ def test_benchmark_summary_keeps_epochs_apart():
     assert summ["paired_tc_minus_ce"]["d"]["seeds"] == [0]  # tc seed 1 (4 epochs) has no ce partner
     md = summary_markdown(summ)
     assert "| d | la | 3 | 1 | 60.0 |" in md and "| d | la | 4 | 2 | 75.0 ± 7.1 |" in md
+
+
+def _shipped_rows(name: str, n_per: int = 1) -> list[dict]:
+    """The first ``n_per`` rows of each class of a shipped test split, as the JSONL holds them."""
+    from apps.ncal.data import DATA_DIR, resolve_dataset
+
+    per: dict[str, int] = {}
+    rows = []
+    for line in open(DATA_DIR / resolve_dataset(name).test, encoding="utf-8"):
+        r = json.loads(line)
+        if per.get(r["class"], 0) < n_per:
+            per[r["class"]] = per.get(r["class"], 0) + 1
+            rows.append(r)
+    return rows
+
+
+def _formatted(name: str, r: dict) -> str:
+    """The model input of a shipped row, written out with format_turn (previous turn + the turn, with speakers)."""
+    from apps.ncal.data import format_turn
+
+    if name == "tmwpl":
+        return r["question"].strip()
+    (prev_who, prev), (who, _) = (next(iter(t.items())) for t in r["dialog_history"][:2])
+    return format_turn(r["dialog_content"], speaker=who, previous=prev, previous_speaker=prev_who)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_rows_predict_as_the_strings_training_made(name):
+    from apps.ncal import NCALClassifier
+
+    clf = NCALClassifier.load(name)
+    rows = _shipped_rows(name)
+    strings = [_formatted(name, r) for r in rows]
+    want = clf.predict_proba(strings)
+    np.testing.assert_allclose(clf.predict_proba(rows), want, atol=1e-6)
+    assert (clf.predict(rows) == clf.predict(strings)).all()
+    assert clf.predict(rows[0]).tolist() == clf.predict(strings[:1]).tolist()  # one row alone
+    pd = pytest.importorskip("pandas")
+    np.testing.assert_allclose(clf.predict_proba(pd.DataFrame(rows)), want, atol=1e-6)
+    if name == "pmtd":  # the bare turn is a different input: rows must not be read as their text alone
+        assert np.abs(clf.predict_proba([r["dialog_content"] for r in rows]) - want).max() > 1e-3
+        with pytest.raises(ValueError, match=r"row 1: missing field 'dialog_history'.*Accepted: strings.*PMTD rows"):
+            clf.predict([rows[0], {"dialog_content": rows[1]["dialog_content"]}])
+        with pytest.raises(ValueError, match="row 0: missing field 'dialog_content'"):
+            clf.predict([{"question": "一加一等于几？"}])
+    else:
+        with pytest.raises(ValueError, match="row 0: missing field 'question'.*TMWPL rows"):
+            clf.predict([{"dialog_content": "好", "dialog_history": []}])
+
+
+def test_predict_cli_takes_a_jsonl_file_of_rows(tmp_path, capsys):
+    from apps.ncal.predict import classify, main
+
+    rows = _shipped_rows("pmtd")[:4]
+    del rows[2]["class"]  # unlabelled rows are what one predicts
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    out = main(["--checkpoint", "pmtd", "--rows", str(p), "--json"])
+    assert json.loads(capsys.readouterr().out) == out
+    want = classify("pmtd", [_formatted("pmtd", r) for r in rows])
+    assert len(out) == 4
+    for got, exp in zip(out, want):
+        assert got.keys() == exp.keys() and all(abs(got[c] - exp[c]) < 1e-6 for c in got)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0], ensure_ascii=False) + '\n{"dialog_content": "好的。"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="bad.jsonl line 2: missing field 'dialog_history'"):
+        main(["--checkpoint", "pmtd", "--rows", str(bad)])
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", "pmtd", "--rows", str(p), "--speaker", "teacher"])
+
+
+def test_demo_takes_a_pasted_row():
+    from apps.ncal.ui import run_classify
+
+    row = _shipped_rows("pmtd")[0]
+    (prev_who, prev), (who, _) = (next(iter(t.items())) for t in row["dialog_history"][:2])
+    by_fields, _ = run_classify("pmtd", row["dialog_content"], who, prev, prev_who)
+    by_row, status = run_classify("pmtd", json.dumps(row, ensure_ascii=False))
+    assert by_row.keys() == by_fields.keys() and all(abs(by_row[c] - by_fields[c]) < 1e-6 for c in by_row)
+    assert "data row" in status
+    with pytest.raises(ValueError, match="missing field 'dialog_history'"):
+        run_classify("pmtd", '{"dialog_content": "好的。"}')

@@ -127,3 +127,58 @@ def test_char_tokenizer_roundtrip_and_truncation(tmp_path):
     tok.save(tmp_path / "tokenizer.json")
     tok2 = CharTokenizer.load(tmp_path / "tokenizer.json")
     assert tok2.vocab == tok.vocab and tok2.max_length == 6
+
+
+def test_model_inputs_format_rows_as_training_and_name_what_is_missing(tmp_path):
+    from apps.ncal.inputs import model_inputs, row_layout
+
+    hist = [{"student": "老师好。"}, {"teacher": "这道题你会吗？"}, {"student": "答案是五。"}]
+    row = _pmtd_rec("这道题你会吗？", hist)
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    for context in ("past", "window", "none"):  # a row becomes the very text training read from the file
+        assert model_inputs([row], layout="pmtd", context=context) == [read_jsonl(p, context=context)[0].text]
+    # strings pass unchanged beside rows; one row alone is a list of one
+    assert model_inputs(["老师：好", row], layout="pmtd") == ["老师：好", "学生：老师好。\n老师：这道题你会吗？"]
+    assert model_inputs({"question": " 一加一 "}, layout="tmwpl") == ["一加一"]
+    assert row_layout({"dataset": "pmtd"}) == "pmtd" and row_layout({"dataset": "TMWPL"}) == "tmwpl"
+    assert row_layout({"dataset": "/d/own.jsonl"}) == "keys" and row_layout({"dataset": "user"}) is None
+    # the shipped layout is enforced, not guessed from keys
+    with pytest.raises(ValueError, match=r"row 1: missing field 'dialog_history'.*keys are \['dialog_content'\]"
+                                         r".*Accepted: strings"):
+        model_inputs([row, {"dialog_content": "你好"}], layout="pmtd")
+    with pytest.raises(ValueError, match="row 0: missing field 'dialog_content'.*PMTD rows"):
+        model_inputs([{"question": "一加一"}], layout="pmtd")
+    with pytest.raises(ValueError, match="row 0: missing field 'question'.*TMWPL rows"):
+        model_inputs([row], layout="tmwpl")
+    assert model_inputs([{"question": "一加一"}, row], layout="keys")[0] == "一加一"  # a user file's mix
+    with pytest.raises(ValueError, match="row 0: a dict was given.*fitted on texts"):
+        model_inputs([row], layout=None)
+    with pytest.raises(ValueError, match="item 1: expected a string or a row dict, got int"):
+        model_inputs(["好", 3], layout="pmtd")
+    with pytest.raises(ValueError, match="single string"):
+        model_inputs("一加一", layout="tmwpl")
+
+
+def test_model_inputs_take_a_dataframe_of_rows():
+    pd = pytest.importorskip("pandas")
+    from apps.ncal.inputs import model_inputs
+
+    rows = [json.loads(line) for line in open(DATA_DIR / "PMTD_test.jsonl", encoding="utf-8")][:5]
+    ex, _ = load_split("pmtd", "test")
+    assert model_inputs(pd.DataFrame(rows), layout="pmtd") == [e.text for e in ex[:5]]
+    mixed = pd.DataFrame([{"question": "一加一"}, {"dialog_content": "好", "dialog_history": []}])  # NaN cells
+    assert model_inputs(mixed, layout="keys") == ["一加一", "好"]
+    with pytest.raises(ValueError, match="row 0: missing field 'dialog_content'"):
+        model_inputs(mixed, layout="pmtd")
+
+
+def test_read_jsonl_with_a_layout_names_the_line(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"dialog_content": "好", "dialog_history": [{"teacher": "好"}]}\n{"dialog_content": "嗯"}\n',
+                 encoding="utf-8")
+    assert len(read_jsonl(p, require_label=False)) == 2  # by keys a PMTD line may lack its history
+    with pytest.raises(ValueError, match="r.jsonl line 2: missing field 'dialog_history'"):
+        read_jsonl(p, require_label=False, layout="pmtd")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        read_jsonl(p, layout="nope")

@@ -201,6 +201,8 @@ def test_estimator_fit_predict_and_errors(tmp_path, tiny_encoder_dir):
         assert np.allclose(p[:, i], model_p[:, clf.checkpoint_.classes.index(str(c))].numpy(), atol=1e-6)
     with pytest.raises(ValueError, match="text 1: empty"):
         clf.predict(["加", " "])
+    with pytest.raises(ValueError, match="row 0: a dict was given.*fitted on texts"):  # no row layout recorded
+        clf.predict([{"question": X[0]}])
     with pytest.raises(ValueError, match="has 2 texts but y has 1"):
         NCALClassifier().fit(["a", "b"], [1])
 

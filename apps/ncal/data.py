@@ -5,9 +5,10 @@ Two record layouts are read (one JSON object per line, UTF-8):
 - TMWPL layout: ``{"id": ..., "question": text, "class": label}``;
 - PMTD layout: ``{"id": ..., "dialog_content": text, "class": label, "dialog_history": [{"teacher"|"student": text}, ...]}``.
 
-``class`` may be missing when ``require_label=False`` (texts to predict). Every problem (bytes that are not
-UTF-8, a line that is not a JSON object, a missing or empty text field, a label outside the classes) raises a
-``ValueError`` naming the file and line.
+``class`` may be missing when ``require_label=False`` (texts to predict). :func:`format_record` turns one record
+into the model input; training, evaluation and prediction from rows all go through it. Every problem (bytes that
+are not UTF-8, a line that is not a JSON object, a missing or empty text field, a label outside the classes)
+raises a ``ValueError`` naming the file and line.
 
 PMTD's ``dialog_history`` is the window ``[previous, current, next]`` around the labelled turn (see
 ``data/README.md``). The next turn is in the future of a real-time tool, so by default (``context="past"``) the
@@ -50,6 +51,8 @@ __all__ = [
     "load_split",
     "resolve_dataset",
     "format_turn",
+    "format_record",
+    "LAYOUTS",
     "longtail_bins",
     "check_texts",
     "stratified_holdout",
@@ -60,6 +63,10 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 
 #: How PMTD turns are put in context (module docs).
 CONTEXTS = ("past", "window", "none")
+
+#: Record layouts of :func:`format_record`: a shipped set's (its fields required), or ``"keys"`` (each record's
+#: own text field decides, as :func:`read_jsonl` reads any file).
+LAYOUTS = ("tmwpl", "pmtd", "keys")
 
 SPEAKERS = {"teacher": "老师", "student": "学生"}
 
@@ -75,6 +82,7 @@ class DatasetSpec:
     train: str  # file name in DATA_DIR
     test: str  # file name in DATA_DIR
     classes: tuple[str, ...]  # label names; their order fixes the logits' order
+    fields: tuple[str, ...]  # a record's input fields, text field first (a row to predict must have them all)
     description: str  # one line for the UI and model cards
 
 
@@ -84,6 +92,7 @@ DATASETS: dict[str, DatasetSpec] = {
         train="TMWPL_train.jsonl",
         test="TMWPL_test.jsonl",
         classes=("回忆", "识别", "表征建模", "选取策略", "过程实施", "推断", "分析"),
+        fields=("question",),
         description="maths word problems → 7 TIMSS cognitive levels (Recall … Analyze)",
     ),
     "pmtd": DatasetSpec(
@@ -91,6 +100,7 @@ DATASETS: dict[str, DatasetSpec] = {
         train="PMTD_train.jsonl",
         test="PMTD_test.jsonl",
         classes=("I-Q", "I-H", "R-RR", "R-SR", "R-FR", "F-I", "F-F", "U"),
+        fields=("dialog_content", "dialog_history"),
         description="teacher–student dialogue turns → 8 dialogue acts",
     ),
 }
@@ -165,8 +175,47 @@ def _pmtd_text(content: str, history, context: str, where: str) -> str:
                        following=nxt[1], following_speaker=nxt[0])
 
 
+def format_record(rec: dict, *, layout: str = "keys", context: str = "past", where: str = "record") -> str:
+    """The model input of one record (a TMWPL or PMTD row, module docs), exactly as training made it.
+
+    Args:
+        rec: the record, e.g. one parsed JSONL line.
+        layout: ``"keys"``: TMWPL when the record has ``question``, else PMTD when it has ``dialog_content``
+            (how :func:`read_jsonl` reads a file); ``"tmwpl"`` or ``"pmtd"``: that set's :attr:`DatasetSpec.fields`
+            are required (a PMTD row without ``dialog_history`` has no speaker, so it is refused).
+        context: PMTD context, one of :data:`CONTEXTS`.
+        where: what the error messages call the record (``"x.jsonl line 3"``).
+
+    Raises:
+        ValueError: a missing or empty field (named, with the record's keys), a bad ``dialog_history``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "keys":
+        if "question" in rec:
+            field = "question"
+        elif "dialog_content" in rec:
+            field = "dialog_content"
+        else:
+            raise ValueError(f"{where}: missing the text field: one of 'question' (TMWPL) or "
+                             f"'dialog_content' (PMTD) is required; keys are {sorted(rec)}")
+    else:
+        spec = DATASETS[layout]
+        for f in spec.fields:
+            if rec.get(f) is None:
+                raise ValueError(f"{where}: missing field {f!r}: a {layout.upper()} record needs "
+                                 f"{list(spec.fields)}; keys are {sorted(rec)}")
+        field = spec.fields[0]
+    content = rec[field]
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError(f"{where}: field {field!r} must be non-empty text, got {content!r}")
+    if field == "dialog_content":
+        return _pmtd_text(content, rec.get("dialog_history"), context, where)
+    return content.strip()
+
+
 def read_jsonl(path: str | os.PathLike, *, classes: tuple[str, ...] | None = None, require_label: bool = True,
-               context: str = "past") -> list[Example]:
+               context: str = "past", layout: str = "keys") -> list[Example]:
     """Read and validate a TMWPL- or PMTD-layout JSONL file (module docs).
 
     Args:
@@ -174,6 +223,7 @@ def read_jsonl(path: str | os.PathLike, *, classes: tuple[str, ...] | None = Non
         classes: accepted labels; a label outside them raises. None accepts any label.
         require_label: raise on a record without ``class`` (False: such records get ``label=None``).
         context: PMTD context, one of :data:`CONTEXTS`.
+        layout: record layout, one of :data:`LAYOUTS` (:func:`format_record`).
 
     Raises:
         FileNotFoundError: no such file.
@@ -184,6 +234,8 @@ def read_jsonl(path: str | os.PathLike, *, classes: tuple[str, ...] | None = Non
         raise FileNotFoundError(f"no data file at {path}")
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {CONTEXTS}, got {context!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     out: list[Example] = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
@@ -200,20 +252,7 @@ def read_jsonl(path: str | os.PathLike, *, classes: tuple[str, ...] | None = Non
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            if "question" in rec:
-                field = "question"
-            elif "dialog_content" in rec:
-                field = "dialog_content"
-            else:
-                raise ValueError(f"{where}: missing the text field: one of 'question' (TMWPL) or "
-                                 f"'dialog_content' (PMTD) is required; keys are {sorted(rec)}")
-            content = rec[field]
-            if not isinstance(content, str) or not content.strip():
-                raise ValueError(f"{where}: field {field!r} must be non-empty text, got {content!r}")
-            if field == "dialog_content":
-                text = _pmtd_text(content, rec.get("dialog_history"), context, where)
-            else:
-                text = content.strip()
+            text = format_record(rec, layout=layout, context=context, where=where)
             label = rec.get("class")
             if label is None:
                 if require_label:

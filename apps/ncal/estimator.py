@@ -1,12 +1,15 @@
-"""``NCALClassifier``: scikit-learn ``fit`` / ``predict`` / ``predict_proba`` on lists of texts.
+"""``NCALClassifier``: scikit-learn ``fit`` / ``predict`` / ``predict_proba`` on lists of texts or data rows.
 
 >>> from apps.ncal import NCALClassifier
 >>> clf = NCALClassifier.load("tmwpl")              # the shipped model
 >>> clf.predict(["小明有5个苹果，又买了3个，现在有几个？"])
+>>> NCALClassifier.load("pmtd").predict(rows)       # PMTD JSONL rows (dicts with dialog_history), as they are
 >>> clf = NCALClassifier(loss="tc", epochs=4).fit(texts, labels)   # your own long-tailed labels
 
-PMTD-style dialogue turns are classified with their context formatted by :func:`apps.ncal.data.format_turn`
-(the shipped PMTD model saw the previous turn and the current one, each with its speaker).
+``predict``, ``predict_proba`` and ``transform`` take strings as model inputs already formatted, or the datasets'
+own rows (dicts, or a pandas DataFrame), which they format as the model's training data was formatted
+(:mod:`apps.ncal.inputs`): the shipped PMTD model saw the previous turn and the current one, each with its
+speaker, and a row gives them through ``dialog_history``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_is_fitted
 
 from apps.ncal.data import DATASETS, Example, check_texts
+from apps.ncal.inputs import model_inputs, row_layout
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,8 @@ class NCALClassifier(ClassifierMixin, BaseEstimator):
         self.batch_size_predict = batch_size_predict
 
     def fit(self, X, y) -> "NCALClassifier":
-        """Fine-tune on texts ``X`` with labels ``y`` (any hashable labels; at least 2 classes)."""
+        """Fine-tune on texts ``X`` (strings, used as they are) with labels ``y`` (any hashable labels; at least
+        2 classes). The fitted model then predicts from strings only (it records no row layout)."""
         from apps.ncal.model import load_checkpoint
         from apps.ncal.train import TrainConfig, train
 
@@ -121,25 +126,43 @@ class NCALClassifier(ClassifierMixin, BaseEstimator):
         est._set_checkpoint(ckpt, np.asarray(sorted(ckpt.classes)))
         return est
 
+    def _inputs(self, X) -> list[str]:
+        meta = self.checkpoint_.meta
+        return model_inputs(X, layout=row_layout(meta), context=meta.get("context", "past"))
+
     def predict_proba(self, X) -> np.ndarray:
-        """Class probabilities ``(N, K)``, columns in ``classes_`` order."""
+        """Class probabilities ``(N, K)``, columns in ``classes_`` order.
+
+        Args:
+            X: a list of model inputs: strings, taken as already formatted and used unchanged (a PMTD turn as
+                :func:`apps.ncal.data.format_turn` makes it), and/or rows of the data the model was trained on as
+                dicts, formatted as training formatted them (the shipped ``pmtd`` model: ``dialog_content`` and
+                ``dialog_history``; ``tmwpl``: ``question``; other keys are ignored). Also one row dict, or a
+                pandas DataFrame of rows. A model fitted on texts takes strings only.
+
+        Raises:
+            ValueError: a row missing a field (named, with what is accepted), an empty text, an item of
+                another type.
+        """
         from apps.ncal.model import infer
 
         check_is_fitted(self, "checkpoint_")
-        texts = check_texts(X)
+        texts = self._inputs(X)
         probs, _ = infer(self.checkpoint_.model, self.checkpoint_.tokenizer, texts, batch_size=self.batch_size_predict)
         return probs.numpy()[:, self.column_order_]
 
     def predict(self, X) -> np.ndarray:
+        """Predicted labels ``(N,)`` from ``classes_``; ``X`` as for :meth:`predict_proba` (strings or rows)."""
         proba = self.predict_proba(X)  # checks fitting first
         return self.classes_[proba.argmax(1)]
 
     def transform(self, X) -> np.ndarray:
-        """The sentence features ``(N, D)`` the classifier reads (for collapse analysis or other models)."""
+        """The sentence features ``(N, D)`` the classifier reads (for collapse analysis or other models); ``X`` as
+        for :meth:`predict_proba`."""
         from apps.ncal.model import infer
 
         check_is_fitted(self, "checkpoint_")
-        _, feats = infer(self.checkpoint_.model, self.checkpoint_.tokenizer, check_texts(X),
+        _, feats = infer(self.checkpoint_.model, self.checkpoint_.tokenizer, self._inputs(X),
                          batch_size=self.batch_size_predict)
         return feats.numpy()
 

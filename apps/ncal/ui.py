@@ -9,7 +9,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_ui", "run_classify", "collapse_figure", "curves_figure", "EXAMPLE", "examples_for"]
+__all__ = ["build_ui", "run_classify", "as_row", "collapse_figure", "curves_figure", "class_legend", "EXAMPLE", "examples_for"]
 
 KEY = "ncal"
 #: English glosses shown beside the class names (fonts without CJK glyphs still show something readable).
@@ -59,23 +59,48 @@ def _shipped_dir(model: str):
     return resolve_checkpoint(model)
 
 
-def run_classify(model: str, text: str, speaker: str | None = None, previous: str = "",
+def as_row(text) -> dict | None:
+    """``text`` as a data row: a dict, or a string holding one JSON object (a pasted JSONL line); else None."""
+    if isinstance(text, dict):
+        return text
+    if isinstance(text, str) and text.strip().startswith("{"):
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return rec if isinstance(rec, dict) else None
+    return None
+
+
+def run_classify(model: str, text, speaker: str | None = None, previous: str = "",
                  previous_speaker: str | None = None):
-    """Returns (probabilities {class: p}, status text). Validates the text; dialogue fields only for ``pmtd``."""
+    """Returns (probabilities {class: p}, status text).
+
+    ``text`` is a problem or dialogue turn (validated; the dialogue fields apply to ``pmtd`` only), or a data row
+    (a dict, or a pasted JSONL line): it is formatted as the model's training data (its own ``dialog_history``
+    gives a turn's context, so the dialogue fields are not used).
+    """
     from apps.ncal.data import check_texts, format_turn
     from apps.ncal.predict import cached_checkpoint, classify
 
-    check_texts([text or ""])
-    if model == "pmtd":
-        text = format_turn(text, speaker=speaker or None, previous=previous or None,
-                           previous_speaker=previous_speaker or None)
-    probs = {display(c): p for c, p in classify(model, [text])[0].items()}
+    row = as_row(text)
+    if row is not None:
+        inputs = [row]
+    else:
+        check_texts([text or ""])
+        if model == "pmtd":
+            text = format_turn(text, speaker=speaker or None, previous=previous or None,
+                               previous_speaker=previous_speaker or None)
+        inputs = [text]
+    probs = {display(c): p for c, p in classify(model, inputs)[0].items()}
     meta = cached_checkpoint(model).meta
     best = max(probs, key=probs.get)
     t = meta.get("test") or {}
     status = (f"Done: **{best}** ({probs[best]:.1%}). Model: {model} ({meta['loss']['name']} loss, "
               f"{meta.get('steps', '?')} steps); its test accuracy {t.get('accuracy', float('nan')):.3f}, "
               f"macro-F1 {t.get('macro_f1', float('nan')):.3f}.")
+    if row is not None:
+        status += f" Input: a data row, formatted as the {model} training data (the dialogue fields are not used)."
     return probs, status
 
 
@@ -87,6 +112,7 @@ def collapse_figure(model: str):
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from apps.ncal.fonts import text_family
     from core.collapse import etf_gram
 
     folder = _shipped_dir(model)
@@ -102,8 +128,22 @@ def collapse_figure(model: str):
         ax.set_xticks(range(K)); ax.set_yticks(range(K))
         ax.set_xticklabels([str(k) for k in range(K)], fontsize=7); ax.set_yticklabels([str(k) for k in range(K)], fontsize=7)
     fig.colorbar(im, ax=axes, shrink=0.8)
-    fig.text(0.01, 0.01, "  ".join(f"{k}: {c if c.isascii() else GLOSS.get(c, c)}" for k, c in enumerate(col["classes"])), fontsize=7)
+    legend = class_legend(col["classes"])
+    fig.text(0.01, 0.01, legend, fontsize=7, family=text_family(legend))
     return fig
+
+
+def class_legend(classes) -> str:
+    """``"0: name  1: name ..."`` for a figure. Chinese names with their gloss when a CJK font is installed (see
+    :mod:`apps.ncal.fonts`); without one only the gloss, so that no glyph is drawn as an empty box."""
+    from apps.ncal.fonts import cjk_family
+
+    cjk = cjk_family() is not None
+    names = [c if c.isascii() else display(c) if cjk else GLOSS.get(c, "?") for c in classes]
+    legend = "  ".join(f"{k}: {n}" for k, n in enumerate(names))
+    if "?" in names:
+        legend += "  (install a CJK font, e.g. Debian's fonts-noto-cjk, to show the Chinese class names)"
+    return legend
 
 
 def curves_figure(model: str):
@@ -133,12 +173,13 @@ def build_ui() -> None:
     gr.Markdown("## NCAL\nLong-tailed classification of Chinese educational text: maths word problems → TIMSS "
                 "cognitive level (TMWPL), teacher–student dialogue turns → dialogue act (PMTD). The shipped models "
                 "are a small character transformer pretrained here, fine-tuned with the loss that scored best on a "
-                "validation hold-out of the train split (never on the test split; see the model cards). For a dialogue turn, give its speaker and the previous turn (the next turn is not used).")
+                "validation hold-out of the train split (never on the test split; see the model cards). For a dialogue turn, give its speaker and the previous turn (the next turn is not used), or paste "
+                "a JSONL row of the dataset as it is (its `dialog_history` gives the context).")
     picks0 = examples_for(EXAMPLE["model"])
     with gr.Row():
         model = gr.Dropdown(list(DATASETS), value=EXAMPLE["model"], label="model")
         pick = gr.Dropdown([p[0] for p in picks0], value=None, label="or pick a test item ([true class] text)")
-    text = gr.Textbox(label="problem or dialogue turn", lines=3)
+    text = gr.Textbox(label="problem or dialogue turn (or a JSONL row of the dataset)", lines=3)
     with gr.Row():
         speaker = gr.Dropdown(["", "teacher", "student"], value="", label="speaker (PMTD)")
         previous = gr.Textbox(label="previous turn (PMTD)", lines=1)
