@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from apps import REGISTRY, AppSpec
-from core.fileio import write_text_atomic
+from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -225,7 +225,7 @@ def plot_needle_curves(results: dict, path: Path) -> Path:
     for ax in axes[-1]:
         ax.set_xlabel("needle / image position decile")
     fig.tight_layout()
-    from core.fileio import atomic_path
+    from core.infra.fileio import atomic_path
 
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=80, format="png")

@@ -207,7 +207,7 @@ def plot_summary(summary: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from core.fileio import atomic_path
+    from core.infra.fileio import atomic_path
 
     rows = list(summary["vs_baseline"].items())
     if not rows:

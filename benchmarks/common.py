@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from core.fileio import write_json_atomic  # moved down to core: rl and the benchmarks both use it
+from core.infra.fileio import write_json_atomic  # moved down to core: rl and the benchmarks both use it
 
 __all__ = [
     "PeakRSS",

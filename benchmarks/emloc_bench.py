@@ -41,7 +41,7 @@ from apps.emloc.api import compress
 from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
 from benchmarks.common import PeakRSS, portable_args, run_isolated
-from core.fileio import write_json_atomic
+from core.infra.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 

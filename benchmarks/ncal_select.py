@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, write_json_atomic
-from core.fileio import write_text_atomic
+from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -379,7 +379,7 @@ def train_peer(name: str, mcfg, train: Sequence[GridBag], val: Sequence[GridBag]
     import torch
     from torch import nn
 
-    from core.fileio import torch_save_atomic
+    from core.infra.fileio import torch_save_atomic
 
     torch.manual_seed(seed)
     model = build_peer(name, mcfg)

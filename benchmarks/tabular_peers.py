@@ -217,7 +217,7 @@ def model_settings(name: str, *, n_configs: int, folds: int, tabicl_n_estimators
     if name.startswith("TabICL"):
         import torch
 
-        from core.jobs import file_identity
+        from core.infra.jobs import file_identity
         from tabular.weights_io import default_checkpoint
 
         s["weights"] = file_identity(default_checkpoint() if checkpoint is None else checkpoint)

@@ -49,7 +49,7 @@ from core.kv_cache import KVCache, LayerKV, cached_attention, probe_attention
 from core.layers import GatedCrossAttentionBlock, SelfAttentionBlock
 from core.mha import ACTIVATIONS, check_backend
 from core.rope import RotaryEmbedding
-from core.fileio import atomic_path
+from core.infra.fileio import atomic_path
 
 logger = logging.getLogger(__name__)
 

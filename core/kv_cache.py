@@ -27,7 +27,7 @@ import torch
 from einops import rearrange
 
 from core.attention import attention
-from core.fileio import atomic_path
+from core.infra.fileio import atomic_path
 
 __all__ = ["LayerKV", "KVCache", "cached_attention", "probe_attention", "CACHE_FORMAT"]
 

@@ -22,7 +22,7 @@ output's refuses before any work and names the differences; ``--overwrite`` redo
 
 Every output is written to a temp file and renamed, so a killed run leaves no partial file; a rerun skips
 finished outputs and takes over locks whose process is gone (or whose heartbeat stopped, on another host).
-The job machinery (shards, locks, manifest, time limit, fingerprints) is :mod:`core.jobs`.
+The job machinery (shards, locks, manifest, time limit, fingerprints) is :mod:`core.infra.jobs`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
+from core.infra.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
                        canonical_settings, file_identity, job_config_from_args, remove_temps, run_job,
                        settings_fingerprint)
 
@@ -154,7 +154,7 @@ def _write_png(path: str, img: np.ndarray, settings: dict | None = None) -> None
 
 
 class _SlideJob:
-    """The per-slide work of a batch run (a :class:`core.jobs.Job`)."""
+    """The per-slide work of a batch run (a :class:`core.infra.jobs.Job`)."""
 
     key_field = "slide_id"
     extra_fields = ("task", "n_patches", "patches_per_s")
@@ -300,7 +300,7 @@ def _settings_attrs(settings: dict) -> dict[str, str]:
 def run_batch(cfg: BatchConfig) -> list[dict]:
     """Process every slide of this shard; returns the manifest rows.
 
-    Raises :class:`core.jobs.SettingsMismatch` before any work when existing outputs were made with other settings
+    Raises :class:`core.infra.jobs.SettingsMismatch` before any work when existing outputs were made with other settings
     (unless ``cfg.overwrite``), and the first failure unless ``cfg.skip_errors``.
     """
     os.makedirs(cfg.out, exist_ok=True)

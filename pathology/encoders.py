@@ -13,7 +13,7 @@ Names:
   a torch state dict).
 - ``open_clip:<model_name>``: the image tower of an open_clip model, weights from a local file.
 
-Loading goes through :mod:`core.backbones`: keys must match exactly (``strict=False``, the CLI's
+Loading goes through :mod:`core.infra.backbones`: keys must match exactly (``strict=False``, the CLI's
 ``--allow-partial-weights``, relaxes that) and ``encoder_kwargs`` reach the model's constructor
 (``--encoder-kwargs '{"img_size": 448}'``), overriding a preset's. Nothing is downloaded.
 """
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights
+from core.infra.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from core.fileio import write_json_atomic
+    from core.infra.fileio import write_json_atomic
     from rl.data import load_dataset
     from rl.evaluate import load_policy
     from rl.train import SegmentSampler

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from core.fileio import torch_save_atomic
+from core.infra.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import atomic_write_text, load_model, save_model
-from core.distributed import agreed_stop, finish
-from core.fileio import torch_save_atomic
+from core.infra.distributed import agreed_stop, finish
+from core.infra.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             save_model(trainer.model, out / "last.safetensors", extra=model_card(trainer, {}, command))
         if bar is not None:
             bar.close()
-    finish()  # only after a clean finish (see core.distributed)
+    finish()  # only after a clean finish (see core.infra.distributed)
     return 0
 
 

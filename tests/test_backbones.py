@@ -1,4 +1,4 @@
-"""core.backbones: strict key matching, constructor kwargs, file formats, and the video frame encoders on it."""
+"""core.infra.backbones: strict key matching, constructor kwargs, file formats, and the video frame encoders on it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from core.backbones import (
+from core.infra.backbones import (
     build_open_clip,
     build_timm,
     load_open_clip,
@@ -61,7 +61,7 @@ def test_timm_mismatch_is_an_error_unless_relaxed(tmp_path, caplog):
     path = _save({k: v for k, v in sd.items() if not k.startswith("blocks.1.")}, tmp_path / "partial.safetensors")
     with pytest.raises(ValueError, match=r"missing \d+ key\(s\): blocks\.1\..*allow-partial-weights"):
         load_timm("vit_tiny_patch16_224", path, model_kwargs=VIT_KW)
-    with caplog.at_level(logging.WARNING, logger="core.backbones"):
+    with caplog.at_level(logging.WARNING, logger="core.infra.backbones"):
         bb = load_timm("vit_tiny_patch16_224", path, model_kwargs=VIT_KW, strict=False)
     assert bb.missing and all(k.startswith("blocks.1.") for k in bb.missing)
     assert "strict=False" in caplog.text
@@ -223,17 +223,17 @@ def _model_constructor_calls(path: Path) -> list[str]:
 
 
 def test_only_core_backbones_builds_timm_and_open_clip_models():
-    """One backbone loader: outside core/backbones.py no package calls timm/open_clip's model constructors
+    """One backbone loader: outside core/infra/backbones.py no package calls timm/open_clip's model constructors
     (tests may, to make reference models)."""
-    skip = {REPO / "core" / "backbones.py"}
+    skip = {REPO / "core" / "infra" / "backbones.py"}
     sources = [p for p in REPO.rglob("*.py") if p not in skip
                and not any(part.startswith(".") or part == "tests" or part.endswith(".egg-info")
                            for part in p.relative_to(REPO).parts)]
     assert REPO / "apps" / "comemo" / "encoders.py" in sources and len(sources) > 50
     calls = [c for p in sorted(sources) for c in _model_constructor_calls(p)]
-    assert calls == [], "build through core.backbones (build_timm / load_timm / build_open_clip / load_open_clip):\n" + "\n".join(calls)
+    assert calls == [], "build through core.infra.backbones (build_timm / load_timm / build_open_clip / load_open_clip):\n" + "\n".join(calls)
     # the check sees the forms it forbids
-    probe = REPO / "core" / "backbones.py"
+    probe = REPO / "core" / "infra" / "backbones.py"
     assert any(".create_model" in c for c in _model_constructor_calls(probe))
 
 

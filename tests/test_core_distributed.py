@@ -1,4 +1,4 @@
-"""``core.distributed`` on two CPU processes (gloo): a stop one rank wants is a stop on every rank; ``finish``
+"""``core.infra.distributed`` on two CPU processes (gloo): a stop one rank wants is a stop on every rank; ``finish``
 tears the group down."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from core.distributed import agreed_stop, finish
+from core.infra.distributed import agreed_stop, finish
 
 
 def _stop_worker(rank: int, port: int, results) -> None:

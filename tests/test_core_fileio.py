@@ -1,4 +1,4 @@
-"""``core.fileio``: atomic writes keep the old file on failure, leave no temp files, and make readable files."""
+"""``core.infra.fileio``: atomic writes keep the old file on failure, leave no temp files, and make readable files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from core.fileio import atomic_path, torch_save_atomic, write_json_atomic, write_text_atomic
+from core.infra.fileio import atomic_path, torch_save_atomic, write_json_atomic, write_text_atomic
 
 
 def test_writes_are_complete_and_readable_by_others(tmp_path):

@@ -1,4 +1,4 @@
-"""The batch-job runner (core.jobs): settings fingerprints, skip/resume, refusal or redo on other settings, shards,
+"""The batch-job runner (core.infra.jobs): settings fingerprints, skip/resume, refusal or redo on other settings, shards,
 cross-host locks with heartbeats, temp-file cleanup, the merged manifest, and the per-item time limit."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from core import jobs
-from core.jobs import FileLock, Item, JobConfig, SettingsMismatch, run_job, settings_diff, settings_fingerprint
+from core.infra import jobs
+from core.infra.jobs import runner
+from core.infra.jobs import FileLock, Item, JobConfig, SettingsMismatch, run_job, settings_diff, settings_fingerprint
 
 
 class ToyJob:
@@ -205,11 +206,11 @@ def test_locked_items_are_skipped_and_leftover_temps_removed(tmp_path):
     assert sorted(os.listdir(out / "locks")) == ["a.lock"]
     assert not [f for f in os.listdir(out) if ".tmp" in f]
     # another worker on the same shard writes its row later: the manifest merges, keeping both
-    jobs._Manifest(str(out / "manifest.csv"), "name", ["name", "status"]).update({"a": {"name": "a", "status": "done"}})
+    runner._Manifest(str(out / "manifest.csv"), "name", ["name", "status"]).update({"a": {"name": "a", "status": "done"}})
     m = _manifest(out / "manifest.csv")
     assert m["a"]["status"] == "done" and m["b"]["status"] == "done"
     # a worker that found it locked and writes later does not hide the result
-    late = jobs._Manifest(str(out / "manifest.csv"), "name", ["name", "status"])
+    late = runner._Manifest(str(out / "manifest.csv"), "name", ["name", "status"])
     late.update({"a": {"name": "a", "status": "locked"}})
     assert _manifest(out / "manifest.csv")["a"]["status"] == "done"
 
@@ -247,7 +248,7 @@ def test_an_output_written_by_another_worker_between_two_checks(tmp_path, monkey
     items = _inputs(tmp_path, {"a": "x", "b": "x"})
     out = tmp_path / "out"
     other = ToyJob(out)
-    real = jobs._mismatches
+    real = runner._mismatches
     calls: dict[str, int] = {}
 
     def racing(job, item, wanted):
@@ -258,7 +259,7 @@ def test_an_output_written_by_another_worker_between_two_checks(tmp_path, monkey
             other.process(item)  # the other worker writes a's output now
         return res
 
-    monkeypatch.setattr(jobs, "_mismatches", racing)
+    monkeypatch.setattr(runner, "_mismatches", racing)
     mine = ToyJob(out)
     rows = run_job(mine, items, JobConfig(out=str(out), progress=False))
     assert mine.calls == ["b"] and rows["a"]["status"] == "exists" and rows["b"]["status"] == "done"

@@ -1,5 +1,5 @@
 """Model cards: every shipped weights file has its card (``<stem>.md``, or ``weights/<name>.md`` for a file in
-``weights/<name>/``) equal to what ``core.model_card`` makes of its JSON."""
+``weights/<name>/``) equal to what ``core.infra.model_card`` makes of its JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from core.model_card import (
+from core.infra.model_card import (
     NOT_RECORDED,
     REPO,
     card_path,
@@ -59,9 +59,9 @@ def test_shipped_weights_are_found():
 @pytest.mark.parametrize("weights", SHIPPED, ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_shipped_file_has_its_generated_card(weights):
     card = card_path(weights)
-    assert card.is_file(), f"{card.relative_to(REPO)} is missing: run `python -m core.model_card`"
+    assert card.is_file(), f"{card.relative_to(REPO)} is missing: run `python -m core.infra.model_card`"
     assert card.read_text(encoding="utf-8") == render_card(weights, root=REPO), (
-        f"{card.relative_to(REPO)} differs from its JSON: run `python -m core.model_card`"
+        f"{card.relative_to(REPO)} differs from its JSON: run `python -m core.infra.model_card`"
     )
 
 
@@ -113,7 +113,7 @@ def test_ncal_cards_are_generated_and_checked_like_the_rest(tmp_path):
     w.write_bytes(w.read_bytes() + b" ")  # same header, another file: size and SHA-256 change
     status = {c.name: s for c, s in write_cards(tmp_path, check=True).items()}
     assert status == {"tmwpl.md": "differs", "pmtd.md": "missing", "mlm_encoder.md": "differs"}
-    r = subprocess.run([sys.executable, "-m", "core.model_card", "--root", str(tmp_path), "--check"],
+    r = subprocess.run([sys.executable, "-m", "core.infra.model_card", "--root", str(tmp_path), "--check"],
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 1 and "3 card(s) missing or stale" in r.stderr and "apps/ncal/weights/pmtd.md: missing" in r.stderr
     assert write_cards(tmp_path) == {c: "written" for c in cards}
@@ -241,7 +241,7 @@ def test_write_check_and_cli(tmp_path):
     _write_safetensors(w, {"w": ([2, 2], "F32")})
     w.with_suffix(".json").write_text(json.dumps({"name": "A", "steps": 1}))
     assert write_cards(tmp_path, check=True) == {w.with_suffix(".md"): "missing"}
-    cli = [sys.executable, "-m", "core.model_card", "--root", str(tmp_path)]
+    cli = [sys.executable, "-m", "core.infra.model_card", "--root", str(tmp_path)]
     r = subprocess.run(cli + ["--check"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 1 and "missing or stale" in r.stderr
     r = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)

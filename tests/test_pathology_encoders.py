@@ -11,7 +11,7 @@ import timm  # a dependency of the pathology extra (backbones): the tests run, n
 import torch
 from safetensors.torch import save_file
 
-from core.backbones import resolve_timm_kwargs
+from core.infra.backbones import resolve_timm_kwargs
 from pathology.encoders import PRESETS, build_encoder, encoder_settings
 
 

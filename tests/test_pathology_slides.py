@@ -340,7 +340,7 @@ def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights
     from PIL import Image
     from safetensors.torch import save_file
 
-    from core.jobs import SettingsMismatch, settings_fingerprint
+    from core.infra.jobs import SettingsMismatch, settings_fingerprint
     from pathology.batch import main as batch_main
 
     src, specs = dataset

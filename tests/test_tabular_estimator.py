@@ -639,7 +639,7 @@ def test_default_checkpoint_is_the_one_the_development_suite_chose():
     import json
     from pathlib import Path
 
-    from core.jobs import file_identity
+    from core.infra.jobs import file_identity
     from tabular.weights_io import default_checkpoint
 
     record = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tabular_dev_choices.json"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.jobs import SettingsMismatch, settings_fingerprint
+from core.infra.jobs import SettingsMismatch, settings_fingerprint
 from video import batch
 from video.infinite import InfiniteVideo, InfiniteVideoConfig
 from video.model import VideoQAConfig, VideoQAModel

@@ -17,7 +17,7 @@ Writes go to a temp file renamed into place, so a killed run leaves no partial f
 video. ``OUT/locks/<file name>.lock`` keeps two workers (on any host sharing the folder) off the same video.
 ``--time-limit`` runs each video in a worker process killed past the limit (recorded as failed). ``manifest.csv``
 (``manifest_<I>of<N>.csv`` per shard) lists each video's status: ``done``, ``exists`` (done by an earlier run),
-``failed`` or ``locked``. The job machinery is :mod:`core.jobs`.
+``failed`` or ``locked``. The job machinery is :mod:`core.infra.jobs`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
+from core.infra.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
                        canonical_settings, job_config_from_args, parse_shard, run_job, settings_fingerprint)
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def process_video(iv, path: Path, out_file: Path, *, settings: dict | None = Non
 
 
 class _VideoJob:
-    """The per-video work of a batch run (a :class:`core.jobs.Job`)."""
+    """The per-video work of a batch run (a :class:`core.infra.jobs.Job`)."""
 
     key_field = "video"
     extra_fields = ("frames", "chunks")
@@ -131,7 +131,7 @@ def run_batch(videos, out, *, iv=None, shard: tuple[int, int] = (0, 1), skip_err
               progress: bool = False) -> dict[str, dict]:
     """Process every video of this shard; returns the manifest rows by video file name.
 
-    Raises :class:`core.jobs.SettingsMismatch` before any work when existing files were made with other settings
+    Raises :class:`core.infra.jobs.SettingsMismatch` before any work when existing files were made with other settings
     (unless ``overwrite``), and the first failure unless ``skip_errors``.
     """
     cfg = JobConfig(out=str(out), shard=shard, skip_errors=skip_errors, overwrite=overwrite, time_limit=time_limit,

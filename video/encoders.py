@@ -7,7 +7,7 @@ Names:
 
 Nothing is downloaded: the open_clip and timm paths need ``weights`` (a local file) and their package
 (``pip install 'longctx-suite[backbones]'``); both are imported only when asked for. They load through
-:mod:`core.backbones`: keys must match exactly unless ``strict=False``, and ``encoder_kwargs`` reach the
+:mod:`core.infra.backbones`: keys must match exactly unless ``strict=False``, and ``encoder_kwargs`` reach the
 model's constructor (``{"img_size": 64}`` for timm, ``{"vision_cfg": {"image_size": 64}}`` for open_clip).
 
 Every encoder takes ``(N, 3, H, W)`` uint8 or float in ``[0, 255]`` and returns ``(N, T, dim)``.
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights
+from core.infra.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TinyFrameEncoder(nn.Module):
 
 
 def load_state_file(path) -> dict[str, torch.Tensor]:
-    """Tensors from a local ``.safetensors`` or PyTorch checkpoint (:func:`core.backbones.load_state_dict_file`)."""
+    """Tensors from a local ``.safetensors`` or PyTorch checkpoint (:func:`core.infra.backbones.load_state_dict_file`)."""
     return load_state_dict_file(path)
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
-from core.fileio import torch_save_atomic
+from core.infra.fileio import torch_save_atomic
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
     COLOURS,

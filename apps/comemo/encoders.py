@@ -1,6 +1,6 @@
 """Pretrained vision encoders for CoMemo: ``timm:<name>`` or ``open_clip:<name>`` ViTs from a local file.
 
-Building and loading go through :mod:`core.backbones` (local weights only, strict keys, constructor kwargs,
+Building and loading go through :mod:`core.infra.backbones` (local weights only, strict keys, constructor kwargs,
 install hint). CoMemo
 needs the patch tokens, not the pooled feature: timm's ``forward_features`` without its prefix (class /
 register) tokens, open_clip's image tower with ``output_tokens``. The tokens must form a square grid of
@@ -8,8 +8,8 @@ register) tokens, open_clip's image tower with ``output_tokens``. The tokens mus
 the encoder kwargs so the encoder takes ``tile``-pixel input).
 
 When a saved CoMemo model is loaded, the encoder is built without its original file (its weights are in
-the CoMemo file): ``load_weights=False`` builds it with :func:`core.backbones.build_timm` /
-:func:`core.backbones.build_open_clip`.
+the CoMemo file): ``load_weights=False`` builds it with :func:`core.infra.backbones.build_timm` /
+:func:`core.infra.backbones.build_open_clip`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ExternalEncoder(nn.Module):
 
     def __init__(self, cfg, *, load_weights: bool = True) -> None:
         super().__init__()
-        from core import backbones
+        from core.infra import backbones
 
         self.cfg = cfg
         library, name = cfg.encoder.split(":", 1)

@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from apps.comemo.tokenizer import IMAGE_LABELS
 from core.decoder import Decoder, DecoderConfig
 from core.layers import SelfAttentionBlock
-from core.fileio import atomic_path
+from core.infra.fileio import atomic_path
 
 logger = logging.getLogger(__name__)
 

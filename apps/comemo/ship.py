@@ -1,5 +1,5 @@
 """Ship a trained CoMemo run as the default: ``apps/comemo/weights/comemo.safetensors`` + ``tokenizer.json`` +
-``comemo.json`` (provenance, rendered into the model card ``comemo.md`` by ``python -m core.model_card``) +
+``comemo.json`` (provenance, rendered into the model card ``comemo.md`` by ``python -m core.infra.model_card``) +
 ``comemo_golden.json``.
 
     python -m apps.comemo.ship --run runs/comemo_bench/comemo --bench benchmarks/results/comemo_bench.json \\
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from apps.comemo.api import DEFAULT_WEIGHTS, CoMemo
-from core.fileio import atomic_path, write_json_atomic
+from core.infra.fileio import atomic_path, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def ship(run: Path, *, command: str, bench: Path | None = None, dest: Path = DEF
     }
     write_json_atomic(dest.with_suffix(".json"), record)
     write_json_atomic(dest.with_name("comemo_golden.json"), {**golden_outputs(shipped), "command": "python -m apps.comemo.ship ..."})
-    logger.info("shipped %s (%s, %d steps) to %s; now run python -m core.model_card", src, variant, record["steps"], dest)
+    logger.info("shipped %s (%s, %d steps) to %s; now run python -m core.infra.model_card", src, variant, record["steps"], dest)
     return dest
 
 

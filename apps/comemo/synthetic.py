@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--images must be positive, got {args.images}")
     from tqdm import tqdm
 
-    from core.fileio import write_text_atomic
+    from core.infra.fileio import write_text_atomic
 
     img_dir = args.out / "images"
     img_dir.mkdir(parents=True, exist_ok=True)

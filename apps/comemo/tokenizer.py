@@ -81,7 +81,7 @@ class CoMemoTokenizer:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``tokenizer.json`` atomically."""
-        from core.fileio import write_text_atomic
+        from core.infra.fileio import write_text_atomic
 
         return write_text_atomic(path, self.tok.to_str(pretty=True))
 

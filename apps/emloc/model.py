@@ -30,7 +30,7 @@ from einops import rearrange
 from torch import nn
 
 from core.decoder import Decoder, DecoderConfig
-from core.fileio import atomic_path
+from core.infra.fileio import atomic_path
 
 __all__ = ["HostConfig", "EMLoCHost", "HOST_FORMAT"]
 

@@ -1,5 +1,5 @@
 """Ship a meta-trained host as the default: ``apps/emloc/weights/host.safetensors`` + ``host.json`` (provenance,
-rendered into the model card ``host.md`` by ``python -m core.model_card``) + ``host_golden.json``.
+rendered into the model card ``host.md`` by ``python -m core.infra.model_card``) + ``host_golden.json``.
 
     python -m apps.emloc.ship --run training/emloc_host --command "python -m apps.emloc.train ..."
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
-from core.fileio import atomic_path, write_json_atomic
+from core.infra.fileio import atomic_path, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def ship(run: Path, *, command: str, wall_time_note: str | None = None, dest: Pa
     }
     write_json_atomic(dest.with_suffix(".json"), record)
     write_json_atomic(dest.with_name("host_golden.json"), {**golden_outputs(shipped), "command": "python -m apps.emloc.ship ..."})
-    logger.info("shipped %s (%d steps) to %s; now run python -m core.model_card", src, record["steps"], dest)
+    logger.info("shipped %s (%d steps) to %s; now run python -m core.infra.model_card", src, record["steps"], dest)
     return dest
 
 

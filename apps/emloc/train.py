@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import EMLoCHost, HostConfig
-from core.fileio import torch_save_atomic
+from core.infra.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     m = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size)
     print(format_report(m))  # the CLI's output
     if args.out:
-        from core.fileio import write_json_atomic
+        from core.infra.fileio import write_json_atomic
 
         write_json_atomic(args.out, m)
     return m

@@ -4,7 +4,7 @@ Copies the run's ``model.safetensors``, ``ncal.json``, ``tokenizer.json`` and ``
 ``apps/ncal/weights/<name>/``, computes the test-set collapse measures and class-mean cosines
 (``collapse.json``, shown by the demo) and the golden probabilities of the first test texts (``golden.json``,
 checked by the tests). From the folder it then writes the provenance ``apps/ncal/weights/<name>.json`` and, with
-``core.model_card`` (the generator of every shipped card), the model card ``apps/ncal/weights/<name>.md``.
+``core.infra.model_card`` (the generator of every shipped card), the model card ``apps/ncal/weights/<name>.md``.
 ``--selection benchmarks/results/ncal/selection.json`` (written by ``python -m benchmarks.ncal_select``) says in
 the card how the run was chosen (every loss's validation numbers) and is copied as ``<name>/selection.json``;
 the run must be of the chosen loss.
@@ -232,9 +232,9 @@ def provenance(name: str, *, note: str | None = None) -> dict:
 
 def write_provenance(name: str, *, note: str | None = None) -> Path:
     """Write ``weights/<name>.json`` from the folder and render its card ``weights/<name>.md`` with
-    ``core.model_card``; returns the card's path."""
-    from core.fileio import write_json_atomic, write_text_atomic
-    from core.model_card import card_path, render_card
+    ``core.infra.model_card``; returns the card's path."""
+    from core.infra.fileio import write_json_atomic, write_text_atomic
+    from core.infra.model_card import card_path, render_card
 
     write_json_atomic(WEIGHTS / f"{name}.json", provenance(name, note=note))
     weights = WEIGHTS / name / ("encoder.safetensors" if name == ENCODER_NAME else "model.safetensors")
@@ -249,7 +249,7 @@ def ship_run(run: Path, name: str, note: str = "", selection: Path | None = None
     from apps.ncal.data import load_split
     from apps.ncal.metrics import collapse_metrics
     from apps.ncal.model import infer, load_checkpoint
-    from core.fileio import write_json_atomic
+    from core.infra.fileio import write_json_atomic
 
     from apps.ncal.weights_io import read_json
 

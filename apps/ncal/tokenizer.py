@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from core.fileio import write_text_atomic
+from core.infra.fileio import write_text_atomic
 
 __all__ = ["CharTokenizer", "SPECIALS", "normalize"]
 

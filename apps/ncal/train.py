@@ -56,7 +56,7 @@ from apps.ncal.losses import LOSSES, LossConfig, LongTailLoss
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.weights_io import load_state, save_state
-from core.distributed import finish
+from core.infra.distributed import finish
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from core.fileio import atomic_path, torch_save_atomic, write_json_atomic
+from core.infra.fileio import atomic_path, torch_save_atomic, write_json_atomic
 
 __all__ = ["save_safetensors", "load_safetensors", "save_state", "load_state", "read_json", "write_json_atomic"]
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from core.fileio import atomic_path
+from core.infra.fileio import atomic_path
 from core.hf.backend import HIDDEN_ATTR
 
 __all__ = [

@@ -1,273 +1,34 @@
-"""Model cards for the shipped weights, generated from their JSON provenance.
-
-Every shipped weights file ``<package>/weights/<name>.safetensors`` (also ``apps/<app>/weights/``) has its provenance
-in ``<name>.json`` beside it, written by the script that trained or shipped it. Weights shipped as a folder
-(``weights/<name>/model.safetensors`` beside the files its app loads with them, as ``apps.ncal.ship`` writes them)
-have their provenance and card at the folder's side: ``weights/<name>.json`` and ``weights/<name>.md``
-(:func:`card_path`, :func:`provenance_path`). This module turns that JSON into a model card
-``<name>.md`` in the Hugging Face convention: a YAML header (licence, library, tags, datasets, metrics) and sections
-for the model, intended use, out-of-scope use, training data, training procedure, evaluation and limitations. The
-card is a rendering of the JSON and of the weights file itself (size, tensor and parameter counts from its
-header, SHA-256), so the two cannot disagree: every field of the JSON appears in the card, a field the card
-needs and the JSON lacks reads "not recorded", and no number is added.
-
-    python -m core.model_card            # (re)write every card
-    python -m core.model_card --check    # exit 1 when a card is missing or differs from its JSON
-
-Weights are found by globbing (``*/weights/**/*.safetensors`` and ``*/*/weights/**/*.safetensors`` inside Python
-packages), so new shipped files need no registration here. Package-level text (intended use, out-of-scope use,
-tags) comes from ``PACKAGE_TEXT``; a package missing there gets "not recorded" for the intended use, unless its
-JSON carries a ``model_card`` object with ``intended_use``, ``out_of_scope``, ``tags``, ``datasets``,
-``pipeline_tag``, ``language`` or ``limitations``.
-
-A JSON object ``{"columns": [...], "rows": [[...], ...]}`` is rendered as a table; a ``selection`` field (prose) and a
-``selection_candidates`` table make a section "How this model was chosen".
-"""
+"""A card rendered from a weights file and its JSON provenance (Hugging Face convention)."""
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import logging
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.fileio import write_text_atomic
-
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "NOT_RECORDED",
-    "PACKAGE_TEXT",
-    "CardText",
-    "discover_weights",
-    "card_path",
-    "provenance_path",
-    "weights_summary",
-    "render_card",
-    "write_cards",
-    "build_parser",
-    "main",
-]
 
-REPO = Path(__file__).resolve().parents[1]
-NOT_RECORDED = "not recorded"
-LICENSE = "mit"  # the project's licence (pyproject.toml), which covers the weights it trains
-GENERATOR = "python -m core.model_card"
-
-
-@dataclass(kw_only=True)
-class CardText:
-    """What a card says about a family of weights that the JSON does not: use, misuse, tags."""
-
-    intended_use: str = NOT_RECORDED  # who should load these weights, for what
-    out_of_scope: str = NOT_RECORDED  # uses the weights were not made or checked for
-    tags: list[str] = field(default_factory=list)  # Hugging Face tags beside "longctx" and the package name
-    pipeline_tag: str | None = None  # Hugging Face task id, when one fits
-    datasets: list[str] = field(default_factory=list)  # data names for the YAML header (the body has the details)
-    limitations: list[str] = field(default_factory=list)  # general limits of the family, before the JSON's notes
-    language: str | None = None  # ISO 639-1 code of the text the model reads, when it reads text
-
-
-_SYNTHETIC_SLIDES = "synthetic slides (pathology.synthetic)"
-
-# Keyed by "<package>" or "<package>/<stem prefix>" (the longest matching key wins).
-PACKAGE_TEXT: dict[str, CardText] = {
-    "tabular": CardText(
-        intended_use=(
-            "Default checkpoint of `tabular.TabICLClassifier` (`TabICLClassifier(checkpoint=PATH)` for another file): "
-            "in-context classification of tables with numeric, categorical and missing values, on CPU or GPU, "
-            "without training on the table (optionally fine-tuned on it with `finetune_steps`). Also used by "
-            "`python -m tabular.compare`, the hub's TabICL tab and `benchmarks.tabular_*`."
-        ),
-        out_of_scope=(
-            "Regression targets (refused by the estimator). Decisions about people without a validation on the "
-            "population concerned. Tables much wider than the pretraining tables (`pretrained_max_features`) "
-            "without feature reduction. Accuracy claims on tables unlike the benchmarked ones."
-        ),
-        tags=["tabular-classification", "in-context-learning", "tabicl"],
-        pipeline_tag="tabular-classification",
-        datasets=["synthetic tables (tabular.prior.TablePrior)"],
-        limitations=[
-            "Pretrained on synthetic tables only; no real table was used in training or checkpoint selection.",
-        ],
-    ),
-    "pathology": CardText(
-        intended_use=(
-            "Stand-in weights so the whole-slide pipeline (`pathology`) and the hub's Querent tab run out of the box "
-            "on this project's synthetic slides, in tests, demos and benchmarks."
-        ),
-        out_of_scope=(
-            "Any real histology slide, any diagnostic, clinical or research claim: the weights know only the "
-            "project's synthetic slides. For real work pass a trusted encoder and train a slide model on real data."
-        ),
-        tags=["pathology", "whole-slide-images", "synthetic-data"],
-        datasets=[_SYNTHETIC_SLIDES],
-        limitations=["Trained and evaluated on synthetic slides only; the numbers above say nothing about real tissue."],
-    ),
-    "pathology/patch_encoder": CardText(
-        tags=["pathology", "image-feature-extraction", "synthetic-data"],
-        pipeline_tag="image-feature-extraction",
-    ),
-    "pathology/querent": CardText(
-        tags=["pathology", "multiple-instance-learning", "querent", "synthetic-data"],
-        pipeline_tag="image-classification",
-    ),
-    "video": CardText(
-        intended_use=(
-            "A model of `video` (∞-Video): answers the closed set of questions about this project's synthetic videos, "
-            "over any video length with the continuous long-term memory."
-        ),
-        out_of_scope=(
-            "Real videos and open-ended questions: the model was trained on small synthetic clips with a fixed set "
-            "of answers."
-        ),
-        tags=["video-question-answering", "q-former", "continuous-memory", "synthetic-data"],
-        datasets=["synthetic clips (video.synthetic)"],
-        limitations=["Trained and validated on synthetic clips only."],
-    ),
-    "video/videoqa_tiny": CardText(
-        intended_use=(
-            "Default model of `video` (∞-Video): answers the closed set of questions about this project's synthetic "
-            "videos in the batch CLI, the benchmarks and the hub's ∞-Video tab, over any video length with the "
-            "continuous long-term memory."
-        ),
-    ),
-    "rl": CardText(
-        intended_use="Offline-RL experiments of `rl` (Decision Mixer) on the named MuJoCo environment.",
-        out_of_scope=(
-            "Control of real robots, and environments other than the one named. Scores come from this project's own "
-            "datasets and policies: they are not D4RL results."
-        ),
-        tags=["reinforcement-learning", "mujoco", "offline-rl"],
-        pipeline_tag="reinforcement-learning",
-        limitations=["Evaluated in simulation (gymnasium MuJoCo v5) only."],
-    ),
-    "rl/behaviour": CardText(
-        intended_use=(
-            "Behaviour policies: the actor snapshots that `python -m rl.generate` runs to write this project's offline "
-            "datasets (medium, expert and medium-replay qualities, chosen by the quality rule below), and the "
-            "expert reference returns of `rl.references`."
-        ),
-        tags=["reinforcement-learning", "mujoco", "sac", "behaviour-policy"],
-    ),
-    "rl/dm": CardText(
-        intended_use=(
-            "Default Decision Mixer of the hub's Decision Mixer tab: acts in the named environment from a target "
-            "return, showing the router's token selection."
-        ),
-        tags=["reinforcement-learning", "mujoco", "offline-rl", "decision-transformer", "decision-mixer"],
-    ),
-}
-
-# JSON fields rendered in the sections below, in order of preference; whatever is left goes to "Other fields".
-_DESCRIPTION = ("what_it_is", "description")
-_NAME = ("name", "model")
-_ARCH = ("config", "model_config")
-_DATA = ("data", "dataset", "validation_set")
-_COMMAND = ("command",)
-_TRAIN = (
-    "commands", "algorithm", "env", "algo", "train_config", "train", "steps", "step", "trained_steps", "batch",
-    "batch_size", "tables_seen", "pretrained_max_features", "processes", "threads", "hardware", "wall_time_s",
-    "train_seconds", "train_wall_s", "finished", "status", "input", "output_dim", "class_names", "patch_mpp",
-    "patch_size", "min_tissue", "encoder", "recipe", "init_from", "aggregate", "memory_in_loop", "readout_note",
+from core.infra.model_card.discovery import provenance_path, weights_summary
+from core.infra.model_card.texts import (
+    _ARCH,
+    _DATA,
+    _DESCRIPTION,
+    _EVAL,
+    _METRIC_WORDS,
+    _NAME,
+    _NOTES,
+    _SELECTION,
+    _TRAIN,
+    GENERATOR,
+    LICENSE,
+    NOT_RECORDED,
+    PACKAGE_TEXT,
+    REPO,
+    CardText,
 )
-_EVAL = (
-    "metrics", "held_out_metrics", "held_out_slides", "validation", "validation_on_held_out_prior", "benchmark",
-    "finetuned_benchmark", "scaling", "eval_targets", "snapshots", "qualities", "quality_rule", "per_class",
-)
-_SELECTION = ("selection", "selection_candidates")  # how the shipped checkpoint was chosen among others
-_NOTES = ("notes", "note")
-_METRIC_WORDS = (  # leaf-key fragments -> metric ids for the YAML header
-    ("balanced_accuracy", "balanced_accuracy"),
-    ("auc", "roc_auc"),
-    ("log_loss", "log_loss"),
-    ("recall", "recall"),
-    ("acc", "accuracy"),
-    ("loss", "loss"),
-    ("mean_return", "mean_return"),
-    ("score", "normalized_score"),
-    ("peak_rss", "peak_rss_mb"),
-    ("cpu_s", "cpu_seconds"),
-    ("f1", "f1"),
-)
-
-
-# --------------------------------------------------------------------------------------------- discovery
-
-
-def discover_weights(root: Path = REPO) -> list[Path]:
-    """Every shipped ``*.safetensors`` in a ``weights/`` folder of a Python package of ``root``, sorted.
-
-    Looks in ``<pkg>/weights/`` and ``<pkg>/<sub>/weights/`` (``tabular/weights/``, ``apps/ncal/weights/``) and in
-    their sub-folders (``weights/<name>/model.safetensors``); a folder counts as a package when it holds
-    ``__init__.py``. Hidden folders (``.venv``) are skipped.
-    """
-    root = Path(root)
-    found = set()
-    for pattern in ("*/weights/**/*.safetensors", "*/*/weights/**/*.safetensors"):
-        for path in root.glob(pattern):
-            rel = path.relative_to(root)
-            if any(part.startswith(".") for part in rel.parts):
-                continue
-            weights_dir = next(p for p in path.parents if p.name == "weights")
-            if (weights_dir.parent / "__init__.py").is_file():
-                found.add(path)
-    return sorted(found)
-
-
-def card_path(weights: Path) -> Path:
-    """Where the card of ``weights`` lives: ``<stem>.md`` beside a file directly in ``weights/``,
-    ``weights/<name>.md`` for a file inside ``weights/<name>/...``."""
-    weights = Path(weights)
-    if weights.parent.name == "weights":
-        return weights.with_suffix(".md")
-    weights_dir = next((p for p in weights.parents if p.name == "weights"), None)
-    if weights_dir is None:
-        raise ValueError(f"{weights} is not inside a weights/ folder")
-    return weights_dir / (weights.relative_to(weights_dir).parts[0] + ".md")
-
-
-def provenance_path(weights: Path) -> Path:
-    """The JSON a card is rendered from: ``<stem>.json`` beside a file directly in ``weights/``,
-    ``weights/<name>.json`` for a file inside ``weights/<name>/...`` (always beside the card)."""
-    return card_path(weights).with_suffix(".json")
-
-
-def weights_summary(path: Path) -> dict[str, Any]:
-    """Size, SHA-256, tensor and parameter counts of a safetensors file (read from its header, no torch)."""
-    path = Path(path)
-    data = path.read_bytes()
-    if len(data) < 8:
-        raise ValueError(f"{path} is not a safetensors file: {len(data)} bytes")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise ValueError(f"{path} is not a safetensors file: header length {n} exceeds the file ({len(data)} bytes)")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except ValueError as e:
-        raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({e})") from e
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    params = 0
-    dtypes = set()
-    for name, t in tensors.items():
-        count = 1
-        for d in t["shape"]:
-            count *= int(d)
-        params += count
-        dtypes.add(t["dtype"])
-    return {
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "tensors": len(tensors),
-        "elements": params,
-        "dtypes": sorted(dtypes),
-    }
-
 
 # --------------------------------------------------------------------------------------------- rendering helpers
 
@@ -676,55 +437,3 @@ def render_card(weights: Path, *, root: Path = REPO) -> str:
 
 
 
-def write_cards(root: Path = REPO, *, check: bool = False) -> dict[Path, str]:
-    """Render every shipped file's card; write the ones that differ unless ``check``.
-
-    Returns ``{card path: "ok" | "written" | "missing" | "differs"}`` ("missing"/"differs" only with ``check``).
-    """
-    status: dict[Path, str] = {}
-    owner: dict[Path, Path] = {}
-    for weights in discover_weights(root):
-        card = card_path(weights)
-        if card in owner:
-            raise ValueError(f"{weights} and {owner[card]} would share the card {card}: ship one weights file per "
-                             "weights/<name>/ folder, and no weights/<name>.safetensors beside a weights/<name>/ folder")
-        owner[card] = weights
-        text = render_card(weights, root=root)
-        old = card.read_text(encoding="utf-8") if card.is_file() else None
-        if old == text:
-            status[card] = "ok"
-        elif check:
-            status[card] = "missing" if old is None else "differs"
-        else:
-            write_text_atomic(card, text)
-            status[card] = "written"
-    return status
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=GENERATOR,
-        description="Write the model card <name>.md of every shipped weights file from its <name>.json provenance.",
-    )
-    p.add_argument("--root", type=Path, default=REPO, help="repository root to search (default: this checkout)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a card is missing or stale")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    status = write_cards(args.root, check=args.check)
-    if not status:
-        logger.warning("no shipped weights found under %s", args.root)
-    for card, s in status.items():
-        logger.info("%s: %s", card.relative_to(args.root) if card.is_relative_to(args.root) else card, s)
-    bad = [c for c, s in status.items() if s in ("missing", "differs")]
-    if bad:
-        logger.error("%d card(s) missing or stale: run `%s`", len(bad), GENERATOR)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
