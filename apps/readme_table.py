@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from apps import REGISTRY, AppSpec
+from core.infra.cli import run_cli
 from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -122,4 +123,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -33,15 +33,26 @@ import json
 import logging
 import os
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.infra.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
-                       canonical_settings, file_identity, job_config_from_args, remove_temps, run_job,
-                       settings_fingerprint)
+from core.infra.cli import run_cli
+from core.infra.jobs import (
+    Item,
+    JobConfig,
+    SettingsMismatch,
+    add_job_arguments,
+    atomic_write,
+    batch_parser,
+    canonical_settings,
+    file_identity,
+    job_config_from_args,
+    remove_temps,
+    run_job,
+    settings_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -368,4 +379,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

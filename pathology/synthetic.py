@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.infra.cli import run_cli
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -523,4 +525,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from core.infra.cli import run_cli
 from pathology.mil import MODEL_NAMES
 from pathology.querent import POS_ENCODINGS, QuerentConfig
 from pathology.training import TrainConfig, cross_validate, load_bags, read_splits, save_training_curves
@@ -134,4 +135,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from core.infra.cli import run_cli
 from pathology.encoders import IMAGENET_MEAN, IMAGENET_STD, SmallPatchCNN
 from pathology.synthetic import CLASSES, LAYOUT_SCALE, TILE, _pad, _Renderer, render_layout, sample_spec
 
@@ -224,4 +225,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

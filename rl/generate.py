@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.infra.cli import run_cli
 from rl.data import OfflineDataset, check_save_path, save_dataset
 from rl.envs import SUPPORTED_ENVS, make_env
 
@@ -137,4 +138,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.infra.cli import run_cli
 from rl.envs import env_family
 from rl.sac import Actor
 
@@ -157,4 +158,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

@@ -26,6 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
+from core.infra.cli import run_cli
 from rl.envs import SUPPORTED_ENVS, env_family
 
 logger = logging.getLogger(__name__)
@@ -159,4 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

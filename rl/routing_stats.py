@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from core.infra.cli import run_cli
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TOKEN_TYPES", "routing_fractions", "build_parser", "main"]
@@ -90,4 +92,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from core.infra.cli import run_cli
 from core.infra.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
@@ -301,4 +303,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

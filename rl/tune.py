@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.infra.cli import run_cli
 from rl.data import OfflineDataset, load_dataset
 from rl.models import build_model, config_to_dict
 from rl.train import SegmentSampler, TrainConfig, Trainer, _model_config
@@ -224,4 +225,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
+
+from core.infra.cli import run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -223,4 +224,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

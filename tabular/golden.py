@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from core.infra.cli import run_cli
 from tabular.weights_io import DEFAULT_WEIGHTS, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -79,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

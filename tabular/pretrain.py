@@ -34,11 +34,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.infra.cli import run_cli
+from core.infra.distributed import agreed_stop, finish
+from core.infra.fileio import torch_save_atomic
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import atomic_write_text, load_model, save_model
-from core.infra.distributed import agreed_stop, finish
-from core.infra.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -514,4 +515,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

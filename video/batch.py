@@ -27,12 +27,23 @@ import dataclasses
 import hashlib
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
-from core.infra.jobs import (Item, JobConfig, SettingsMismatch, add_job_arguments, atomic_write, batch_parser,
-                       canonical_settings, job_config_from_args, parse_shard, run_job, settings_fingerprint)
+from core.infra.cli import run_cli
+from core.infra.jobs import (
+    Item,
+    JobConfig,
+    SettingsMismatch,
+    add_job_arguments,
+    atomic_write,
+    batch_parser,
+    canonical_settings,
+    job_config_from_args,
+    parse_shard,
+    run_job,
+    settings_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,4 +196,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from core.infra.cli import run_cli
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -443,4 +445,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

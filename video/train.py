@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
+from core.infra.cli import run_cli
 from core.infra.fileio import torch_save_atomic
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
@@ -331,4 +332,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

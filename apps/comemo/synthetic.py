@@ -27,12 +27,13 @@ import functools
 import json
 import logging
 import random
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from core.infra.cli import run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -310,4 +311,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

@@ -39,9 +39,9 @@ from apps.comemo.batch import build_batch
 from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, lm_loss
 from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
 from apps.comemo.tokenizer import IMAGE_LABELS, CoMemoTokenizer, train_tokenizer
+from core.infra.cli import run_cli
 from core.infra.distributed import agreed_stop, finish
-from core.infra.fileio import write_text_atomic
-from core.infra.fileio import torch_save_atomic
+from core.infra.fileio import torch_save_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -420,4 +420,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

@@ -36,9 +36,19 @@ from torch import nn
 from torch.nn import functional as F
 
 from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, normalise_tiles, pixel_shuffle
-from apps.comemo.synthetic import (COLOURS, POSITIONS, SHAPES, _background, _digit, _draw_shape, _paste_digit,
-                                   _quadrant_box, sample_seed)
+from apps.comemo.synthetic import (
+    COLOURS,
+    POSITIONS,
+    SHAPES,
+    _background,
+    _digit,
+    _draw_shape,
+    _paste_digit,
+    _quadrant_box,
+    sample_seed,
+)
 from apps.comemo.train import add_size_args
+from core.infra.cli import run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -196,4 +206,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli(main))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import EMLoCHost, HostConfig
+from core.infra.cli import run_cli
 from core.infra.fileio import torch_save_atomic
 
 logger = logging.getLogger(__name__)
@@ -212,4 +213,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

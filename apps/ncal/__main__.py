@@ -1,5 +1,8 @@
 """NCAL demo alone: ``python -m apps.ncal`` serves the NCAL tab on 127.0.0.1:7860."""
+import functools
+
 from apps.hub import main
+from core.infra.cli import run_cli
 
 if __name__ == "__main__":
-    main(app="ncal")
+    raise SystemExit(run_cli(functools.partial(main, app="ncal")))

@@ -31,6 +31,7 @@ from apps.ncal.data import load_split
 from apps.ncal.encoder import EncoderConfig, MLMHead, TextEncoder
 from apps.ncal.tokenizer import CharTokenizer
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
+from core.infra.cli import run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -238,4 +239,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

@@ -44,18 +44,19 @@ import torch
 from apps.ncal.data import (
     CONTEXTS,
     DATASETS,
+    VALID_SEED,
     Example,
     classes_from,
-    VALID_SEED,
     load_split,
     longtail_bins,
     read_jsonl,
     stratified_holdout,
 )
-from apps.ncal.losses import LOSSES, LossConfig, LongTailLoss
+from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.weights_io import load_state, save_state
+from core.infra.cli import run_cli
 from core.infra.distributed import finish
 
 logger = logging.getLogger(__name__)
@@ -374,4 +375,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

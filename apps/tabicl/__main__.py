@@ -1,4 +1,7 @@
+import functools
+
 from apps.hub import main
+from core.infra.cli import run_cli
 
 if __name__ == "__main__":
-    main(app="tabicl")
+    raise SystemExit(run_cli(functools.partial(main, app="tabicl")))

@@ -1,7 +1,6 @@
 """``python -m core.infra.model_card [--check]``."""
 
-import sys
-
+from core.infra.cli import run_cli
 from core.infra.model_card.cli import main
 
-sys.exit(main())
+raise SystemExit(run_cli(main))
