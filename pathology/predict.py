@@ -1,15 +1,19 @@
 """Predict one or more slides with the shipped (or a given) Querent model; write heatmaps and a JSON per slide.
 
 ``python -m pathology.predict SLIDE [SLIDE ...] --out DIR [--model PATH] [--slide-mpp 0.25]``
+
+A slide that cannot be read (missing, corrupt, unsupported) is named on stderr and the others are still predicted
+and written; the exit code is then 1 (2 when no slide could be read). ``--out`` is checked before any slide is read.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from collections.abc import Sequence
+
+from core.infra.cli import InputTally, UsageError, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -30,35 +34,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tqdm import tqdm
 
+    from core.infra.fileio import check_writable, write_json_atomic
+    from pathology.batch import SLIDE_EXTENSIONS
     from pathology.inference import analyze_slide, load_slide_model
     from pathology.patching import save_png
 
-    try:
-        load_slide_model(args.model)
-    except FileNotFoundError as e:
-        logger.error("%s", e)
-        return 2
+    check_writable(args.out, what="--out", folder=True)
+    if args.slide_mpp is not None and not args.slide_mpp > 0:
+        raise UsageError(f"--slide-mpp must be a positive number of micrometres per pixel, got {args.slide_mpp}")
+    if args.workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {args.workers}")
+    load_slide_model(args.model)  # a missing or bad model is refused before any slide
     os.makedirs(args.out, exist_ok=True)
-    failed = 0
+    tally = InputTally("slide")
+    accepted = f"slide files OpenSlide or Pillow reads ({', '.join(SLIDE_EXTENSIONS)})"
+    written: dict[str, str] = {}  # slide id -> the input whose outputs carry that name
     for path in tqdm(args.slides, desc="slides", unit="slide"):
         try:
             a = analyze_slide(path, model_path=args.model, encoder_weights=args.encoder_weights,
                               slide_mpp=args.slide_mpp, workers=args.workers)
-        except (ValueError, FileNotFoundError) as e:
-            logger.error("%s: %s", path, e)
-            failed += 1
+            if a.slide_id in written:
+                raise ValueError(f"its outputs would replace those of {written[a.slide_id]} (same name "
+                                 f"{a.slide_id!r}); predict it in another call with another --out")
+            save_png(os.path.join(args.out, f"{a.slide_id}_overview.png"), a.overview)
+            save_png(os.path.join(args.out, f"{a.slide_id}_heatmap.png"), a.heatmap)
+            res = {"slide": path, "n_patches": a.n_patches, "probabilities": dict(zip(a.class_names, a.probabilities)),
+                   "timings": a.timings}
+            write_json_atomic(os.path.join(args.out, f"{a.slide_id}.json"), res)
+        except Exception as err:  # noqa: BLE001 - a bad slide is reported; the others are still predicted
+            tally.fail(path, err, accepted=accepted)
             continue
-        save_png(os.path.join(args.out, f"{a.slide_id}_overview.png"), a.overview)
-        save_png(os.path.join(args.out, f"{a.slide_id}_heatmap.png"), a.heatmap)
-        res = {"slide": path, "n_patches": a.n_patches, "probabilities": dict(zip(a.class_names, a.probabilities)),
-               "timings": a.timings}
-        p = os.path.join(args.out, f"{a.slide_id}.json")
-        with open(p + ".tmp", "w") as f:
-            json.dump(res, f, indent=2)
-        os.replace(p + ".tmp", p)
+        written[a.slide_id] = path
+        tally.ok()
         logger.info("%s: %s", a.slide_id, res["probabilities"] or "no tissue")
-    return 1 if failed else 0
+    return tally.finish()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -4,6 +4,10 @@
 
 Episodes run in lockstep in a synchronous vector environment (one batched model call per step); episode
 ``i`` resets with seed ``seed + i``. Scores are D4RL-normalized (see :mod:`rl.references`).
+
+``--json`` and ``--video`` are checked before any episode runs, and the JSON is written as soon as the returns are
+in (before the video). A target return whose evaluation fails is named on stderr and the others are still
+evaluated and written (``failed`` in the JSON); the exit code is then 1 (2 when none could be evaluated).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.infra.cli import InputTally, UsageError, print_error, run_cli
 from rl.envs import make_env, make_vector_env
 from rl.references import normalized_score
 
@@ -256,32 +261,60 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    from core.infra.fileio import check_writable, write_json_atomic
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for name in ("episodes", "batch", "threads"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.target_return is not None and not all(np.isfinite(args.target_return)):
+        raise UsageError(f"--target-return must be finite numbers, got {args.target_return}")
+    # the outputs are checked before the rollouts whose results they record
+    if args.json is not None:
+        check_writable(args.json, what="--json")
+    if args.video is not None:
+        check_writable(args.video, what="--video")
     torch.set_num_threads(args.threads)
     model, info = load_policy(args.checkpoint)
     env_id = info["env"]
     targets = args.target_return or info.get("eval_targets") or [3600.0]
-    results = []
+    tally = InputTally("target return")
+    results, failed = [], []
     for tr in targets:
-        rets = evaluate_returns(model, env_id, target_return=tr, episodes=args.episodes, seed=args.seed, batch=args.batch,
-                                routing=args.routing)
-        scores = normalized_score(env_id, rets)
+        try:
+            rets = evaluate_returns(model, env_id, target_return=tr, episodes=args.episodes, seed=args.seed,
+                                    batch=args.batch, routing=args.routing)
+            scores = normalized_score(env_id, rets)
+        except Exception as err:  # noqa: BLE001 - a failed target is reported; the others are still evaluated
+            tally.fail(f"target {tr:g}", err)
+            failed.append({"target_return": tr, "error": " ".join(str(err).split()) or type(err).__name__})
+            continue
+        tally.ok()
         results.append({"target_return": tr, "returns": rets.tolist(), "return_mean": float(rets.mean()),
                         "score_mean": float(scores.mean()), "score_std": float(scores.std())})
         print(f"{env_id} target {tr:g}: return {rets.mean():.1f} ± {rets.std():.1f}, "
               f"normalized score {scores.mean():.1f} ± {scores.std():.1f} over {len(rets)} episodes")
-    if args.video:
-        ep = rollout(model, env_id, target_return=targets[0], episodes=1, seed=args.seed, render=True,
-                     routing=args.routing)
-        path = write_video(ep.frames, args.video)
-        print(f"video of one episode (return {ep.returns[0]:.1f}, {ep.lengths[0]} steps): {path}")
-    if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps({"checkpoint": str(args.checkpoint), "env": env_id, "results": results}, indent=1))
-        os.replace(tmp, args.json)
+    if args.json is not None and results:
+        record = {"checkpoint": str(args.checkpoint), "env": env_id, "results": results}
+        if failed:
+            record["failed"] = failed
+        write_json_atomic(args.json, record)
+    code = tally.finish()
+    if args.video is not None and results:
+        try:
+            ep = rollout(model, env_id, target_return=results[0]["target_return"], episodes=1, seed=args.seed,
+                         render=True, routing=args.routing)
+            Path(args.video).parent.mkdir(parents=True, exist_ok=True)
+            path = write_video(ep.frames, args.video)
+        except Exception as err:  # noqa: BLE001 - the returns written above are kept; the video is reported
+            print_error(f"--video {args.video}: {type(err).__name__}: {err}")
+            code = max(code, 1)
+        else:
+            print(f"video of one episode (return {ep.returns[0]:.1f}, {ep.lengths[0]} steps): {path}")
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

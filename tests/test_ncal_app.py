@@ -48,11 +48,11 @@ def test_estimator_loads_shipped_model():
 def test_evaluate_cli_matches_recorded_test_metrics(tmp_path):
     from apps.ncal.evaluate import main
 
-    m = main(["--checkpoint", "pmtd", "--data", "pmtd", "--out", str(tmp_path / "m.json")])
+    assert main(["--checkpoint", "pmtd", "--data", "pmtd", "--out", str(tmp_path / "m.json")]) == 0
+    m = json.loads((tmp_path / "m.json").read_text())
     meta = json.loads((WEIGHTS / "pmtd" / "ncal.json").read_text(encoding="utf-8"))
     assert m["n"] == 320 and m["macro_f1"] == pytest.approx(meta["test"]["macro_f1"], abs=1e-6)
     assert np.array(m["confusion"]).sum() == 320
-    assert json.loads((tmp_path / "m.json").read_text())["accuracy"] == m["accuracy"]
 
 
 def test_evaluate_names_the_bad_line(tmp_path):
@@ -188,16 +188,17 @@ def test_predict_cli_takes_a_jsonl_file_of_rows(tmp_path, capsys):
     del rows[2]["class"]  # unlabelled rows are what one predicts
     p = tmp_path / "rows.jsonl"
     p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    out = main(["--checkpoint", "pmtd", "--rows", str(p), "--json"])
-    assert json.loads(capsys.readouterr().out) == out
+    assert main(["--checkpoint", "pmtd", "--rows", str(p), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     want = classify("pmtd", [_formatted("pmtd", r) for r in rows])
     assert len(out) == 4
     for got, exp in zip(out, want):
         assert got.keys() == exp.keys() and all(abs(got[c] - exp[c]) < 1e-6 for c in got)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(rows[0], ensure_ascii=False) + '\n{"dialog_content": "好的。"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match="bad.jsonl line 2: missing field 'dialog_history'"):
-        main(["--checkpoint", "pmtd", "--rows", str(bad)])
+    assert main(["--checkpoint", "pmtd", "--rows", str(bad), "--json"]) == 1  # the good row is still answered
+    res = capsys.readouterr()
+    assert "bad.jsonl line 2: missing field 'dialog_history'" in res.err and json.loads(res.out)[1] is None
     with pytest.raises(SystemExit):
         main(["--checkpoint", "pmtd", "--rows", str(p), "--speaker", "teacher"])
 

@@ -459,6 +459,7 @@ def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
 
     from safetensors.torch import save_file
 
+    from core.infra.cli import run_cli
     from pathology import Querent, QuerentConfig
     from pathology.inference import analyze_slide, regions_overlay
     from pathology.predict import main as predict_main
@@ -482,7 +483,7 @@ def test_analyze_slide_with_given_models(dataset, tiny_weights, tmp_path):
     with pytest.raises(FileNotFoundError):
         analyze_slide(path, model_path=str(tmp_path / "missing.safetensors"))
     out = tmp_path / "pred"
-    assert predict_main([path, "--out", str(out), "--model", str(tmp_path / "missing.safetensors")]) == 2
+    assert run_cli(predict_main, [path, "--out", str(out), "--model", str(tmp_path / "missing.safetensors")]) == 2
     rc = predict_main([path, os.path.join(src, "nope.tiff"), "--out", str(out), "--model", str(p),
                        "--encoder-weights", tiny_weights])
     assert rc == 1  # one slide failed (missing), the other was written

@@ -15,7 +15,9 @@ import torch
 
 from apps.emloc.api import CompressedContext, compress
 from apps.emloc.cli_common import load_host
-from apps.emloc.io import list_images, read_demos, read_image
+from apps.emloc.io import IMAGE_SUFFIXES, read_demos, read_image
+from core.infra.cli import InputTally, UsageError
+from core.infra.fileio import check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,12 @@ PREDICT_DOC = """Answer query images against a compressed memory: ``python -m ap
 
 Prints one JSON line per image (``{"image", "label", "scores"}``: the label ids of the demonstrations and
 their softmax probabilities). A memory made by another model than ``--model`` is refused.
+
+An image that cannot be read (missing, corrupt, a folder without images) is named on stderr and the others are
+still answered; the exit code is then 1 (2 when no image could be read).
 """
+
+ACCEPTED_IMAGES = f"image files ({', '.join(IMAGE_SUFFIXES)}; .npy: a 2-D array) or folders of them"
 
 
 def build_compress_parser() -> argparse.ArgumentParser:
@@ -60,6 +67,7 @@ def compress_main(argv: list[str] | None = None) -> int:
 
     args = build_compress_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    check_writable(args.out, what="--out")  # before the compression it would record
     model = load_host(args.model)
     images, labels, _ = read_demos(args.demos, model.config.image_size)
     bar = tqdm(desc="compress", unit="chunk")
@@ -88,19 +96,46 @@ def build_predict_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _expand(args_images: list[str], tally: InputTally) -> list[Path]:
+    """The image files named by ``--images`` (folders listed, sorted); a folder without images is reported."""
+    paths = []
+    for p in map(Path, args_images):
+        if p.is_dir():
+            found = sorted(q for q in p.iterdir() if q.is_file() and q.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                tally.fail(p, "a folder with no images", accepted=ACCEPTED_IMAGES)
+            paths.extend(found)
+        else:
+            paths.append(p)
+    return paths
+
+
 def predict_main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_predict_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     model = load_host(args.model)
     ctx = CompressedContext.load(args.memory, model)
-    paths = list_images(args.images)
+    tally = InputTally("image")
+    paths = _expand(args.images, tally)
     for s in tqdm(range(0, len(paths), args.batch_size), desc="predict", unit="batch"):
-        part = paths[s : s + args.batch_size]
-        imgs = torch.stack([read_image(p, model.config.image_size) for p in part])
-        probs = torch.softmax(ctx.logits(imgs).float(), dim=-1)
+        part, imgs = [], []
+        for p in paths[s : s + args.batch_size]:
+            try:
+                imgs.append(read_image(p, model.config.image_size))
+            except Exception as err:  # noqa: BLE001 - a bad image is reported; the others are still answered
+                tally.fail(p, err, accepted=ACCEPTED_IMAGES)
+                continue
+            part.append(p)
+        if not part:
+            continue
+        probs = torch.softmax(ctx.logits(torch.stack(imgs)).float(), dim=-1)
         for p, pr in zip(part, probs):
             print(json.dumps({"image": str(p), "label": int(ctx.label_ids[pr.argmax()]),
-                              "scores": {str(int(l)): round(float(v), 4) for l, v in zip(ctx.label_ids, pr)}}))
-    return 0
+                              "scores": {str(int(l)): round(float(v), 4) for l, v in zip(ctx.label_ids, pr)}}),
+                  flush=True)
+            tally.ok()
+    return tally.finish()

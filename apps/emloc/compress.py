@@ -20,7 +20,8 @@ class _CallableModule(types.ModuleType):
 
 if __name__ == "__main__":
     from apps.emloc.cli import compress_main
+    from core.infra.cli import run_cli
 
-    raise SystemExit(compress_main())
+    raise SystemExit(run_cli(compress_main))
 else:
     sys.modules[__name__].__class__ = _CallableModule

@@ -3,5 +3,6 @@
 
 if __name__ == "__main__":
     from apps.emloc.cli import predict_main
+    from core.infra.cli import run_cli
 
-    raise SystemExit(predict_main())
+    raise SystemExit(run_cli(predict_main))

@@ -3,7 +3,9 @@
 ``--checkpoint`` is a folder written by ``apps.ncal.train`` or a shipped model name (``tmwpl``, ``pmtd``);
 ``--data`` a labelled JSONL (TMWPL or PMTD layout) or a shipped name (its test split). Prints accuracy,
 macro-F1, per-class recall and F1, head/medium/tail recall (bins of the checkpoint's train set), NC1/NC2 of the
-features, and the confusion matrix; ``--out FILE`` writes them as JSON (atomically).
+features, and the confusion matrix; ``--out FILE`` writes them as JSON (atomically). ``--out`` is checked before
+the evaluation; a bad line of ``--data`` is named and nothing is evaluated (metrics over part of a test set would
+not be that test set's).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
+
+from core.infra.cli import run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from core.infra.fileio import check_writable, write_json_atomic
+
+    if args.out is not None:
+        check_writable(args.out, what="--out")  # before the evaluation it would record
     m = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size)
     print(format_report(m))  # the CLI's output
-    if args.out:
-        from core.infra.fileio import write_json_atomic
-
+    if args.out is not None:
         write_json_atomic(args.out, m)
-    return m
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

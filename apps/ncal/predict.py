@@ -6,7 +6,11 @@
 ``--rows FILE.jsonl`` classifies the rows of a file in the layout of the model's training data (PMTD:
 ``dialog_content`` + ``dialog_history``; TMWPL: ``question``; ``class`` is optional and not used), each
 formatted as training formatted it. Prints each class's probability, highest first (``--json`` for JSON, one
-``{class: probability}`` per input). The demo calls the same :func:`classify`.
+``{class: probability}`` per input, ``null`` for an input that could not be read). The demo calls the same
+:func:`classify`.
+
+A row that cannot be read (not JSON, a missing field) or an empty ``--text`` is named on stderr (its line) and the
+others are still classified; the exit code is then 1 (2 when no input could be read).
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ import json
 import logging
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
+
+from core.infra.cli import InputTally, run_cli
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "classify", "cached_checkpoint", "read_rows"]
+__all__ = ["build_parser", "main", "classify", "cached_checkpoint", "read_rows", "read_row_inputs"]
 
 
 @lru_cache(maxsize=4)
@@ -48,7 +55,21 @@ def classify(checkpoint: str, inputs) -> list[dict[str, float]]:
 
 def read_rows(checkpoint: str, path: str) -> list[str]:
     """The model inputs of a JSONL file of rows, formatted as the checkpoint's training data (errors name the line)."""
-    from apps.ncal.data import read_jsonl
+    out = []
+    for where, text, err in read_row_inputs(checkpoint, path):
+        if err is not None:
+            raise err
+        out.append(text)
+    if not out:
+        raise ValueError(f"{path}: no records")
+    return out
+
+
+def read_row_inputs(checkpoint: str, path: str) -> list[tuple[str, str | None, ValueError | None]]:
+    """``(where, model input, None)`` per row of a JSONL file, or ``(where, None, error)`` for a row that cannot be
+    read (not UTF-8, not a JSON object, a missing field); ``where`` is ``"<file> line <n>"``, blank lines are
+    skipped. Raises for the file as a whole: missing, or a checkpoint without a row layout."""
+    from apps.ncal.data import format_record
     from apps.ncal.inputs import accepted, row_layout
 
     meta = cached_checkpoint(str(checkpoint)).meta
@@ -56,7 +77,43 @@ def read_rows(checkpoint: str, path: str) -> list[str]:
     if layout is None:
         raise ValueError(f"checkpoint {checkpoint!r} was fitted on texts and records no row layout; give --text "
                          f"(accepted: {accepted(layout)})")
-    return [e.text for e in read_jsonl(path, require_label=False, context=meta.get("context", "past"), layout=layout)]
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no rows file at {path} (accepted: a JSONL file, {accepted(layout)})")
+    context = meta.get("context", "past")
+    out: list[tuple[str, str | None, ValueError | None]] = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            where = f"{path.name} line {n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                out.append((where, None, ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})")))
+                continue
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                out.append((where, None, ValueError(f"{where}: not valid JSON ({e.msg})")))
+                continue
+            if not isinstance(rec, dict):
+                out.append((where, None, ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")))
+                continue
+            try:
+                out.append((where, format_record(rec, layout=layout, context=context, where=where), None))
+            except ValueError as e:
+                out.append((where, None, e))
+    return out
+
+
+def _accepted_rows(layout: str | None) -> str:
+    """What a line of a ``--rows`` file may be, in words (for error messages)."""
+    from apps.ncal.data import DATASETS
+
+    if layout in DATASETS:
+        return f"one JSON object per line with the fields {list(DATASETS[layout].fields)}"
+    return "one JSON object per line with 'question' (TMWPL) or 'dialog_content' and 'dialog_history' (PMTD)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,31 +130,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from apps.ncal.data import check_texts, format_turn
+    from apps.ncal.data import format_turn
+    from apps.ncal.inputs import row_layout
 
+    layout = row_layout(cached_checkpoint(str(args.checkpoint)).meta)  # an unknown checkpoint is refused first
     if args.rows is not None:
         if args.speaker or args.previous or args.previous_speaker:
             parser.error("--speaker/--previous/--previous-speaker apply to --text; a row carries its own context")
-        texts = read_rows(args.checkpoint, args.rows)
+        tally = InputTally("row")
+        items = read_row_inputs(args.checkpoint, args.rows)
     else:
-        texts = check_texts(args.text)
-        if args.speaker or args.previous:
-            texts = [format_turn(t, speaker=args.speaker, previous=args.previous,
-                                 previous_speaker=args.previous_speaker) for t in texts]
-    out = classify(args.checkpoint, texts)
+        tally = InputTally("text")
+        items = []
+        for i, t in enumerate(args.text, start=1):
+            where = f"--text {i}"
+            if not t.strip():
+                items.append((where, None, ValueError(f"{where}: empty or whitespace-only text")))
+            elif args.speaker or args.previous:
+                items.append((where, format_turn(t, speaker=args.speaker, previous=args.previous,
+                                                 previous_speaker=args.previous_speaker), None))
+            else:
+                items.append((where, t, None))
+    what = _accepted_rows(layout) if args.rows is not None else "a non-empty text"
+    for where, _, err in items:
+        if err is not None:
+            tally.fail(where, err, accepted=what)
+    texts = [t for _, t, err in items if err is None]
+    probs = iter(classify(args.checkpoint, texts) if texts else [])
+    out = [next(probs) if err is None else None for _, _, err in items]
     if args.json:
         print(json.dumps(out, ensure_ascii=False))
     else:
-        for t, probs in zip(texts, out):
+        for (_, t, _), p in zip(items, out):
+            if p is None:
+                continue
             print(t.replace("\n", " | "))
-            for c, p in sorted(probs.items(), key=lambda kv: -kv[1]):
-                print(f"  {c:<10} {p:.4f}")
-    return out
+            for c, v in sorted(p.items(), key=lambda kv: -kv[1]):
+                print(f"  {c:<10} {v:.4f}")
+    tally.ok(len(texts))
+    return tally.finish()
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli(main))

@@ -14,15 +14,22 @@ comes out of it:
 
 ``--debug`` anywhere in the arguments (removed before ``main`` sees them), or ``LONGCTX_DEBUG=1`` in the
 environment, re-raises instead, with the full traceback. argparse's own usage errors already exit 2 with one line.
+
+A command that takes several inputs (images, slides, rows) keeps what succeeded: :class:`InputTally` prints one
+line per bad input and the command goes on with the others; ``main`` then returns :meth:`InputTally.finish`: 0
+(all answered), 1 (some answered, the others reported) or 2 (none could be used).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 
-__all__ = ["UsageError", "PartialFailure", "run_cli", "DEBUG_ENV", "INPUT_ERRORS"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "DEBUG_ENV", "INPUT_ERRORS"]
 
 #: Environment variable that shows tracebacks (``LONGCTX_DEBUG=1``).
 DEBUG_ENV = "LONGCTX_DEBUG"
@@ -74,3 +81,58 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
         print("interrupted", file=sys.stderr)
         return 130
     return 0 if code is None else int(code)
+
+
+class InputTally:
+    """The inputs of a multi-input command: :meth:`ok` for each one answered, :meth:`fail` for each one that could
+    not be (one line on stderr naming it and why), :meth:`finish` for the exit code ``main`` returns.
+
+    Args:
+        noun: what one input is called in the summary line (``"image"``, ``"slide"``, ``"row"``).
+    """
+
+    def __init__(self, noun: str) -> None:
+        self.noun = noun
+        self.done = 0
+        self.failed: list[str] = []
+
+    def ok(self, n: int = 1) -> None:
+        self.done += n
+
+    def fail(self, name: object, err: BaseException | str, *, accepted: str | None = None) -> None:
+        """Report ``name`` on stderr as ``error: <name>: <why> (accepted: ...)``; an error that is not one of
+        :data:`INPUT_ERRORS` also shows its type, and its traceback is logged at DEBUG level."""
+        why = str(err) or type(err).__name__
+        if isinstance(err, BaseException) and not isinstance(err, INPUT_ERRORS):
+            logger.debug("%s failed", name, exc_info=err)
+            why = f"{type(err).__name__}: {why}"
+        line = why if str(name) in why else f"{name}: {why}"
+        if accepted:
+            line += f" (accepted: {accepted})"
+        print_error(line)
+        self.failed.append(str(name))
+
+    def finish(self, *, all_or_nothing: bool = False) -> int:
+        """The exit code: 0 when every input was answered; 1 when some failed and the others were answered; 2
+        when none was answered (or, with ``all_or_nothing``, when any failed: inputs that only make sense together,
+        such as the images of one prompt). A non-zero code comes with a summary line on stderr."""
+        n = self.done + len(self.failed)
+        if not self.failed and self.done:
+            return 0
+        if not n:
+            print_error(f"no {self.noun} to process")
+            return 2
+        if all_or_nothing or not self.done:
+            print_error(f"{len(self.failed)} of {n} {self.noun}s could not be used (see above); nothing was answered")
+            return 2
+        print_error(f"{len(self.failed)} of {n} {self.noun}s failed (see above), {self.done} answered")
+        return 1
+
+
+def print_error(line: str) -> None:
+    """``error: <line>`` on stderr, on one line (between a progress bar's redraws when one is running)."""
+    tqdm = sys.modules.get("tqdm")  # a progress bar on stderr: print between its redraws, not into it
+    if tqdm is not None:
+        tqdm.tqdm.write(_one_line(line), file=sys.stderr)
+    else:
+        print(_one_line(line), file=sys.stderr)

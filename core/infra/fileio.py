@@ -1,5 +1,6 @@
 """Atomic file writes: a temp file in the target's folder, then ``os.replace``, so a killed process never leaves
-a half-written file under the final name.
+a half-written file under the final name; and :func:`check_writable`, which a command calls on its output paths
+before the work whose results they record.
 
 Used by the domain packages' CLIs and by the benchmark scripts (which re-export :func:`write_json_atomic` from
 ``benchmarks.common``).
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic"]
+__all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable"]
 
 
 @contextmanager
@@ -65,3 +66,38 @@ def torch_save_atomic(obj: Any, path: str | os.PathLike) -> Path:
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
     return Path(path)
+
+
+def check_writable(path: str | os.PathLike | None, *, what: str = "output", folder: bool = False) -> Path:
+    """``path`` as a :class:`Path` if an output can be written there, else ``ValueError`` naming ``what`` (the
+    option, e.g. ``"--json"``) and what is accepted. Nothing is created: a missing folder on the way is fine (the
+    atomic writers create it) when the nearest existing one is a folder this process can write in.
+
+    Refused: an empty path; for a file (``folder=False``) an existing folder or anything but a regular file; for a
+    folder (``folder=True``) an existing file; a path under a file; a place where no file can be created (the
+    nearest existing folder is probed with a temp file, so read-only file systems are caught as well).
+    """
+    kind = "folder" if folder else "file"
+    if path is None or not str(path).strip():
+        raise ValueError(f"{what} is empty; give a {kind} path")
+    p = Path(path)
+    if folder and p.exists() and not p.is_dir():
+        raise ValueError(f"{what} {str(p)!r} is a file; give a folder (existing or to be created)")
+    if not folder and p.is_dir():
+        raise ValueError(f"{what} {str(p)!r} is a folder; give a file path (e.g. {str(p / 'results.json')!r})")
+    if not folder and p.exists() and not p.is_file():
+        raise ValueError(f"{what} {str(p)!r} is not a regular file; give a file path to create or replace")
+    base = p if folder else p.parent
+    base = base.absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"{what} {str(p)!r} cannot be made: {str(base)!r} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".write-check.")
+    except OSError as err:
+        raise ValueError(f"{what} {str(p)!r} cannot be written: no file can be created in {str(base)!r} "
+                         f"({err.strerror or err})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return p
