@@ -1,5 +1,5 @@
-"""Ship a meta-trained host as the default: ``apps/emloc/weights/host.safetensors`` + ``host.json`` (provenance,
-rendered into the model card ``host.md`` by ``python -m core.infra.model_card``) + ``host_golden.json``.
+"""Ship a meta-trained host as the default: ``apps/emloc/weights/host.safetensors`` + ``host.json`` (provenance)
++ ``host.md`` (the model card ``core.infra.model_card`` renders from it) + ``host_golden.json``.
 
     python -m apps.emloc.ship --run training/emloc_host --command "python -m apps.emloc.train ..."
 
@@ -7,6 +7,11 @@ The provenance comes from the run: its final weights, ``last.pt``'s training arg
 (the last evaluation on the run's fixed held-out episodes, and its wall time when the run logged it). The
 golden file holds the shipped host's logits on a fixed held-out episode, with the full context and with EMLoC
 at δ = 0.005, and EMLoC's keep ratios there; ``tests/test_emloc_app.py`` checks them.
+
+Before anything is written the run is checked (:func:`check_run`): its files are there, ``last.pt`` is a training
+state, the host loads strictly and gives finite logits on a small episode. The files are then written together
+(staged, then renamed into place), so a refused or failed ship leaves the shipped files as they were. Errors: one
+line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -14,17 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 
 from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
-from core.infra.fileio import atomic_path, write_json_atomic
+from core.infra.cli import run_cli
+from core.infra.ship import (Staging, check_finite, check_weights_path, loading_check, read_jsonl_file,
+                             require_files)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GOLDEN_PATH", "golden_outputs", "ship", "main"]
+__all__ = ["GOLDEN_PATH", "golden_outputs", "check_run", "ship", "main"]
 
 GOLDEN_PATH = DEFAULT_WEIGHTS.with_name("host_golden.json")
 GOLDEN_EPISODE = {"seed": 80_000_001, "num_demos": 48, "num_queries": 8, "n_way": 5, "delta": 0.005}
@@ -58,29 +64,56 @@ def golden_outputs(model: EMLoCHost) -> dict:
             "label_ids": full.label_ids.tolist()}  # logits columns: these label ids, in this order
 
 
-def _last_eval(metrics: Path) -> tuple[dict, float | None]:
+RUN_FILES = ("model.safetensors", "last.pt", "metrics.jsonl")
+RUN_HOLDS = "an apps.emloc.train run folder holds model.safetensors, last.pt and metrics.jsonl"
+
+
+def _last_eval(records: list[dict]) -> tuple[dict, float | None]:
     evals, elapsed = {}, None
-    for line in metrics.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for rec in records:
         elapsed = rec.get("elapsed_s", elapsed)
         if any(k.startswith("eval_") for k in rec):
             evals = rec
     return evals, elapsed
 
 
-def ship(run: Path, *, command: str, wall_time_note: str | None = None, dest: Path = DEFAULT_WEIGHTS) -> Path:
-    """Copy ``run/model.safetensors`` to ``dest`` and write its provenance and golden file beside it."""
+def check_run(run: Path) -> tuple[EMLoCHost, dict, list[dict]]:
+    """``(host, last.pt state, metrics.jsonl records)`` of a complete training run whose host loads and runs.
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the file at fault: a missing file, a ``last.pt`` that is
+    not a training state (``args``, ``step``), a bad ``metrics.jsonl``, or weights that are not an EMLoC host
+    (format, strict keys) or give non-finite logits on a small held-out episode.
+    """
+    from apps.emloc.api import compress
+    from apps.emloc.data import EpisodeConfig, make_episode
+
+    run = require_files(run, RUN_FILES, flag="--run", holds=RUN_HOLDS)
+    with loading_check(run / "last.pt", flag="--run", what="training state"):
+        state = torch.load(run / "last.pt", map_location="cpu", weights_only=False)
+    if not (isinstance(state, dict) and isinstance(state.get("args"), dict) and isinstance(state.get("step"), int)):
+        raise ValueError(f"--run {run / 'last.pt'}: not an apps.emloc.train state (a dict with args and step)")
+    records = read_jsonl_file(run / "metrics.jsonl", flag="--run")
     src = run / "model.safetensors"
-    model = EMLoCHost.load(src)
-    state = torch.load(run / "last.pt", map_location="cpu", weights_only=False)
+    with loading_check(src, flag="--run", what="EMLoC host"):
+        model = EMLoCHost.load(src)  # format and config from the header, strict keys
+        ep = make_episode(GOLDEN_EPISODE["seed"], num_demos=4, num_queries=2, split="eval",
+                          config=EpisodeConfig(n_way=2))
+        logits = compress(model, (ep.demo_images, ep.demo_labels), policy="full").logits(ep.query_images)
+        check_finite("the host's logits on a small held-out episode", logits)
+    return model, state, records
+
+
+def ship(run: Path, *, command: str, wall_time_note: str | None = None, dest: Path = DEFAULT_WEIGHTS) -> Path:
+    """Check the run (:func:`check_run`) and ``dest``, then write ``dest`` (a copy of ``run/model.safetensors``),
+    its provenance, golden file and (inside a ``weights/`` folder) card beside it, all together."""
+    dest = check_weights_path(dest, flag="--dest", example="apps/emloc/weights/host.safetensors")
+    run = Path(run)
+    src = run / "model.safetensors"
+    shipped, state, records = check_run(run)
     train_args = {k: v for k, v in state["args"].items() if k not in ("out", "resume", "max_minutes")}
-    evals, elapsed = _last_eval(run / "metrics.jsonl")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(dest) as tmp:
-        shutil.copyfile(src, tmp)
-    shipped = EMLoCHost.load(dest)
+    evals, elapsed = _last_eval(records)
+    golden = golden_outputs(shipped)
+    check_finite("the host's golden logits", torch.tensor(golden["full_logits"]), torch.tensor(golden["emloc_logits"]))
     n_way = train_args.get("n_way", 5)
     record = {
         "name": "longctx EMLoC host (default)",
@@ -107,22 +140,31 @@ def ship(run: Path, *, command: str, wall_time_note: str | None = None, dest: Pa
         "benchmark (apps/emloc/README.md) uses other held-out episodes.",
         "model_card": CARD_TEXT,
     }
-    write_json_atomic(dest.with_suffix(".json"), record)
-    write_json_atomic(dest.with_name("host_golden.json"), {**golden_outputs(shipped), "command": "python -m apps.emloc.ship ..."})
-    logger.info("shipped %s (%d steps) to %s; now run python -m core.infra.model_card", src, record["steps"], dest)
+    with Staging(dest.parent) as stage:
+        stage.copy(src, dest)
+        stage.write_json(dest.with_suffix(".json"), record)
+        stage.write_json(dest.with_name("host_golden.json"), {**golden, "command": "python -m apps.emloc.ship ..."})
+        card = stage.write_card(dest)
+    logger.info("shipped %s (%d steps) to %s (card %s)", src, record["steps"], dest, card)
     return dest
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m apps.emloc.ship", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", type=Path, required=True, help="training run folder (model.safetensors, last.pt, metrics.jsonl)")
     p.add_argument("--command", required=True, help="the training command, recorded in the card")
     p.add_argument("--wall-time", default=None, help="wall time note when the run did not log elapsed_s")
-    p.add_argument("--dest", type=Path, default=DEFAULT_WEIGHTS)
+    p.add_argument("--dest", type=Path, default=DEFAULT_WEIGHTS,
+                   help="the weights file to write (default: the shipped host); the other files go beside it")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ship(args.run, command=args.command, wall_time_note=args.wall_time, dest=args.dest)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit code 0, or 2 with one line on stderr for a bad input (``core.infra.cli.run_cli``)."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

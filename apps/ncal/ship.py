@@ -10,6 +10,12 @@ the card how the run was chosen (every loss's validation numbers) and is copied 
 the run must be of the chosen loss.
 ``--encoder runs/ncal_mlm`` ships the MLM-pretrained encoder instead (``weights/mlm_encoder/`` + card).
 ``--provenance tmwpl pmtd mlm_encoder`` rewrites the provenance and card of shipped models from their folders.
+``--out DIR`` writes into another weights folder.
+
+Before anything is written the inputs are checked: the name is a safe file stem, the run folder holds every file
+it ships and a finished run's ``ncal.json`` (with test metrics), and the model loads (strict keys) and gives finite
+outputs on short texts and on the test split. The files are then written together (staged, then renamed into
+place), so a refused or failed ship leaves the shipped files as they were. Errors: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -17,24 +23,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from core.infra.cli import run_cli
+from core.infra.ship import (Staging, check_finite, check_name, loading_check, read_json_file, read_jsonl_file,
+                             require_files)
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_parser", "main", "ship_run", "ship_encoder", "run_record", "encoder_record", "provenance",
-           "write_provenance", "selection_text", "GOLDEN_N", "ENCODER_NAME"]
+__all__ = ["build_parser", "main", "ship_run", "ship_encoder", "check_run", "check_model", "check_encoder_run",
+           "run_record", "encoder_record", "provenance", "write_provenance", "selection_text", "GOLDEN_N",
+           "ENCODER_NAME"]
 
 WEIGHTS = Path(__file__).resolve().parent / "weights"
 GOLDEN_N = 8  # test texts whose probabilities are stored
 ENCODER_NAME = "mlm_encoder"  # the shipped encoder's folder; every other folder holds a classifier
-
-
-def _copy(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    tmp.replace(dst)
 
 
 def _f(x) -> str:
@@ -214,91 +218,205 @@ def encoder_record(folder: Path) -> dict:
     return record
 
 
-def provenance(name: str, *, note: str | None = None) -> dict:
-    """The provenance record of the shipped model ``name`` (``mlm_encoder`` or a classifier), from its folder.
+def provenance(name: str, *, note: str | None = None, weights_dir: Path | None = None) -> dict:
+    """The provenance record of the shipped model ``name`` (``mlm_encoder`` or a classifier), from its folder in
+    ``weights_dir`` (default :data:`WEIGHTS`).
 
     ``note`` (a sentence recorded as ``ship_note``): ``None`` keeps the note of the current record.
     """
-    folder = WEIGHTS / name
+    weights_dir = Path(WEIGHTS if weights_dir is None else weights_dir)
+    folder = weights_dir / name
     if not folder.is_dir():
         raise FileNotFoundError(f"no shipped model {name!r}: {folder} is not a folder")
     if name == ENCODER_NAME:
         return encoder_record(folder)
     if note is None:
-        old = WEIGHTS / f"{name}.json"
+        old = weights_dir / f"{name}.json"
         note = json.loads(old.read_text(encoding="utf-8")).get("ship_note", "") if old.is_file() else ""
     return run_record(name, folder, note=note)
 
 
-def write_provenance(name: str, *, note: str | None = None) -> Path:
-    """Write ``weights/<name>.json`` from the folder and render its card ``weights/<name>.md`` with
-    ``core.infra.model_card``; returns the card's path."""
-    from core.infra.fileio import write_json_atomic, write_text_atomic
-    from core.infra.model_card import card_path, render_card
+def _weights_file(folder: Path, name: str) -> Path:
+    return folder / name / ("encoder.safetensors" if name == ENCODER_NAME else "model.safetensors")
 
-    write_json_atomic(WEIGHTS / f"{name}.json", provenance(name, note=note))
-    weights = WEIGHTS / name / ("encoder.safetensors" if name == ENCODER_NAME else "model.safetensors")
-    card = card_path(weights)
-    write_text_atomic(card, render_card(weights))
+
+def write_provenance(name: str, *, note: str | None = None, weights_dir: Path | None = None) -> Path:
+    """Write ``weights/<name>.json`` from the folder and the card ``weights/<name>.md`` rendered from it by
+    ``core.infra.model_card``, together (staged, then renamed into place); returns the card's path."""
+    weights_dir = Path(WEIGHTS if weights_dir is None else weights_dir)
+    check_name(name, flag="--provenance", example="tmwpl")
+    record = provenance(name, note=note, weights_dir=weights_dir)
+    with Staging(weights_dir) as stage:
+        stage.write_json(weights_dir / f"{name}.json", record)
+        card = stage.write_card(_weights_file(weights_dir, name))
     return card
 
 
-def ship_run(run: Path, name: str, note: str = "", selection: Path | None = None) -> Path:
+RUN_FILES = ("model.safetensors", "ncal.json", "tokenizer.json", "metrics.jsonl")
+RUN_HOLDS = ("a finished apps.ncal.train run folder holds model.safetensors, ncal.json, tokenizer.json and "
+             "metrics.jsonl; ncal.json is written when the run ends")
+META_KEYS = ("dataset", "classes", "bins", "train_counts", "context", "loss", "encoder", "settings", "steps",
+             "train_wall_s", "test")
+ENCODER_FILES = ("encoder.safetensors", "encoder.json", "tokenizer.json", "metrics.jsonl")
+ENCODER_HOLDS = ("an apps.ncal.pretrain run folder holds encoder.safetensors, encoder.json, tokenizer.json and "
+                 "metrics.jsonl")
+
+
+def _probe_texts(tokenizer) -> list[str]:
+    """Two short texts for a forward pass; the second holds the tokenizer's last characters (its largest ids)."""
+    vocab = getattr(tokenizer, "vocab", None)
+    return ["1+1=2", "".join(vocab[-16:]) if vocab else "3x5=15"]
+
+
+def check_run(run: Path) -> dict:
+    """``ncal.json`` of a finished training run (its files present, its metadata complete).
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the file at fault. The model itself is checked by
+    :func:`check_model`.
+    """
+    run = require_files(run, RUN_FILES, flag="--run", holds=RUN_HOLDS)
+    meta = read_json_file(run / "ncal.json", flag="--run")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"--run {run / 'ncal.json'}: missing {', '.join(missing)} ({RUN_HOLDS})")
+    for k, kind in (("classes", list), ("loss", dict), ("encoder", dict), ("settings", dict)):
+        if not isinstance(meta[k], kind):
+            raise ValueError(f"--run {run / 'ncal.json'}: {k} must be a JSON {kind.__name__}")
+    if "name" not in meta["loss"] or "seed" not in meta["settings"]:
+        raise ValueError(f"--run {run / 'ncal.json'}: needs loss.name and settings.seed")
+    read_jsonl_file(run / "metrics.jsonl", flag="--run")
+    return meta
+
+
+def check_model(run: Path, meta: dict):
+    """The checkpoint of ``run`` (``apps.ncal.model.load_checkpoint``: strict keys for the character encoder) after
+    one forward pass on two short texts gave finite probabilities; ``ValueError`` names the file otherwise."""
+    from apps.ncal.model import infer, load_checkpoint
+
+    what = "NCAL classifier with ncal.json and tokenizer.json"
+    with loading_check(run / "model.safetensors", flag="--run", what=what):
+        ckpt = load_checkpoint(run)
+        tok, enc = ckpt.tokenizer, ckpt.model.encoder
+        cfg = getattr(enc, "cfg", None)
+        if tok is not None and cfg is not None and len(tok) > cfg.vocab_size:
+            raise ValueError(f"tokenizer.json has {len(tok)} tokens, the encoder embeds {cfg.vocab_size}")
+        probs, feats = infer(ckpt.model, tok, _probe_texts(tok))
+        check_finite("the classifier's probabilities on two short texts", probs, feats)
+        if probs.shape[1] != len(meta["classes"]):
+            raise ValueError(f"{probs.shape[1]} outputs for {len(meta['classes'])} classes")
+    return ckpt
+
+
+def _check_selection(selection: Path, run: Path, meta: dict) -> tuple[dict, dict]:
+    sel = read_json_file(selection, flag="--selection")
+    need = ("rule", "seed", "valid_frac", "valid_seed", "epochs", "encoder", "context", "datasets")
+    if any(k not in sel for k in need) or not isinstance(sel["datasets"], dict):
+        raise ValueError(f"--selection {selection}: not a benchmarks.ncal_select result (needs {', '.join(need)})")
+    entry = sel["datasets"].get(meta["dataset"])
+    if entry is None or not entry.get("complete"):
+        raise ValueError(f"{selection} has no complete selection for dataset {meta['dataset']!r}")
+    if meta["loss"]["name"] != entry["chosen"] or meta["settings"]["seed"] != sel["seed"]:
+        raise ValueError(f"{run} is loss {meta['loss']['name']!r} seed {meta['settings']['seed']}; "
+                         f"{selection} chose loss {entry['chosen']!r} seed {sel['seed']}")
+    if meta.get("valid_split"):
+        raise ValueError(f"{run} was trained with a validation hold-out; ship the full-train benchmark run")
+    return sel, entry
+
+
+def ship_run(run: Path, name: str, note: str = "", selection: Path | None = None, *,
+             weights_dir: Path | None = None) -> Path:
+    """Check the run, its model and ``name``, then write ``weights_dir/<name>/`` (the run's files, ``collapse.json``,
+    ``golden.json``, ``selection.json``), the provenance ``<name>.json`` and the card ``<name>.md`` together;
+    returns the folder. ``weights_dir`` defaults to :data:`WEIGHTS`."""
     import torch
 
     from apps.ncal.data import load_split
     from apps.ncal.metrics import collapse_metrics
-    from apps.ncal.model import infer, load_checkpoint
-    from core.infra.fileio import write_json_atomic
+    from apps.ncal.model import infer
 
-    from apps.ncal.weights_io import read_json
-
+    weights_dir = Path(WEIGHTS if weights_dir is None else weights_dir)
+    check_name(name, flag="--name", example="tmwpl")
+    if name == ENCODER_NAME:
+        raise ValueError(f"--name {name!r} is the shipped encoder's folder; a classifier needs another name "
+                         "(tmwpl, pmtd)")
+    run = Path(run)
+    meta = check_run(run)
     sel = entry = None
     if selection is not None:
-        sel = read_json(selection)
-        run_meta = read_json(run / "ncal.json")
-        entry = sel.get("datasets", {}).get(run_meta["dataset"])
-        if entry is None or not entry.get("complete"):
-            raise ValueError(f"{selection} has no complete selection for dataset {run_meta['dataset']!r}")
-        if run_meta["loss"]["name"] != entry["chosen"] or run_meta["settings"]["seed"] != sel["seed"]:
-            raise ValueError(f"{run} is loss {run_meta['loss']['name']!r} seed {run_meta['settings']['seed']}; "
-                             f"{selection} chose loss {entry['chosen']!r} seed {sel['seed']}")
-        if run_meta.get("valid_split"):
-            raise ValueError(f"{run} was trained with a validation hold-out; ship the full-train benchmark run")
-    dst = WEIGHTS / name
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in ("model.safetensors", "ncal.json", "tokenizer.json", "metrics.jsonl"):
-        _copy(run / f, dst / f)
-    ckpt = load_checkpoint(dst)
-    meta = ckpt.meta
+        sel, entry = _check_selection(Path(selection), run, meta)
+    t = meta["test"]
+    if not isinstance(t, dict) or any(k not in t for k in ("n", "accuracy", "macro_f1", "recall", "f1")):
+        raise ValueError(f"--run {run / 'ncal.json'}: no test metrics (n, accuracy, macro_f1, recall, f1); ship a run "
+                         "trained with its test split")
+    ckpt = check_model(run, meta)
     test, classes = load_split(meta["dataset"], "test", context=meta["context"])
+    if list(classes) != list(meta["classes"]):
+        raise ValueError(f"--run {run / 'ncal.json'}: classes {meta['classes']} are not those of the "
+                         f"{meta['dataset']!r} test split {list(classes)}")
     probs, feats = infer(ckpt.model, ckpt.tokenizer, [e.text for e in test])
+    check_finite(f"the classifier's outputs on the {meta['dataset']!r} test split", probs, feats)
     idx = {c: k for k, c in enumerate(classes)}
     col = collapse_metrics(feats, [idx[e.label] for e in test], len(classes))
-    write_json_atomic(dst / "collapse.json", {"classes": list(classes), **col})
-    write_json_atomic(dst / "golden.json", {
+    golden = {
         "command": f"python -m apps.ncal.ship --run {run} --name {name}"
                    + (f" --selection {selection}" if selection is not None else ""),
         "texts": [e.text for e in test[:GOLDEN_N]],
         "probs": [[round(float(p), 6) for p in row] for row in probs[:GOLDEN_N].tolist()],
         "torch": torch.__version__,
-    })
-    if sel is not None:
-        keep = {k: sel[k] for k in ("rule", "seed", "valid_frac", "valid_seed", "epochs", "encoder", "context")}
-        write_json_atomic(dst / "selection.json", {**keep, "dataset": meta["dataset"], **entry})
-    elif (dst / "selection.json").exists():
-        (dst / "selection.json").unlink()  # a stale choice of an earlier shipped run
-    card = write_provenance(name, note=note)
-    logger.info("shipped %s to %s (%.1f MB), card %s", run, dst, (dst / "model.safetensors").stat().st_size / 2**20, card)
+    }
+    dst = weights_dir / name
+    with Staging(weights_dir) as stage:
+        for f in RUN_FILES:
+            stage.copy(run / f, dst / f)
+        stage.write_json(dst / "collapse.json", {"classes": list(classes), **col})
+        stage.write_json(dst / "golden.json", golden)
+        if sel is not None:
+            keep = {k: sel[k] for k in ("rule", "seed", "valid_frac", "valid_seed", "epochs", "encoder", "context")}
+            stage.write_json(dst / "selection.json", {**keep, "dataset": meta["dataset"], **entry})
+        else:
+            stage.remove(dst / "selection.json")  # a stale choice of an earlier shipped run
+        stage.write_json(weights_dir / f"{name}.json", run_record(name, stage.staged(dst), note=note))
+        card = stage.write_card(dst / "model.safetensors")
+    logger.info("shipped %s to %s (%.1f MB), card %s", run, dst, (dst / "model.safetensors").stat().st_size / 2**20,
+                card)
     return dst
 
 
-def ship_encoder(run: Path) -> Path:
-    dst = WEIGHTS / ENCODER_NAME
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in ("encoder.safetensors", "encoder.json", "tokenizer.json", "metrics.jsonl"):
-        _copy(run / f, dst / f)
-    card = write_provenance(ENCODER_NAME)
+def check_encoder_run(run: Path) -> None:
+    """A finished ``apps.ncal.pretrain`` run whose encoder loads strictly (``apps.ncal.pretrain.load_encoder``)
+    and gives finite features on two short texts; ``FileNotFoundError`` / ``ValueError`` name the file otherwise."""
+    import torch
+
+    from apps.ncal.pretrain import load_encoder
+
+    run = require_files(run, ENCODER_FILES, flag="--encoder", holds=ENCODER_HOLDS)
+    info = read_json_file(run / "encoder.json", flag="--encoder")
+    if not isinstance(info.get("config"), dict):
+        raise ValueError(f"--encoder {run / 'encoder.json'}: no encoder config ({ENCODER_HOLDS})")
+    read_jsonl_file(run / "metrics.jsonl", flag="--encoder")
+    what = "NCAL encoder with encoder.json and tokenizer.json"
+    with loading_check(run / "encoder.safetensors", flag="--encoder", what=what):
+        enc, tok = load_encoder(run)
+        if len(tok) > enc.cfg.vocab_size:
+            raise ValueError(f"tokenizer.json has {len(tok)} tokens, the encoder embeds {enc.cfg.vocab_size}")
+        b = tok.batch(_probe_texts(tok))
+        with torch.no_grad():
+            feats = enc.eval()(b["input_ids"], b["attention_mask"])
+        check_finite("the encoder's features on two short texts", feats)
+
+
+def ship_encoder(run: Path, *, weights_dir: Path | None = None) -> Path:
+    """Check the pretraining run (:func:`check_encoder_run`), then write ``weights_dir/mlm_encoder/`` (its files),
+    the provenance ``mlm_encoder.json`` and the card ``mlm_encoder.md`` together; returns the folder."""
+    weights_dir = Path(WEIGHTS if weights_dir is None else weights_dir)
+    run = Path(run)
+    check_encoder_run(run)
+    dst = weights_dir / ENCODER_NAME
+    with Staging(weights_dir) as stage:
+        for f in ENCODER_FILES:
+            stage.copy(run / f, dst / f)
+        stage.write_json(weights_dir / f"{ENCODER_NAME}.json", encoder_record(stage.staged(dst)))
+        card = stage.write_card(dst / "encoder.safetensors")
     logger.info("shipped the encoder of %s to %s, card %s", run, dst, card)
     return dst
 
@@ -306,7 +424,7 @@ def ship_encoder(run: Path) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.ncal.ship", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", default=None, help="a finished apps.ncal.train run folder")
-    p.add_argument("--name", default=None, help="shipped name (tmwpl, pmtd)")
+    p.add_argument("--name", default=None, help="shipped name (tmwpl, pmtd): letters, digits, _, -, .")
     p.add_argument("--encoder", default=None, help="an apps.ncal.pretrain run folder to ship as the default encoder")
     p.add_argument("--selection", default=None,
                    help="benchmarks.ncal_select output: the card says how the run was chosen (validation numbers)")
@@ -314,22 +432,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provenance", nargs="+", default=None, metavar="NAME",
                    help=f"rewrite weights/NAME.json and the card NAME.md of shipped models from their folders "
                         f"(tmwpl, pmtd, {ENCODER_NAME})")
+    p.add_argument("--out", default=None, help="the weights folder to write into (default: apps/ncal/weights)")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _check_args(args) -> None:
+    """Refuse a bad combination or name before any action writes anything."""
+    if not (args.run or args.encoder or args.provenance):
+        raise ValueError("nothing to do: give --run DIR --name NAME, --encoder DIR or --provenance NAME ...")
+    if args.run is not None and args.name is None:
+        raise ValueError("--run needs --name (tmwpl or pmtd)")
+    if args.name is not None and not args.run:
+        raise ValueError(f"--name {args.name!r} needs --run (a finished apps.ncal.train run folder)")
+    if args.selection is not None and not args.run:
+        raise ValueError("--selection needs --run")
+    if args.run:
+        check_name(args.name, flag="--name", example="tmwpl")
+        require_files(args.run, RUN_FILES, flag="--run", holds=RUN_HOLDS)
+    if args.encoder:
+        require_files(args.encoder, ENCODER_FILES, flag="--encoder", holds=ENCODER_HOLDS)
+    for name in args.provenance or ():
+        check_name(name, flag="--provenance", example="tmwpl")
+
+
+def _main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = Path(args.out) if args.out else None
+    _check_args(args)
     if args.encoder:
-        ship_encoder(Path(args.encoder))
+        ship_encoder(Path(args.encoder), weights_dir=out)
     for name in args.provenance or ():
-        logger.info("wrote %s", write_provenance(name, note=args.note or None))
+        logger.info("wrote %s", write_provenance(name, note=args.note or None, weights_dir=out))
     if args.run:
-        if not args.name:
-            raise ValueError("--run needs --name (tmwpl or pmtd)")
-        ship_run(Path(args.run), args.name, args.note, Path(args.selection) if args.selection else None)
+        ship_run(Path(args.run), args.name, args.note, Path(args.selection) if args.selection else None,
+                 weights_dir=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit code 0, or 2 with one line on stderr for a bad input (``core.infra.cli.run_cli``)."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
