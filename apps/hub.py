@@ -6,13 +6,15 @@ import argparse
 import importlib
 import logging
 import os
+import socket
 from collections.abc import Sequence
 
 from apps import REGISTRY, AppSpec, get_app
+from core.infra.cli import port as port_arg
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_hub", "build_single", "serve", "build_parser", "main", "overview_markdown"]
+__all__ = ["build_hub", "build_single", "serve", "check_address", "build_parser", "main", "overview_markdown"]
 
 
 def _gradio():
@@ -79,10 +81,23 @@ def serve(demo, *, host: str = "127.0.0.1", port: int = 7860, share: bool = Fals
     demo.launch(server_name=host, server_port=port, share=share, show_error=True)
 
 
+def check_address(host: str, port: int) -> None:
+    """Refuse, before anything is built, a port outside 1..65535 or a host name that does not resolve
+    (``ValueError`` naming it; otherwise the server only fails later with a misleading "Cannot find empty port")."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise ValueError(f"--host {host!r} does not resolve to an address ({why}); give an interface of this "
+                         "machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+
+
 def build_parser(prog: str = "python -m apps", description: str = "Serve the longctx demo hub.") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument("--port", type=port_arg, default=7860, help="port, 1..65535 (default 7860)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -91,6 +106,7 @@ def main(argv: Sequence[str] | None = None, *, app: str | None = None) -> None:
     """Entry point of ``python -m apps`` (the hub) and of ``python -m apps.<key>`` (``app=key``)."""
     prog = "python -m apps" if app is None else f"python -m apps.{app}"
     args = build_parser(prog=prog).parse_args(argv)
+    check_address(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     demo = build_hub() if app is None else build_single(app)
     serve(demo, host=args.host, port=args.port)

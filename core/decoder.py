@@ -49,7 +49,7 @@ from core.kv_cache import KVCache, LayerKV, cached_attention, probe_attention
 from core.layers import GatedCrossAttentionBlock, SelfAttentionBlock
 from core.mha import ACTIVATIONS, check_backend
 from core.rope import RotaryEmbedding
-from core.infra.fileio import atomic_path
+from core.infra.fileio import atomic_path, load_safetensors_model, open_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -436,13 +436,9 @@ class Decoder(nn.Module):
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", backend: str | None = None) -> Decoder:
         """A decoder saved by :meth:`save` (strict keys), in eval mode; ``backend`` overrides the saved one."""
-        from safetensors import safe_open
-        from safetensors.torch import load_model
-
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no decoder weights at {path}")
-        with safe_open(str(path), framework="pt") as f:
+        what = f"decoder weights written by Decoder.save (format {MODEL_FORMAT!r})"
+        with open_safetensors(path, what=what) as f:
             meta = f.metadata() or {}
         if meta.get("format") != MODEL_FORMAT:
             raise ValueError(f"{path} is not a decoder file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})")
@@ -450,5 +446,5 @@ class Decoder(nn.Module):
         if backend is not None:
             cfg["backend"] = backend
         model = cls(DecoderConfig(**cfg), device=device)
-        load_model(model, str(path), strict=True, device=str(device))
+        load_safetensors_model(model, path, what=what, device=device)
         return model.eval()

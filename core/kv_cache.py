@@ -27,7 +27,7 @@ import torch
 from einops import rearrange
 
 from core.attention import attention
-from core.infra.fileio import atomic_path
+from core.infra.fileio import atomic_path, open_safetensors
 
 __all__ = ["LayerKV", "KVCache", "cached_attention", "probe_attention", "CACHE_FORMAT"]
 
@@ -147,12 +147,9 @@ class KVCache:
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu") -> KVCache:
         """Read a cache written by :meth:`save`."""
-        from safetensors import safe_open
-
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no KV cache file at {path}")
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
+        with open_safetensors(path, what=f"a KV cache written by KVCache.save (format {CACHE_FORMAT!r})",
+                              device=device) as f:
             meta = f.metadata() or {}
             if meta.get("format") != CACHE_FORMAT:
                 raise ValueError(f"{path} is not a KV cache file (format {meta.get('format')!r}, expected {CACHE_FORMAT!r})")
@@ -172,9 +169,7 @@ class KVCache:
     @staticmethod
     def load_metadata(path: str | os.PathLike) -> dict[str, str]:
         """The header metadata of a saved cache."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path, what=f"a KV cache written by KVCache.save (format {CACHE_FORMAT!r})") as f:
             return dict(f.metadata() or {})
 
 

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.infra.cli import run_cli
+from core.infra.cli import fraction, nonempty_path, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.fileio import check_writable, open_image
 from core.infra.jobs import (
     Item,
     JobConfig,
@@ -256,8 +257,6 @@ class _SlideJob:
 
     def process(self, item: Item) -> dict:
         """Run the configured task (and its prerequisites) on one slide; returns manifest fields."""
-        from PIL import Image
-
         from pathology.patching import grid_from_h5, overview_image, patch_grid, read_h5, write_h5
         from pathology.slide import Slide
         from pathology.tissue import TissueMask, segment_tissue
@@ -273,7 +272,8 @@ class _SlideJob:
             W, _h = slide.dimensions
             # seg
             if os.path.exists(out["seg"]):
-                mask = np.asarray(Image.open(out["seg"])) > 0
+                with open_image(out["seg"], what="the tissue mask (PNG) an earlier run wrote") as im:
+                    mask = np.asarray(im) > 0
                 tissue = TissueMask(mask=mask, downsample=W / mask.shape[1], thumbnail=None)  # type: ignore[arg-type]
             else:
                 tissue = segment_tissue(slide)
@@ -333,12 +333,13 @@ def _json_object(text: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = batch_parser("python -m pathology.batch", __doc__)
     p.add_argument("--slides", required=True, help="folder with slide files")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", type=nonempty_path, required=True, help="output folder")
     p.add_argument("--task", choices=TASKS, default="all", help="what to compute (default all)")
-    p.add_argument("--mpp", type=float, default=0.5, help="target micrometres per pixel of patches (default 0.5 ≈ 20x)")
-    p.add_argument("--patch-size", type=int, default=256, help="patch side in pixels at --mpp (default 256)")
-    p.add_argument("--min-tissue", type=float, default=0.25, help="minimum tissue fraction of a patch (default 0.25)")
-    p.add_argument("--slide-mpp", type=float, default=None, help="µm/px of level 0 for slides whose files lack it")
+    p.add_argument("--mpp", type=positive_float, default=0.5,
+                   help="target micrometres per pixel of patches (default 0.5 ≈ 20x)")
+    p.add_argument("--patch-size", type=positive_int, default=256, help="patch side in pixels at --mpp (default 256)")
+    p.add_argument("--min-tissue", type=fraction, default=0.25, help="minimum tissue fraction of a patch (default 0.25)")
+    p.add_argument("--slide-mpp", type=positive_float, default=None, help="µm/px of level 0 for slides whose files lack it")
     p.add_argument("--encoder", default="default", help="patch encoder: default | timm:<name> | open_clip:<name>")
     p.add_argument("--weights", default=None, help="local weights file for the encoder")
     p.add_argument("--encoder-kwargs", type=_json_object, default={}, metavar="JSON",
@@ -346,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the features")
     p.add_argument("--allow-partial-weights", action="store_true",
                    help="load weights that fill only part of the encoder (missing keys are logged); default: refuse")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers reading tiles (default 0)")
-    p.add_argument("--batch-size", type=int, default=64, help="patches per encoder batch")
+    p.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader workers reading tiles (default 0)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="patches per encoder batch")
     p.add_argument("--device", default=None, help="encoder device (default cuda if available else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_job_arguments(p, item="slide")
@@ -358,24 +359,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     job = job_config_from_args(args, args.out)
+    # Bad options, a missing slides folder and outputs made with other settings are bad usage or input: one line,
+    # exit 2 (run_cli), before any work. A slide that fails stops the run (exit 1) unless --skip-errors.
+    cfg = BatchConfig(slides=args.slides, out=args.out, task=args.task, mpp=args.mpp, patch_size=args.patch_size,
+                      min_tissue=args.min_tissue, slide_mpp=args.slide_mpp, encoder=args.encoder,
+                      weights=args.weights, encoder_kwargs=args.encoder_kwargs,
+                      strict=not args.allow_partial_weights, shard=job.shard, skip_errors=job.skip_errors,
+                      overwrite=job.overwrite, time_limit=job.time_limit, stale_after=job.stale_after,
+                      workers=args.workers, batch_size=args.batch_size, device=args.device,
+                      progress=not args.no_progress)
+    list_slides(cfg.slides)
+    check_writable(cfg.out, what="--out", folder=True)
     try:
-        cfg = BatchConfig(slides=args.slides, out=args.out, task=args.task, mpp=args.mpp, patch_size=args.patch_size,
-                          min_tissue=args.min_tissue, slide_mpp=args.slide_mpp, encoder=args.encoder,
-                          weights=args.weights, encoder_kwargs=args.encoder_kwargs,
-                          strict=not args.allow_partial_weights, shard=job.shard, skip_errors=job.skip_errors,
-                          overwrite=job.overwrite, time_limit=job.time_limit, stale_after=job.stale_after,
-                          workers=args.workers, batch_size=args.batch_size, device=args.device,
-                          progress=not args.no_progress)
         rows = run_batch(cfg)
+    except SettingsMismatch:
+        raise
     except Exception as e:  # noqa: BLE001
-        logger.error("stopped: %s%s", e, "" if isinstance(e, SettingsMismatch)
-                     else " (use --skip-errors to record failures and continue)")
+        logger.error("stopped: %s (use --skip-errors to record failures and continue)", e)
         return 1
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     logger.info("finished: %s", ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-    return 0 if counts.get("failed", 0) == 0 else 2
+    return 0 if counts.get("failed", 0) == 0 else 1  # 1: some slides failed (recorded in the manifest)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from core.infra.backbones import load_open_clip, load_state_dict_file, load_timm, load_weights
+from core.infra.fileio import open_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +170,13 @@ def _resolve_device(device) -> torch.device:
 
 
 def _default(weights: str | None, device: torch.device, strict: bool) -> PatchEncoder:
-    from safetensors import safe_open
-
     path = weights or DEFAULT_WEIGHTS
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"default encoder weights not found at {path!r}; train them with "
             "`python -m pathology.train_encoder --out pathology/weights` or pass --weights PATH"
         )
-    with safe_open(path, "pt") as f:
+    with open_safetensors(path, what="patch encoder weights written by pathology.train_encoder") as f:
         meta = f.metadata() or {}
     dim = int(meta.get("dim", 256))
     input_size = int(meta.get("input_size", 128))

@@ -15,6 +15,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from core.infra.fileio import load_safetensors
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SlideAnalysis", "analyze_slide", "load_slide_model", "regions_overlay", "DEFAULT_SLIDE_MODEL",
@@ -64,8 +66,6 @@ def load_slide_model(path: str | None = None):
 
 @lru_cache(maxsize=4)
 def _load_slide_model(path: str):
-    from safetensors.torch import load_file
-
     from pathology.querent import Querent, QuerentConfig
 
     meta_path = os.path.splitext(path)[0] + ".json"
@@ -77,7 +77,7 @@ def _load_slide_model(path: str):
     with open(meta_path) as f:
         meta = json.load(f)
     model = Querent(QuerentConfig(**meta["model_config"]))
-    model.load_state_dict(load_file(path))
+    model.load_state_dict(load_safetensors(path, what="a Querent slide model written by pathology.train_demo"))
     return model.eval(), meta
 
 
@@ -89,7 +89,6 @@ def analyze_slide(path: str, *, model_path: str | None = None, encoder_name: str
 
     Patches use the target µm/px and size the model was trained with (from its metadata).
     """
-    from pathology.encoders import build_encoder
     from pathology.features import extract_features
     from pathology.patching import overview_image, patch_grid
     from pathology.slide import Slide

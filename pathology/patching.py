@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.infra.fileio import open_hdf5
 from pathology.slide import Slide
 from pathology.tissue import TissueMask
 
@@ -123,13 +124,11 @@ def write_h5(path: str | os.PathLike, grid: PatchGrid, features: np.ndarray | No
 
 def read_h5(path: str | os.PathLike) -> dict:
     """Read a patch/feature HDF5 file: dict with ``coords``, ``features`` (or None), ``attrs`` (coords attrs + root)."""
-    import h5py
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"HDF5 file not found: {path!r}")
     try:
-        with h5py.File(path, "r") as f:
+        with open_hdf5(path, what="patch coordinates (and features) written by pathology.patching") as f:
             if "coords" not in f:
                 raise ValueError(f"{path!r} has no 'coords' dataset (keys: {list(f.keys())})")
             out = {
@@ -137,7 +136,7 @@ def read_h5(path: str | os.PathLike) -> dict:
                 "features": f["features"][:] if "features" in f else None,
                 "attrs": {**dict(f["coords"].attrs), **dict(f.attrs)},
             }
-    except OSError as e:
+    except OSError as e:  # a file that opens but whose datasets cannot be read (damaged)
         raise ValueError(f"{path!r} is not a readable HDF5 file: {e}") from e
     return out
 

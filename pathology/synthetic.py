@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -508,11 +508,11 @@ def _fill_survival(spec: SlideSpec) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.synthetic", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output folder (created)")
-    p.add_argument("--n", type=int, default=8, help="number of slides")
+    p.add_argument("--out", type=nonempty_path, required=True, help="output folder (created)")
+    p.add_argument("--n", type=positive_int, default=8, help="number of slides")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--size", type=int, default=8192, help="nominal level-0 side in pixels (default 8192)")
-    p.add_argument("--mpp", type=float, default=0.5, help="micrometres per pixel at level 0 (default 0.5)")
+    p.add_argument("--size", type=positive_int, default=8192, help="nominal level-0 side in pixels (default 8192)")
+    p.add_argument("--mpp", type=positive_float, default=0.5, help="micrometres per pixel at level 0 (default 0.5)")
     return p
 
 

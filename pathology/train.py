@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from core.infra.cli import run_cli
+from core.infra.cli import (fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                            run_cli)
 from pathology.mil import MODEL_NAMES
 from pathology.querent import POS_ENCODINGS, QuerentConfig
 from pathology.training import TrainConfig, cross_validate, load_bags, read_splits, save_training_curves
@@ -48,36 +49,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--event-col", default="event", help="survival event column (1 = observed)")
     p.add_argument("--patient-col", default="patient_id",
                    help="column grouping a patient's slides into one fold (absent: each slide is its own patient)")
-    p.add_argument("--folds", type=int, default=5, help="cross-validation folds (ignored with --splits)")
+    p.add_argument("--folds", type=positive_int, default=5, help="cross-validation folds, >= 2 (ignored with --splits)")
     p.add_argument("--splits", default=None,
                    help="CLAM splits: a splits_<k>.csv file or a folder of them (columns train, val, test)")
-    p.add_argument("--patch-size-level0", type=float, default=None,
+    p.add_argument("--patch-size-level0", type=positive_float, default=None,
                    help="grid step in level-0 pixels for feature files without that attribute (default: inferred)")
-    p.add_argument("--epochs", type=int, default=d.epochs, help="most epochs (early stopping usually ends sooner)")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--batch-slides", type=int, default=d.batch_slides, help="slides per step (survival: at least 8)")
-    p.add_argument("--max-patches", type=int, default=d.max_patches,
+    p.add_argument("--epochs", type=positive_int, default=d.epochs, help="most epochs (early stopping usually ends sooner)")
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--weight-decay", type=nonnegative_float, default=d.weight_decay)
+    p.add_argument("--batch-slides", type=positive_int, default=d.batch_slides,
+                   help="slides per step (survival: at least 8)")
+    p.add_argument("--max-patches", type=nonnegative_int, default=d.max_patches,
                    help="patches sampled per slide per step (0 = all)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="share of each fold's training patients held out for early stopping (0 = none)")
-    p.add_argument("--patience", type=int, default=d.patience, help="epochs without a better validation loss")
-    p.add_argument("--min-epochs", type=int, default=d.min_epochs, help="never stop before this epoch")
+    p.add_argument("--val-fraction", type=fraction, default=d.val_fraction,
+                   help="share of each fold's training patients held out for early stopping, in [0, 1) (0 = none)")
+    p.add_argument("--patience", type=positive_int, default=d.patience, help="epochs without a better validation loss")
+    p.add_argument("--min-epochs", type=nonnegative_int, default=d.min_epochs, help="never stop before this epoch")
     p.add_argument("--no-standardize", action="store_true", help="train on raw features (not z-scored)")
     p.add_argument("--class-weights", choices=("balanced", "none"), default="balanced",
                    help="cross-entropy class weights (balanced: inverse class frequency)")
-    p.add_argument("--dim", type=int, default=128, help="model width")
-    p.add_argument("--depth", type=int, default=2, help="layers (Querent and dense)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--region-size", type=int, default=8, help="Querent region side in patches")
-    p.add_argument("--topk", type=int, default=8, help="Querent regions chosen per query region")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dim", type=positive_int, default=128, help="model width")
+    p.add_argument("--depth", type=positive_int, default=2, help="layers (Querent and dense)")
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--region-size", type=positive_int, default=8, help="Querent region side in patches")
+    p.add_argument("--topk", type=positive_int, default=8, help="Querent regions chosen per query region")
+    p.add_argument("--dropout", type=fraction, default=0.1)
     p.add_argument("--pos-encoding", choices=POS_ENCODINGS, default="sincos",
                    help="Querent/dense positions: sine-cosine added to the input, 2-D RoPE in every layer, both, none")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", required=True, help="output folder for metrics and models")
+    p.add_argument("--out", type=nonempty_path, required=True, help="output folder for metrics and models")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -99,6 +101,8 @@ def _write_csv(path: str, rows: list[dict]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.splits is None and args.folds < 2:
+        raise SystemExit(f"--folds must be >= 2 (or give --splits), got {args.folds}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

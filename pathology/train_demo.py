@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, open_fraction, positive_int, run_cli
 from pathology.batch import BatchConfig, run_batch
 from pathology.inference import DEFAULT_SLIDE_MODEL, SAMPLES_DIR
 from pathology.querent import QuerentConfig
@@ -37,20 +37,22 @@ PATCH_MPP, PATCH_SIZE = 1.0, 128
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.train_demo", description=__doc__.split("\n")[0])
-    p.add_argument("--work", required=True, help="working folder for slides and features")
-    p.add_argument("--n", type=int, default=32, help="synthetic slides")
-    p.add_argument("--size", type=int, default=3072, help="slide side in pixels (level 0, 0.5 µm/px)")
+    p.add_argument("--work", type=nonempty_path, required=True, help="working folder for slides and features")
+    p.add_argument("--n", type=positive_int, default=32, help="synthetic slides (at least 3: 2 are held out)")
+    p.add_argument("--size", type=positive_int, default=3072, help="slide side in pixels (level 0, 0.5 µm/px)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--test-fraction", type=float, default=0.25)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=DEFAULT_SLIDE_MODEL, help="output safetensors path")
-    p.add_argument("--samples", default=SAMPLES_DIR, help="folder receiving two held-out sample slides")
+    p.add_argument("--epochs", type=positive_int, default=30)
+    p.add_argument("--test-fraction", type=open_fraction, default=0.25)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=nonempty_path, default=DEFAULT_SLIDE_MODEL, help="output safetensors path")
+    p.add_argument("--samples", type=nonempty_path, default=SAMPLES_DIR, help="folder receiving two held-out sample slides")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.n < 3:
+        raise SystemExit(f"--n must be >= 3 (at least 2 slides are held out), got {args.n}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
+from core.infra.fileio import torch_load
 from pathology.encoders import IMAGENET_MEAN, IMAGENET_STD, SmallPatchCNN
 from pathology.synthetic import CLASSES, LAYOUT_SCALE, TILE, _pad, _Renderer, render_layout, sample_spec
 
@@ -84,20 +85,21 @@ def _augment(x_BCHW: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.train_encoder", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "weights"), help="output folder")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
-    p.add_argument("--batch", type=int, default=32, help="batch size")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
-    p.add_argument("--slides", type=int, default=36, help="synthetic slides for training tiles")
-    p.add_argument("--val-slides", type=int, default=6, help="held-out synthetic slides for validation")
-    p.add_argument("--per-slide", type=int, default=120, help="tiles rendered per slide")
-    p.add_argument("--size", type=int, default=4096, help="synthetic slide side (pixels)")
-    p.add_argument("--input-size", type=int, default=64, help="encoder input side (tiles are resized)")
-    p.add_argument("--dim", type=int, default=128, help="feature dimension")
+    p.add_argument("--out", type=nonempty_path, default=os.path.join(os.path.dirname(__file__), "weights"),
+                   help="output folder")
+    p.add_argument("--steps", type=positive_int, default=400, help="optimizer steps")
+    p.add_argument("--batch", type=positive_int, default=32, help="batch size")
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (cosine decay)")
+    p.add_argument("--slides", type=positive_int, default=36, help="synthetic slides for training tiles")
+    p.add_argument("--val-slides", type=positive_int, default=6, help="held-out synthetic slides for validation")
+    p.add_argument("--per-slide", type=positive_int, default=120, help="tiles rendered per slide")
+    p.add_argument("--size", type=positive_int, default=4096, help="synthetic slide side (pixels)")
+    p.add_argument("--input-size", type=positive_int, default=64, help="encoder input side (tiles are resized)")
+    p.add_argument("--dim", type=positive_int, default=128, help="feature dimension")
     p.add_argument("--widths", default="16,32,48,64,96", help="channels of the five conv stages")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint every this many steps")
+    p.add_argument("--save-every", type=positive_int, default=100, help="checkpoint every this many steps")
     return p
 
 
@@ -135,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     step, elapsed = 0, 0.0
     ckpt = os.path.join(args.out, "patch_encoder_small.ckpt")
     if os.path.exists(ckpt):
-        st = torch.load(ckpt, map_location="cpu", weights_only=False)
+        st = torch_load(ckpt, what="the checkpoint written by pathology.train_encoder")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         g.set_state(st["gen"])

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from core.infra.cli import InputTally, UsageError, print_error, run_cli
+from core.infra.fileio import load_safetensors
 from rl.envs import make_env, make_vector_env
 from rl.references import normalized_score
 
@@ -190,8 +191,6 @@ def load_policy(checkpoint: str | os.PathLike):
 
     Returns ``(model, info)`` with ``info`` the JSON (algo, env, model config, target returns).
     """
-    from safetensors.torch import load_file
-
     from rl.models import build_model, config_from_dict
 
     d = Path(checkpoint)
@@ -204,7 +203,7 @@ def load_policy(checkpoint: str | os.PathLike):
                                 f"train one with `python -m rl.train`)")
     info = json.loads(cfg_path.read_text())
     model = build_model(info["algo"], config_from_dict(info["algo"], info["model"]))
-    model.load_state_dict(load_file(str(w_path)))
+    model.load_state_dict(load_safetensors(w_path, what="policy weights written by rl.train or rl.ship"))
     return model.eval(), info
 
 

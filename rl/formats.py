@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.infra.fileio import open_hdf5
 from rl.data import REQUIRED_KEYS, FORMAT_VERSION, OfflineDataset, validate_arrays
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,7 @@ def load_hdf5(path: str | os.PathLike) -> OfflineDataset:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file not found: {str(path)!r}")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise ValueError(f"{str(path)!r} is not a readable HDF5 file: {e}") from e
+    f = open_hdf5(path, what=f"a D4RL-style dataset (top-level datasets {', '.join(REQUIRED_KEYS)})")
     with f:
         found = sorted(f.keys())
         missing = [k for k in REQUIRED_KEYS if k not in f]
@@ -181,10 +179,7 @@ def load_minari(spec: str | os.PathLike) -> OfflineDataset:
     fmt = info.get("data_format", "hdf5")
     if fmt != "hdf5":
         raise ValueError(f"{source}: data_format {fmt!r} is not read here; accepted: 'hdf5'")
-    try:
-        f = h5py.File(data / "main_data.hdf5", "r")
-    except OSError as e:
-        raise ValueError(f"{source}: main_data.hdf5 is not a readable HDF5 file: {e}") from e
+    f = open_hdf5(data / "main_data.hdf5", what=f"the episodes of the Minari dataset {source} (episode_<id> groups)")
     parts: dict[str, list[np.ndarray]] = {k: [] for k in REQUIRED_KEYS}
     cut = 0
     with f:

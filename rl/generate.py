@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, positive_int, run_cli
 from rl.data import OfflineDataset, check_save_path, save_dataset
 from rl.envs import SUPPORTED_ENVS, make_env
 
@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--env", required=True, choices=SUPPORTED_ENVS)
     p.add_argument("--quality", required=True, choices=QUALITIES)
-    p.add_argument("--steps", type=int, required=True, help="transitions to collect")
+    p.add_argument("--steps", type=positive_int, required=True, help="transitions to collect")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output file, written atomically: .npz, or .hdf5/.h5 (D4RL layout)")
+    p.add_argument("--out", type=nonempty_path, required=True,
+                   help="output file, written atomically: .npz, or .hdf5/.h5 (D4RL layout)")
     p.add_argument("--policy", default=None, help="behaviour .safetensors (default: the shipped one for --env)")
     return p
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, run_cli
+from core.infra.fileio import load_safetensors
 from rl.envs import env_family
 from rl.sac import Actor
 
@@ -69,8 +70,6 @@ class BehaviourSet:
 
 def load_behaviour(env_id: str, path: str | os.PathLike | None = None) -> BehaviourSet:
     """Load ``behaviour_<env>.safetensors`` (+ card) from ``path`` or the shipped weights."""
-    from safetensors.torch import load_file
-
     fam = env_family(env_id)
     st = Path(path) if path is not None else WEIGHTS_DIR / f"behaviour_{fam}.safetensors"
     card_path = st.with_suffix(".json")
@@ -82,14 +81,14 @@ def load_behaviour(env_id: str, path: str | os.PathLike | None = None) -> Behavi
     card = json.loads(card_path.read_text())
     if card.get("env") != env_id:
         raise ValueError(f"{str(card_path)!r} is for env {card.get('env')!r}, not {env_id!r}")
-    return BehaviourSet(card, load_file(str(st)))
+    return BehaviourSet(card, load_safetensors(st, what="behaviour policy snapshots exported by rl.policies"))
 
 
 def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLike = WEIGHTS_DIR,
                command: str | None = None, name: str | None = None) -> Path:
     """Copy a SAC run's snapshots into ``out_dir`` with a card choosing the quality snapshots; the file is
     ``<name>.safetensors`` (default ``behaviour_<env family>``, the one :func:`load_behaviour` finds by itself)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     run_dir = Path(run_dir)
     meta = json.loads((run_dir / "snapshots.json").read_text())
@@ -129,7 +128,7 @@ def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLi
     if name is not None and (not name or "/" in name or name.endswith(".safetensors")):
         raise ValueError(f"name must be a bare file stem such as 'behaviour_{fam}_long', got {name!r}")
     st = out_dir / f"{name or f'behaviour_{fam}'}.safetensors"
-    tensors = load_file(str(run_dir / "snapshots.safetensors"))
+    tensors = load_safetensors(run_dir / "snapshots.safetensors", what="the actor snapshots written by rl.sac")
     tmp = st.with_name(st.name + ".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, st)
@@ -144,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.policies", description="Export SAC snapshots as shipped behaviour policies.")
     p.add_argument("--run", required=True, help="rl.sac run directory")
     p.add_argument("--env", required=True)
-    p.add_argument("--out", default=str(WEIGHTS_DIR))
+    p.add_argument("--out", type=nonempty_path, default=str(WEIGHTS_DIR))
     p.add_argument("--command", default=None, help="the exact training command, recorded in the card")
     p.add_argument("--name", default=None, help="file stem (default behaviour_<env family>: the default behaviour)")
     return p

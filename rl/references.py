@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path_obj, run_cli
 from rl.envs import SUPPORTED_ENVS, env_family
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=50_000, help="first environment seed (the expert's start 1,000,000 later)")
     p.add_argument("--policy", default=None, help="behaviour .safetensors with its .json card (default: the shipped one)")
     p.add_argument("--snapshot", default=None, help="expert snapshot name (default: the card's expert)")
-    p.add_argument("--out", type=Path, default=V5_PATH, help="JSON file of all environments' entries (merged)")
+    p.add_argument("--out", type=nonempty_path_obj, default=V5_PATH, help="JSON file of all environments' entries (merged)")
     return p
 
 

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.infra.cli import run_cli
-from core.infra.fileio import torch_save_atomic
+from core.infra.cli import nonempty_path, positive_int, run_cli
+from core.infra.fileio import torch_load, torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def train_sac(cfg: SACConfig, out: str | os.PathLike, *, progress: bool = True) 
     step, episode, snaps, meta = 0, 0, {}, {"env": cfg.env, "config": asdict(cfg), "snapshots": []}
     state_path = out / "state.pt"
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = torch_load(state_path, what="the training state written by rl.sac", map_location=None)
         actor.load_state_dict(st["actor"]); critic.load_state_dict(st["critic"]); target.load_state_dict(st["target"])
         with torch.no_grad():
             log_alpha.copy_(st["log_alpha"])
@@ -280,15 +280,15 @@ def train_sac(cfg: SACConfig, out: str | os.PathLike, *, progress: bool = True) 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.sac", description="Train a SAC behaviour policy (resumable).")
     p.add_argument("--env", default="Hopper-v5", help="gymnasium env id")
-    p.add_argument("--steps", type=int, default=300_000, help="environment steps")
+    p.add_argument("--steps", type=positive_int, default=300_000, help="environment steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="run directory (state.pt, snapshots.safetensors/json)")
-    p.add_argument("--snapshot-every", type=int, default=10_000)
-    p.add_argument("--checkpoint-every", type=int, default=25_000, help="full-state checkpoint period")
-    p.add_argument("--actor-hidden", type=int, default=64, help="actor width (shipped)")
-    p.add_argument("--critic-hidden", type=int, default=128, help="critic width (not shipped)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--out", type=nonempty_path, required=True, help="run directory (state.pt, snapshots.safetensors/json)")
+    p.add_argument("--snapshot-every", type=positive_int, default=10_000)
+    p.add_argument("--checkpoint-every", type=positive_int, default=25_000, help="full-state checkpoint period")
+    p.add_argument("--actor-hidden", type=positive_int, default=64, help="actor width (shipped)")
+    p.add_argument("--critic-hidden", type=positive_int, default=128, help="critic width (not shipped)")
+    p.add_argument("--batch-size", type=positive_int, default=128)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     return p
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 from pathlib import Path
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, run_cli
 from core.infra.ship import (Staging, check_finite, check_name, loading_check, read_json_file, read_jsonl_file,
                              require_files)
 from rl.policies import WEIGHTS_DIR
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--command", required=True, help="the exact training command (recorded in the card)")
     p.add_argument("--eval-json", default=None, help="rl.evaluate --json output to include")
     p.add_argument("--note", default="", help="free text for the card (what the policy is good for)")
-    p.add_argument("--out", default=str(WEIGHTS_DIR), help="destination folder (default: rl/weights)")
+    p.add_argument("--out", type=nonempty_path, default=str(WEIGHTS_DIR), help="destination folder (default: rl/weights)")
     return p
 
 

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.infra.cli import run_cli
+from core.infra.cli import (fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                            run_cli)
+from core.infra.fileio import torch_load
 from rl.data import OfflineDataset, check_env_compat, load_dataset, returns_to_go
 from rl.models import DMConfig, DTConfig, build_model, config_from_dict, config_to_dict
 
@@ -251,7 +253,7 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
             "eval_targets": targets}
     metrics_path = out / "metrics.jsonl"
     if resume and ckpt_path.exists():
-        st = torch.load(ckpt_path, weights_only=False)
+        st = torch_load(ckpt_path, what="the checkpoint written by rl.train", map_location=None)
         # a config saved before a later option gets the value it was trained with (config_from_dict)
         saved = config_to_dict(config_from_dict(st["train_config"]["algo"], st["model_config"]))
         if st["train_config"]["algo"] != cfg.algo or saved != config_to_dict(mcfg):
@@ -330,44 +332,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algo", choices=("dm", "dt"), required=True)
     p.add_argument("--dataset", required=True,
                    help=".npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
-    p.add_argument("--steps", type=int, required=True, help="total gradient steps")
+    p.add_argument("--steps", type=positive_int, required=True, help="total gradient steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", type=nonempty_path, required=True, help="output directory")
     p.add_argument("--env", default=None, help="environment id, for a dataset whose metadata names none (or another)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
-    p.add_argument("--warmup-steps", type=int, default=1000)
-    p.add_argument("--grad-clip", type=float, default=0.25)
-    p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    p.add_argument("--eval-episodes", type=int, default=5, help="episodes per target return (0: no evaluation)")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--lr", type=positive_float, default=1e-4)
+    p.add_argument("--weight-decay", type=nonnegative_float, default=1e-4)
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=1000)
+    p.add_argument("--grad-clip", type=positive_float, default=0.25)
+    p.add_argument("--log-every", type=positive_int, default=100)
+    p.add_argument("--eval-every", type=nonnegative_int, default=0, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--eval-episodes", type=nonnegative_int, default=5, help="episodes per target return (0: no evaluation)")
     p.add_argument("--eval-target", type=float, action="append", default=None, help="target return (repeatable)")
-    p.add_argument("--checkpoint-every", type=int, default=1000)
+    p.add_argument("--checkpoint-every", type=positive_int, default=1000)
     p.add_argument("--segment-anchor", choices=SEGMENT_ANCHORS, default="start",
                    help="training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     g = p.add_argument_group("model")
-    g.add_argument("--context", type=int, default=None, help="timesteps per segment K (default 20)")
-    g.add_argument("--embed-dim", type=int, default=None, help="token width (default 128)")
-    g.add_argument("--layers", type=int, default=None, help="blocks (default: dt 3, dm 6)")
-    g.add_argument("--heads", type=int, default=None, help="attention heads (default 1)")
-    g.add_argument("--dropout", type=float, default=None)
+    g.add_argument("--context", type=positive_int, default=None, help="timesteps per segment K (default 20)")
+    g.add_argument("--embed-dim", type=positive_int, default=None, help="token width (default 128)")
+    g.add_argument("--layers", type=positive_int, default=None, help="blocks (default: dt 3, dm 6)")
+    g.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 1)")
+    g.add_argument("--dropout", type=fraction, default=None, help="dropout probability in [0, 1) (default 0.1)")
     g.add_argument("--routed-layers", type=str, default=None, help="dm: comma-separated zero-based layer ids (default 1,3,5)")
-    g.add_argument("--capacity", type=float, default=None, help="dm: initial routed fraction (default 0.5)")
-    g.add_argument("--capacity-cost", type=float, default=None, help="dm: weight of the mean routed fraction in the loss")
-    g.add_argument("--aux-weight", type=float, default=None, help="dm: weight of the auxiliary predictor's BCE")
-    g.add_argument("--probe-tokens", type=int, default=None,
+    g.add_argument("--capacity", type=fraction, default=None, help="dm: initial routed fraction (default 0.5)")
+    g.add_argument("--capacity-cost", type=nonnegative_float, default=None,
+                   help="dm: weight of the mean routed fraction in the loss")
+    g.add_argument("--aux-weight", type=nonnegative_float, default=None, help="dm: weight of the auxiliary predictor's BCE")
+    g.add_argument("--probe-tokens", type=nonnegative_int, default=None,
                    help="dm: unselected tokens past the cut that run a routed block for the capacity gradient "
                         "(default 4; 0: gradient through selected tokens only)")
     g.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
                    help="dm: routing in training: top-k over the whole segment (default) or causal prefix top-k")
-    g.add_argument("--threads", type=int, default=1, help="torch threads")
+    g.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.resume and not (Path(args.out) / "checkpoint.pt").is_file():
+        raise SystemExit(f"--resume given but {Path(args.out) / 'checkpoint.pt'} does not exist")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(algo=args.algo, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,

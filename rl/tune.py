@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.infra.cli import run_cli
+from core.infra.cli import (fraction, nonempty_path, nonnegative_int, open_fraction, positive_float, positive_int,
+                            run_cli)
 from rl.data import OfflineDataset, load_dataset
 from rl.models import build_model, config_to_dict
 from rl.train import SegmentSampler, TrainConfig, Trainer, _model_config
@@ -158,25 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", required=True,
                    help=".npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
     p.add_argument("--weights", default="0,0.001,0.003,0.01", help="comma-separated capacity_cost_weight values")
-    p.add_argument("--out", required=True, help="output directory (one JSON per weight + summary.json)")
+    p.add_argument("--out", type=nonempty_path, required=True, help="output directory (one JSON per weight + summary.json)")
     p.add_argument("--env", default=None, help="environment id, for a dataset whose metadata names none (or another)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument("--seed", type=int, default=0, help="seeds the split, the model and the batches")
-    p.add_argument("--val-fraction", type=float, default=0.2, help="fraction of trajectories held out")
-    p.add_argument("--val-batches", type=int, default=8, help="fixed validation batches (of --batch-size segments)")
-    p.add_argument("--floor-margin", type=float, default=0.05, help="routed fraction must stay >= min_capacity + this")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--context", type=int, default=10)
-    p.add_argument("--embed-dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--val-fraction", type=open_fraction, default=0.2, help="fraction of trajectories held out")
+    p.add_argument("--val-batches", type=positive_int, default=8, help="fixed validation batches (of --batch-size segments)")
+    p.add_argument("--floor-margin", type=fraction, default=0.05, help="routed fraction must stay >= min_capacity + this")
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=100)
+    p.add_argument("--context", type=positive_int, default=10)
+    p.add_argument("--embed-dim", type=positive_int, default=64)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--heads", type=positive_int, default=1)
     p.add_argument("--routed-layers", default="1,3")
-    p.add_argument("--probe-tokens", type=int, default=None, help="DM probe_tokens (default: DMConfig's)")
+    p.add_argument("--probe-tokens", type=nonnegative_int, default=None, help="DM probe_tokens (default: DMConfig's)")
     p.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
                    help="routing in training (default: DMConfig's, top-k)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     return p
 
 

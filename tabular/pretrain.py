@@ -34,9 +34,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.infra.cli import run_cli
+from core.infra.cli import (fraction, nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                            run_cli)
 from core.infra.distributed import agreed_stop, finish
-from core.infra.fileio import torch_save_atomic
+from core.infra.fileio import torch_load, torch_save_atomic
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import atomic_write_text, load_model, save_model
@@ -330,23 +331,25 @@ def model_card(trainer: Trainer, val: dict[str, float], command: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tabular.pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
-    p.add_argument("--out", type=Path, default=Path("runs/tabicl_small"), help="run folder (checkpoints, metrics)")
+    p.add_argument("--out", type=nonempty_path_obj, default=Path("runs/tabicl_small"),
+                   help="run folder (checkpoints, metrics)")
     p.add_argument("--steps", type=int, default=100_000, help="stop after this many optimizer steps")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time (this invocation)")
+    p.add_argument("--max-minutes", type=nonnegative_float, default=None,
+                   help="stop after this much wall time (this invocation)")
     p.add_argument("--batch-size", type=int, default=8, help="tables per step per process")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    p.add_argument("--warmup", type=int, default=500, help="linear warm-up steps")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--warmup", type=nonnegative_int, default=500, help="linear warm-up steps")
     p.add_argument("--cosine", action="store_true", help="cosine decay to 10%% of the peak at --steps")
-    p.add_argument("--anneal-from", type=int, default=None,
+    p.add_argument("--anneal-from", type=nonnegative_int, default=None,
                    help="from this step on, decay the rate linearly to zero over --anneal-steps (run it on a copy "
                         "of the run's last.pt, with --steps at the end of the decay)")
     p.add_argument("--anneal-steps", type=int, default=500, help="length of the --anneal-from decay")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
+    p.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clipping")
     p.add_argument("--seed", type=int, default=0, help="seed of model init, prior and sizes")
-    p.add_argument("--curriculum-scale", type=float, default=1.0, help="stretch factor of the curriculum stages")
-    p.add_argument("--easy-steps", type=int, default=1500, help="warm-up steps on the easy prior (EASY_PRIOR)")
-    p.add_argument("--max-rows", type=int, default=None, help="cap on rows per table (overrides the curriculum)")
+    p.add_argument("--curriculum-scale", type=positive_float, default=1.0, help="stretch factor of the curriculum stages")
+    p.add_argument("--easy-steps", type=nonnegative_int, default=1500, help="warm-up steps on the easy prior (EASY_PRIOR)")
+    p.add_argument("--max-rows", type=positive_int, default=None, help="cap on rows per table (overrides the curriculum)")
     p.add_argument("--max-features", type=int, default=None,
                    help="cap on features per table (only lowers the curriculum's bound)")
     p.add_argument("--feature-bound", type=int, default=None,
@@ -357,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--icl-logistic", type=float, nargs="+", default=None, metavar="ALPHA",
                    help="add the in-context logistic readout (tabular.readout) with these penalties to the model; "
                         "like --icl-ridge, it starts at zero when added with --init-from")
-    p.add_argument("--p-factor", type=float, default=0.0,
+    p.add_argument("--p-factor", type=fraction, default=0.0,
                    help="share of factor-SCM tables in the full prior (tabular.prior; taken from the MLP share)")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")
     p.add_argument("--val-every", type=int, default=500, help="steps between validations (and best exports)")
@@ -366,12 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row cap of the validation tables (fixed, independent of the training caps)")
     p.add_argument("--select", choices=("acc", "loss"), default="acc",
                    help="which validation score picks the best checkpoint (accuracy, or log-loss)")
-    p.add_argument("--export", type=Path, default=None, help="also write the best model here (.safetensors + card)")
+    p.add_argument("--export", type=nonempty_path_obj, default=None,
+                   help="also write the best model here (.safetensors + card)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start a new run folder from exported weights (.safetensors written by this script): model, "
                         "step and tables seen from its card; fresh optimizer state")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per process")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -418,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         if not last.is_file():
             raise SystemExit(f"--resume given but {last} does not exist")
-        state = torch.load(last, map_location=device, weights_only=False)
+        state = torch_load(last, what="the training state written by tabular.pretrain", map_location=device)
         # The run's recipe comes from the checkpoint, so a resumed run continues the same schedule.
         for key in _RECIPE_KEYS:
             old = state["args"].get(key)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from core.infra.fileio import load_safetensors, open_safetensors, torch_load
 from tabular.model import TabICL, TabICLConfig
 
 logger = logging.getLogger(__name__)
@@ -65,18 +66,16 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -
     if not path.is_file():
         raise FileNotFoundError(f"TabICL checkpoint {str(path)!r} does not exist (expected a .safetensors or .pt file)")
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), framework="pt") as f:
+        what = "TabICL weights written by tabular.pretrain (--export or best.safetensors)"
+        with open_safetensors(path, what=what) as f:
             meta = f.metadata() or {}
         if meta.get("format") != "tabicl" or "config" not in meta:
             raise ValueError(f"{str(path)!r} is not a TabICL checkpoint (no 'tabicl' config in its metadata)")
         config = TabICLConfig(**json.loads(meta["config"]))
-        state = load_file(str(path))
+        state = load_safetensors(path, what=what)
         card = json.loads(meta.get("extra") or "{}")
     elif path.suffix == ".pt":
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch_load(path, what="a TabICL pretraining checkpoint (last.pt written by tabular.pretrain)")
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
             raise ValueError(f"{str(path)!r} is not a TabICL pretraining checkpoint (keys 'model', 'model_config')")
         config = TabICLConfig(**ckpt["model_config"])

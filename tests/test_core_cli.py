@@ -91,3 +91,8 @@ def test_a_real_cli_reports_bad_input_in_one_line():
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --steps")
+
+
+def test_a_main_that_returns_a_result_object_exits_0():
+    assert run_cli(_main(code={"accuracy": 0.5}), []) == 0
+    assert run_cli(_main(code=True), []) == 0

@@ -340,6 +340,7 @@ def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights
     from PIL import Image
     from safetensors.torch import save_file
 
+    from core.infra.cli import run_cli
     from core.infra.jobs import SettingsMismatch, settings_fingerprint
     from pathology.batch import main as batch_main
 
@@ -367,8 +368,8 @@ def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights
 
     with pytest.raises(SettingsMismatch, match=r"mpp: 1 -> 2\b.*--overwrite"):
         run_batch(BatchConfig(**{**cfg.__dict__, "mpp": 2.0}))
-    assert batch_main(["--slides", str(slides), "--out", str(out), "--mpp", "1.0", "--patch-size", "32",
-                       "--weights", tiny_weights, "--no-progress", "--device", "cpu"]) == 1
+    assert run_cli(batch_main, ["--slides", str(slides), "--out", str(out), "--mpp", "1.0", "--patch-size", "32",
+                                "--weights", tiny_weights, "--no-progress", "--device", "cpu"]) == 2  # refused: bad usage
     other = tmp_path / "other.safetensors"  # other weights of the same format
     m = SmallPatchCNN(dim=16, widths=(8, 8, 8, 16, 16))
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(other),

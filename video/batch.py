@@ -30,7 +30,8 @@ import logging
 import time
 from pathlib import Path
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
+from core.infra.fileio import check_writable
 from core.infra.jobs import (
     Item,
     JobConfig,
@@ -165,11 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = batch_parser("python -m video.batch", __doc__)
     p.add_argument("--videos", required=True, help="folder of video files")
-    p.add_argument("--out", required=True, help="output folder (one .safetensors per video + manifest)")
+    p.add_argument("--out", type=nonempty_path, required=True, help="output folder (one .safetensors per video + manifest)")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
     p.add_argument("--method", default="infinite", choices=METHODS, help="how each video is read")
-    p.add_argument("--chunk-size", type=int, default=32, help="frames per chunk")
-    p.add_argument("--fps", type=float, default=None, help="read rate in frames/s (default: every frame)")
+    p.add_argument("--chunk-size", type=positive_int, default=32, help="frames per chunk")
+    p.add_argument("--fps", type=positive_float, default=None, help="read rate in frames/s (default: every frame)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_job_arguments(p, item="video")
     return p
@@ -180,19 +181,24 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from video.infinite import InfiniteVideo, InfiniteVideoConfig
 
+    # Bad options, a missing videos folder and files made with other settings are bad usage or input: one line,
+    # exit 2 (run_cli), before any work. A video that fails stops the run (exit 1) unless --skip-errors.
+    list_videos(args.videos)
+    check_writable(args.out, what="--out", folder=True)
     iv = InfiniteVideo(args.weights, InfiniteVideoConfig(method=args.method, chunk_size=args.chunk_size, fps=args.fps),
                        device=args.device)
     try:
         rows = _run(args.videos, job_config_from_args(args, args.out, desc="videos"), iv)
+    except SettingsMismatch:
+        raise
     except Exception as e:  # noqa: BLE001
-        logger.error("stopped: %s%s", e, "" if isinstance(e, SettingsMismatch)
-                     else " (use --skip-errors to record failures and continue)")
+        logger.error("stopped: %s (use --skip-errors to record failures and continue)", e)
         return 1
     counts: dict[str, int] = {}
     for r in rows.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     logger.info("finished: %s", counts)
-    return 1 if counts.get("failed") else 0
+    return 1 if counts.get("failed") else 0  # 1: some videos failed (recorded in the manifest)
 
 
 if __name__ == "__main__":

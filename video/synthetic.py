@@ -29,6 +29,7 @@ import argparse
 import csv
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -319,13 +320,17 @@ def write_video(path, frames: Iterator[np.ndarray] | Sequence[np.ndarray], *, fp
     ``frame_times`` (seconds, one per frame) gives a variable frame rate; default is constant ``fps``.
     """
     av = _av()
+    if not (math.isfinite(fps) and fps > 0):
+        raise ValueError(f"fps must be a finite number > 0, got {fps}")
+    rate = Fraction(fps).limit_denominator(1000)
+    if rate == 0:
+        raise ValueError(f"fps {fps} is too low: the frame rate is kept to 1/1000 (give at least 0.001)")
+    tb = Fraction(1, 1000) if frame_times is not None else 1 / rate
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".mp4")
-    os.close(fd)
-    rate = Fraction(fps).limit_denominator(1000)
-    tb = Fraction(1, 1000) if frame_times is not None else 1 / rate
-    try:
+    try:  # from here on, any failure removes the temp file
+        os.close(fd)
         with av.open(tmp, "w", format="mp4") as container:
             stream = None
             i = 0
@@ -418,12 +423,12 @@ def load_dataset(root) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m video.synthetic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--n", type=int, default=10, help="number of videos")
+    p.add_argument("--out", type=nonempty_path, required=True, help="output folder")
+    p.add_argument("--n", type=positive_int, default=10, help="number of videos")
     p.add_argument("--frames", default="256", help="frames per video, or a comma list cycled over the videos")
     p.add_argument("--seed", type=int, default=0, help="dataset seed")
-    p.add_argument("--size", type=int, default=32, help="frame side in pixels (the shipped model reads 32)")
-    p.add_argument("--fps", type=float, default=25.0, help="frame rate of the written files")
+    p.add_argument("--size", type=positive_int, default=32, help="frame side in pixels (the shipped model reads 32)")
+    p.add_argument("--fps", type=positive_float, default=25.0, help="frame rate of the written files")
     return p
 
 
@@ -437,8 +442,6 @@ def main(argv=None) -> int:
     for f in frames:
         if not 64 <= f <= 50_000:
             raise SystemExit(f"--frames values must lie in [64, 50000], got {f}")
-    if args.n < 1:
-        raise SystemExit(f"--n must be >= 1, got {args.n}")
     write_dataset(args.out, n=args.n, frames=frames, seed=args.seed, size=args.size, fps=args.fps, progress=True)
     logger.info("wrote %d videos and their questions to %s", args.n, args.out)
     return 0

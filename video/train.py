@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
-from core.infra.cli import run_cli
-from core.infra.fileio import torch_save_atomic
+from core.infra.cli import fraction, nonempty_path, nonnegative_float, positive_float, positive_int, run_cli
+from core.infra.fileio import load_safetensors, open_safetensors, torch_load, torch_save_atomic
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
     COLOURS,
@@ -163,18 +163,14 @@ def save_weights(model: VideoQAModel, path, card: dict) -> None:
 
 def load_model(path) -> VideoQAModel:
     """Load a model written by :func:`save_weights`."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model weights not found: {str(path)!r}")
-    with safe_open(str(path), framework="pt") as f:
+    what = "video QA weights written by video.train (--export)"
+    with open_safetensors(path, what=what) as f:
         meta = f.metadata() or {}
     if "config" not in meta:
         raise ValueError(f"{str(path)!r} has no 'config' metadata; expected a file written by video.train")
     model = VideoQAModel(VideoQAConfig(**json.loads(meta["config"])))
-    model.load_state_dict(load_file(str(path)))
+    model.load_state_dict(load_safetensors(path, what=what))
     return model.eval()
 
 
@@ -199,7 +195,7 @@ def train(args) -> dict:
     rng = np.random.default_rng(args.seed)
     step, best, elapsed, history = 0, -1.0, 0.0, []
     if ckpt_path.exists():
-        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        ck = torch_load(ckpt_path, what="the checkpoint written by video.train")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
@@ -275,20 +271,21 @@ def train(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m video.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="run folder (checkpoint.pt lives here; rerun to resume)")
-    p.add_argument("--steps", type=int, default=3000, help="optimizer steps in total")
-    p.add_argument("--batch-size", type=int, default=32, help="clips per step")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (one-cycle schedule)")
-    p.add_argument("--eval-every", type=int, default=100, help="validate and checkpoint every N steps")
-    p.add_argument("--val-batches", type=int, default=12, help="fixed validation batches")
-    p.add_argument("--export", default=None, help="write the best model here (.safetensors + .json card)")
-    p.add_argument("--dim", type=int, default=64, help="token / query features")
-    p.add_argument("--width", type=int, default=16, help="channels of the tiny encoder's first conv")
-    p.add_argument("--input-size", type=int, default=16, help="frames are resized to this square for the encoder")
-    p.add_argument("--layers", type=int, default=2, help="Q-former blocks")
-    p.add_argument("--queries", type=int, default=8, help="learned queries")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--tag-weight", type=float, default=1.0, help="weight of the auxiliary per-frame colour loss")
+    p.add_argument("--out", type=nonempty_path, required=True, help="run folder (checkpoint.pt lives here; rerun to resume)")
+    p.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps in total")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="clips per step")
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--eval-every", type=positive_int, default=100, help="validate and checkpoint every N steps")
+    p.add_argument("--val-batches", type=positive_int, default=12, help="fixed validation batches")
+    p.add_argument("--export", type=nonempty_path, default=None,
+                   help="write the best model here (.safetensors + .json card)")
+    p.add_argument("--dim", type=positive_int, default=64, help="token / query features")
+    p.add_argument("--width", type=positive_int, default=16, help="channels of the tiny encoder's first conv")
+    p.add_argument("--input-size", type=positive_int, default=16, help="frames are resized to this square for the encoder")
+    p.add_argument("--layers", type=positive_int, default=2, help="Q-former blocks")
+    p.add_argument("--queries", type=positive_int, default=8, help="learned queries")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    p.add_argument("--tag-weight", type=nonnegative_float, default=1.0, help="weight of the auxiliary per-frame colour loss")
     p.add_argument("--seed", type=int, default=0, help="seed of the training stream")
     p.add_argument("--clip-lengths", default="16,32", help="clip lengths in frames (comma list)")
     p.add_argument("--chunk-counts", default="1,2,4", help="chunks each clip is split into (comma list)")
@@ -297,11 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None, help="start from these weights (same-shape tensors copied)")
     p.add_argument("--memory-in-loop", action="store_true",
                    help="read the chunks in order through the continuous memory while training (not the published recipe)")
-    p.add_argument("--alpha", type=float, default=0.75, help="short-term weight with --memory-in-loop")
-    p.add_argument("--mem-basis", type=int, default=64, help="basis functions of the memory with --memory-in-loop")
-    p.add_argument("--mem-samples", type=int, default=512, help="old-signal samples per consolidation")
-    p.add_argument("--mem-points", type=int, default=1000, help="integration points of the continuous attention")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--alpha", type=fraction, default=0.75, help="short-term weight with --memory-in-loop")
+    p.add_argument("--mem-basis", type=positive_int, default=64, help="basis functions of the memory with --memory-in-loop")
+    p.add_argument("--mem-samples", type=positive_int, default=512, help="old-signal samples per consolidation")
+    p.add_argument("--mem-points", type=positive_int, default=1000, help="integration points of the continuous attention")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 
@@ -312,9 +309,6 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    for name in ("steps", "batch_size", "eval_every", "val_batches", "threads"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("clip_lengths", "chunk_counts"):
         try:
             vals = [int(v) for v in getattr(args, name).split(",")]

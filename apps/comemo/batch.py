@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from apps.comemo.model import CoMemoConfig, normalise_tiles
 from apps.comemo.tiling import tile_image
 from apps.comemo.tokenizer import CoMemoTokenizer
+from core.infra.fileio import open_image
 from core.rope import rope_dhr_position_ids
 
 __all__ = ["Batch", "Example", "load_image", "build_batch"]
@@ -79,13 +80,9 @@ def load_image(image, *, max_pixels: int, index: int = 0) -> np.ndarray:
             raise FileNotFoundError(f"{what}: no such file")
         if path.stat().st_size == 0:
             raise ValueError(f"{what}: the file is empty")
-        try:
-            with Image.open(path) as im:
-                w, h = im.size
-                _check_pixels(w, h, max_pixels, what)
-                image = im.convert("RGB")
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{what}: not a readable image ({e})") from None
+        with open_image(path, what=f"image {index} as PNG, JPEG or another format Pillow reads",
+                        max_pixels=max_pixels) as im:
+            image = im.convert("RGB")
     if isinstance(image, Image.Image):
         _check_pixels(image.width, image.height, max_pixels, what)
         return np.asarray(image.convert("RGB"))

@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from apps.comemo.tokenizer import IMAGE_LABELS
 from core.decoder import Decoder, DecoderConfig
 from core.layers import SelfAttentionBlock
-from core.infra.fileio import atomic_path
+from core.infra.fileio import atomic_path, load_safetensors_model, open_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -293,16 +293,12 @@ class CoMemoModel(nn.Module):
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu") -> CoMemoModel:
-        from safetensors import safe_open
-        from safetensors.torch import load_model
-
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no CoMemo weights at {path}")
-        with safe_open(str(path), framework="pt") as f:
+        what = f"CoMemo weights written by apps.comemo.train (format {MODEL_FORMAT!r})"
+        with open_safetensors(path, what=what) as f:
             meta = f.metadata() or {}
         if meta.get("format") != MODEL_FORMAT:
             raise ValueError(f"{path} is not a CoMemo weights file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})")
         model = cls(CoMemoConfig.from_json(meta["config"]), load_encoder_weights=False).to(device)
-        load_model(model, str(path), strict=True, device=str(device))
+        load_safetensors_model(model, path, what=what, device=device)
         return model.eval()

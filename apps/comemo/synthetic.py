@@ -28,12 +28,11 @@ import json
 import logging
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path_obj, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +262,7 @@ def corpus_texts() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.comemo.synthetic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--out", type=nonempty_path_obj, required=True, help="output folder")
     p.add_argument("--split", default="train", help="split name: the file DIR/<split>.jsonl")
     p.add_argument("--samples", type=int, default=200, help="samples per task and image count")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to draw")

@@ -39,9 +39,10 @@ from apps.comemo.batch import build_batch
 from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, lm_loss
 from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
 from apps.comemo.tokenizer import IMAGE_LABELS, CoMemoTokenizer, train_tokenizer
-from core.infra.cli import run_cli
+from core.infra.cli import (nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                            run_cli)
 from core.infra.distributed import agreed_stop, finish
-from core.infra.fileio import torch_save_atomic, write_text_atomic
+from core.infra.fileio import torch_load, torch_save_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -126,17 +127,18 @@ def draw_examples(seed: int, start: int, count: int, *, max_images: int, tasks: 
 
 def add_size_args(p: argparse.ArgumentParser) -> None:
     """The model-size options shared by this CLI and ``apps.comemo.vision_pretrain`` (same names, same defaults)."""
-    p.add_argument("--dim", type=int, default=128, help="decoder width")
-    p.add_argument("--depth", type=int, default=4, help="decoder layers")
-    p.add_argument("--heads", type=int, default=4, help="decoder heads")
-    p.add_argument("--mlp-ratio", type=float, default=4.0,
+    p.add_argument("--dim", type=positive_int, default=128, help="decoder width")
+    p.add_argument("--depth", type=positive_int, default=4, help="decoder layers")
+    p.add_argument("--heads", type=positive_int, default=4, help="decoder heads")
+    p.add_argument("--mlp-ratio", type=positive_float, default=4.0,
                    help="decoder MLP width / dim (7 gives a context-only variant the parameters of the memory variants)")
-    p.add_argument("--cross-every", type=int, default=2, help="a gated cross-attention block before every k-th layer")
-    p.add_argument("--tile", type=int, default=32, help="tile side in pixels")
-    p.add_argument("--patch", type=int, default=4, help="ViT patch side in pixels")
-    p.add_argument("--vision-dim", type=int, default=96, help="ViT width")
-    p.add_argument("--vision-depth", type=int, default=2, help="ViT blocks")
-    p.add_argument("--vocab-size", type=int, default=320, help="tokenizer size when one is trained here")
+    p.add_argument("--cross-every", type=positive_int, default=2,
+                   help="a gated cross-attention block before every k-th layer")
+    p.add_argument("--tile", type=positive_int, default=32, help="tile side in pixels")
+    p.add_argument("--patch", type=positive_int, default=4, help="ViT patch side in pixels")
+    p.add_argument("--vision-dim", type=positive_int, default=96, help="ViT width")
+    p.add_argument("--vision-depth", type=positive_int, default=2, help="ViT blocks")
+    p.add_argument("--vocab-size", type=positive_int, default=320, help="tokenizer size when one is trained here")
 
 
 def model_config(args, vocab_size: int) -> CoMemoConfig:
@@ -257,29 +259,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.comemo.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", required=True, help=f"one of {', '.join(VARIANTS)}")
     p.add_argument("--stage", type=int, required=True, help="0 text-only LM, 1 projector + memory path, 2 gates frozen, 3 all")
-    p.add_argument("--out", type=Path, required=True, help="run folder (last.pt, metrics.jsonl, model.safetensors, tokenizer.json)")
+    p.add_argument("--out", type=nonempty_path_obj, required=True,
+                   help="run folder (last.pt, metrics.jsonl, model.safetensors, tokenizer.json)")
     p.add_argument("--init-from", type=Path, help="weights of a previous stage (its tokenizer.json must lie beside it)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of this stage")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step and rank")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     p.add_argument("--vision-lr-scale", type=float, default=1.0,
                    help="factor on --lr for the vision encoder (e.g. 0.1 to keep a stage -1 ViT close to its weights)")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clip")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample stream")
     p.add_argument("--max-images", type=int, default=8, help="train on 1..N images per sample")
     p.add_argument("--min-images", type=int, default=1, help="train on --min-images..--max-images images per sample")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to train on")
     p.add_argument("--image-labels", default="none", choices=IMAGE_LABELS,
                    help="a text label 'image K' before (InternVL's layout) or after each image in the prompt")
-    p.add_argument("--label-range", type=int, default=0,
+    p.add_argument("--label-range", type=nonnegative_int, default=0,
                    help="with --image-labels: number a sample's labels from a random start within 1..N (0: from 1)")
     p.add_argument("--image-grid", default="1x1", metavar="RxC",
                    help="tiles per image of the needle task: RxC gives high-resolution needles (rows x cols tiles "
                         "each, the digit in one tile; with RoPE-DHR an image keeps one tile's ids); 1x1: one tile")
-    p.add_argument("--image-token-scale", type=float, default=1.0,
+    p.add_argument("--image-token-scale", type=positive_float, default=1.0,
                    help="factor on the projected image tokens (they start ~10x the norm of token embeddings)")
     add_size_args(p)
     p.add_argument("--encoder", default="vit", help="vision encoder: vit (built here), timm:<name> or open_clip:<name>")
@@ -288,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-every", type=int, default=50, help="validation loss every N steps")
     p.add_argument("--val-samples", type=int, default=32, help="fixed validation samples (seed stream 10**6 + seed)")
     p.add_argument("--ckpt-every", type=int, default=50, help="write last.pt every N steps")
-    p.add_argument("--max-minutes", type=float, help="stop (and checkpoint) after this many minutes")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--max-minutes", type=nonnegative_float, help="stop (and checkpoint) after this many minutes")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -348,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         if not last.is_file():
             raise SystemExit(f"--resume given but {last} does not exist")
-        state = torch.load(last, map_location="cpu", weights_only=False)
+        state = torch_load(last, what="the training state written by apps.comemo.train")
         for key in _RECIPE_KEYS:
             old = state["args"].get(key)
             if old is not None and old != getattr(args, key):

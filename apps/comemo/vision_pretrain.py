@@ -48,7 +48,7 @@ from apps.comemo.synthetic import (
     sample_seed,
 )
 from apps.comemo.train import add_size_args
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path_obj, positive_float, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -155,15 +155,16 @@ def pretrain_vision(model: CoMemoModel, *, steps: int, batch_size: int, lr: floa
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.comemo.vision_pretrain", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for model.safetensors, tokenizer.json, metrics.jsonl")
+    p.add_argument("--out", type=nonempty_path_obj, required=True,
+                   help="folder for model.safetensors, tokenizer.json, metrics.jsonl")
     p.add_argument("--variant", default="comemo", help=f"variant of the saved file (any of {', '.join(VARIANTS)}; "
                    "the ViT is shared by all)")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=64, help="tiles per step")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW; warm-up 5%%, linear decay)")
+    p.add_argument("--steps", type=positive_int, default=600, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="tiles per step")
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (AdamW; warm-up 5%%, linear decay)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tile stream")
     add_size_args(p)  # the saved file's sizes, as apps.comemo.train names them
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 

@@ -29,6 +29,7 @@ import torch
 
 from apps.emloc.model import EMLoCHost
 from core.decoder import KVCache, LayerKV
+from core.infra.fileio import open_safetensors
 from core.kv_compress import POLICIES, Chunk, ChunkReport, EMLoCConfig, emloc_compress, observe
 from core.kv_compress import compress as compress_cache
 
@@ -189,7 +190,8 @@ class CompressedContext:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no EMLoC memory file at {path}")
-        meta = KVCache.load_metadata(path)
+        with open_safetensors(path, what=f"an EMLoC memory written by apps.emloc.compress ({MEMORY_FORMAT!r})") as f:
+            meta = dict(f.metadata() or {})
         if meta.get("emloc_format") != MEMORY_FORMAT:
             raise ValueError(f"{path} is not an EMLoC memory file (emloc_format {meta.get('emloc_format')!r}, expected {MEMORY_FORMAT!r})")
         fp = model.fingerprint()

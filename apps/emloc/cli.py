@@ -16,7 +16,7 @@ import torch
 from apps.emloc.api import CompressedContext, compress
 from apps.emloc.cli_common import load_host
 from apps.emloc.io import IMAGE_SUFFIXES, read_demos, read_image
-from core.infra.cli import InputTally, UsageError
+from core.infra.cli import InputTally, UsageError, nonempty_path_obj
 from core.infra.fileio import check_writable
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def build_compress_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.emloc.compress", description=COMPRESS_DOC.split("\n\n")[0], epilog=COMPRESS_DOC.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--demos", required=True, type=Path, help="DIR/<label id>/<image> folder or JSONL file")
-    p.add_argument("--out", required=True, type=Path, help="memory file to write (.safetensors)")
+    p.add_argument("--out", required=True, type=nonempty_path_obj, help="memory file to write (.safetensors)")
     p.add_argument("--model", type=Path, default=None, help="host weights (default: the shipped host)")
     p.add_argument("--delta", type=float, default=0.005, help="JS-divergence bound per chunk (nats), > 0")
     p.add_argument("--ratios", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.1, 0.2, 0.5),

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.infra.fileio import open_image
+
 __all__ = ["read_image", "read_demos", "list_images", "IMAGE_SUFFIXES"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".npy")
@@ -25,20 +27,18 @@ def read_image(path: str | Path, size: int) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no image file at {path}")
-    try:
-        if path.suffix.lower() == ".npy":
+    if path.suffix.lower() == ".npy":
+        try:
             arr = np.load(path, allow_pickle=False).astype(np.float32)
             if arr.ndim != 2:
                 raise ValueError(f"expected a 2-D array, got shape {arr.shape}")
             lo, hi = float(arr.min()), float(arr.max())
             arr = (arr - lo) / (hi - lo) if hi > lo else np.zeros_like(arr)
-        else:
-            from PIL import Image
-
-            with Image.open(path) as im:
-                arr = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
-    except Exception as err:  # noqa: BLE001 - any decoder failure is reported with the file name
-        raise ValueError(f"cannot read image {path}: {err}") from err
+        except Exception as err:  # noqa: BLE001 - any decoder failure is reported with the file name
+            raise ValueError(f"cannot read image {path}: {err}") from err
+    else:
+        with open_image(path, what=f"an image ({', '.join(IMAGE_SUFFIXES)})") as im:
+            arr = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
     if not np.isfinite(arr).all():
         raise ValueError(f"image {path} has NaN or infinite values")
     t = torch.from_numpy(np.ascontiguousarray(arr))[None, None]

@@ -30,7 +30,7 @@ from einops import rearrange
 from torch import nn
 
 from core.decoder import Decoder, DecoderConfig
-from core.infra.fileio import atomic_path
+from core.infra.fileio import atomic_path, load_safetensors_model, open_safetensors
 
 __all__ = ["HostConfig", "EMLoCHost", "HOST_FORMAT"]
 
@@ -154,13 +154,9 @@ class EMLoCHost(nn.Module):
     def load(cls, path: str | os.PathLike | None = None, *, device: torch.device | str = "cpu") -> EMLoCHost:
         """A host saved by :meth:`save` (strict keys), in eval mode; without ``path`` the shipped default
         (:data:`DEFAULT_WEIGHTS`, card beside it)."""
-        from safetensors import safe_open
-        from safetensors.torch import load_model
-
         path = Path(DEFAULT_WEIGHTS if path is None else path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no EMLoC host weights at {path}")
-        with safe_open(str(path), framework="pt") as f:
+        what = f"EMLoC host weights written by apps.emloc.train (format {HOST_FORMAT!r})"
+        with open_safetensors(path, what=what) as f:
             meta = f.metadata() or {}
         if meta.get("format") != HOST_FORMAT:
             raise ValueError(f"{path} is not an EMLoC host file (format {meta.get('format')!r}, expected {HOST_FORMAT!r})")
@@ -168,5 +164,5 @@ class EMLoCHost(nn.Module):
         if cfg.get("image_summary") and "summary_scale" not in cfg:
             cfg["summary_scale"] = 1.0  # files from before the option used the projection unscaled
         model = cls(HostConfig(**cfg))
-        load_model(model, str(path), strict=True, device=str(device))
+        load_safetensors_model(model, path, what=what, device=device)
         return model.eval()

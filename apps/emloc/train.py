@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import EMLoCHost, HostConfig
-from core.infra.cli import run_cli
-from core.infra.fileio import torch_save_atomic
+from core.infra.cli import nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.fileio import torch_load, torch_save_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -134,26 +134,27 @@ def _trim_metrics(path: Path, step: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.emloc.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, type=Path, help="run folder (last.pt, metrics.jsonl, model.safetensors)")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--demos", type=int, default=64, help="demonstrations per training episode")
-    p.add_argument("--n-way", type=int, default=5)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--next-weight", type=float, default=0.1)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--out", required=True, type=nonempty_path_obj,
+                   help="run folder (last.pt, metrics.jsonl, model.safetensors)")
+    p.add_argument("--steps", type=positive_int, default=3000)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--demos", type=positive_int, default=64, help="demonstrations per training episode")
+    p.add_argument("--n-way", type=positive_int, default=5)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--warmup", type=nonnegative_int, default=200)
+    p.add_argument("--next-weight", type=nonnegative_float, default=0.1)
+    p.add_argument("--dim", type=positive_int, default=128)
+    p.add_argument("--depth", type=positive_int, default=4)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, default=2)
     p.add_argument("--image-summary", action="store_true", help="host option HostConfig.image_summary")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--eval-episodes", type=int, default=32)
-    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--log-every", type=positive_int, default=10)
+    p.add_argument("--eval-every", type=positive_int, default=200)
+    p.add_argument("--eval-episodes", type=positive_int, default=32)
+    p.add_argument("--ckpt-every", type=positive_int, default=100)
     p.add_argument("--resume", action="store_true", help="continue exactly from DIR/last.pt")
-    p.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this wall time")
+    p.add_argument("--max-minutes", type=nonnegative_float, default=None, help="checkpoint and stop after this wall time")
     return p
 
 
@@ -164,10 +165,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args.out.mkdir(parents=True, exist_ok=True)
     ckpt, metrics = args.out / "last.pt", args.out / "metrics.jsonl"
-    if args.resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+    if args.resume and not ckpt.is_file():
+        raise SystemExit(f"--resume given but {ckpt} does not exist")
+    if not args.resume and ckpt.exists():
+        raise SystemExit(f"{ckpt} exists: pass --resume to continue that run or choose another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        state = torch_load(ckpt, what="the training state written by apps.emloc.train", map_location=None)
         saved = state["args"]
         for k in ("batch_size", "demos", "n_way", "lr", "warmup", "next_weight", "dim", "depth", "heads", "kv_heads", "seed"):
             setattr(args, k, saved[k])

@@ -112,7 +112,7 @@ def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = N
     meta = read_json(folder / "ncal.json")
     enc, tok = build_encoder(meta["encoder"], tokenizer_path=folder / "tokenizer.json")
     model = NCALModel(enc, len(meta["classes"]), head="etf" if meta["loss"]["name"] == "etf" else "linear")
-    sd = load_safetensors(folder / "model.safetensors")
+    sd = load_safetensors(folder / "model.safetensors", what="the NCAL weights written by apps.ncal.train")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected:
         raise ValueError(f"{folder}/model.safetensors has weights the model does not: {unexpected[:5]}")

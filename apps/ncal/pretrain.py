@@ -31,7 +31,7 @@ from apps.ncal.data import load_split
 from apps.ncal.encoder import EncoderConfig, MLMHead, TextEncoder
 from apps.ncal.tokenizer import CharTokenizer
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def load_encoder(folder: str | Path) -> tuple[TextEncoder, CharTokenizer]:
     folder = Path(folder)
     cfg = EncoderConfig(**read_json(folder / "encoder.json")["config"])
     enc = TextEncoder(cfg)
-    enc.load_state_dict(load_safetensors(folder / "encoder.safetensors"), strict=True)
+    enc.load_state_dict(load_safetensors(folder / "encoder.safetensors", what="the encoder written by apps.ncal.pretrain"),
+                        strict=True)
     return enc, CharTokenizer.load(folder / "tokenizer.json")
 
 
@@ -102,21 +103,22 @@ def _batches(lengths: list[int], batch_size: int, rng: random.Random) -> list[li
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.ncal.pretrain", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="run folder (resumes if it holds last.pt)")
-    p.add_argument("--dim", type=int, default=160, help="encoder width (default 160)")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--max-length", type=int, default=160, help="tokens per text, specials included (default 160)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--epochs", type=float, default=20.0, help="passes over the texts (default 20)")
-    p.add_argument("--warmup", type=int, default=300, help="warm-up steps")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop (after a checkpoint) past this wall time in this call")
-    p.add_argument("--ckpt-every", type=int, default=200, help="steps between checkpoints")
+    p.add_argument("--out", type=nonempty_path, required=True, help="run folder (resumes if it holds last.pt)")
+    p.add_argument("--dim", type=positive_int, default=160, help="encoder width (default 160)")
+    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    p.add_argument("--max-length", type=positive_int, default=160, help="tokens per text, specials included (default 160)")
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--lr", type=positive_float, default=5e-4)
+    p.add_argument("--epochs", type=positive_float, default=20.0, help="passes over the texts (default 20)")
+    p.add_argument("--warmup", type=nonnegative_int, default=300, help="warm-up steps")
+    p.add_argument("--max-minutes", type=nonnegative_float, default=None,
+                   help="stop (after a checkpoint) past this wall time in this call")
+    p.add_argument("--ckpt-every", type=positive_int, default=200, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--limit-texts", type=int, default=None, help="use only the first N texts (tests)")
+    p.add_argument("--limit-texts", type=positive_int, default=None, help="use only the first N texts (tests)")
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from core.infra.cli import run_cli
+from core.infra.cli import nonempty_path, run_cli
 from core.infra.ship import (Staging, check_finite, check_name, loading_check, read_json_file, read_jsonl_file,
                              require_files)
 
@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provenance", nargs="+", default=None, metavar="NAME",
                    help=f"rewrite weights/NAME.json and the card NAME.md of shipped models from their folders "
                         f"(tmwpl, pmtd, {ENCODER_NAME})")
-    p.add_argument("--out", default=None, help="the weights folder to write into (default: apps/ncal/weights)")
+    p.add_argument("--out", type=nonempty_path, default=None,
+                   help="the weights folder to write into (default: apps/ncal/weights)")
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -56,7 +56,8 @@ from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.weights_io import load_state, save_state
-from core.infra.cli import run_cli
+from core.infra.cli import (fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                            run_cli)
 from core.infra.distributed import finish
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,8 @@ def _encoder_spec(cfg: TrainConfig) -> tuple[dict, dict | None, Path | None]:
                                 f"tokenizer.json from python -m apps.ncal.pretrain)")
     enc_cfg = dict(read_json(folder / "encoder.json")["config"])
     enc_cfg["pool"] = cfg.pool or "mean"
-    weights = None if cfg.encoder == "scratch" else load_safetensors(folder / "encoder.safetensors")
+    weights = None if cfg.encoder == "scratch" else load_safetensors(
+        folder / "encoder.safetensors", what="the encoder written by apps.ncal.pretrain")
     return {"kind": "char", "config": enc_cfg, "init": cfg.encoder}, weights, folder / "tokenizer.json"
 
 
@@ -332,24 +334,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.ncal.train", description=__doc__.split("\n\n")[0])
     d = TrainConfig(dataset="tmwpl", out="x")
     p.add_argument("--dataset", required=True, help="tmwpl, pmtd, or a JSONL path")
-    p.add_argument("--out", required=True, help="run folder (resumes if it holds last.pt)")
+    p.add_argument("--out", type=nonempty_path, required=True, help="run folder (resumes if it holds last.pt)")
     p.add_argument("--test", default=None, help="evaluation JSONL for a user dataset")
     p.add_argument("--loss", default=d.loss, choices=LOSSES)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--tc-lambda", type=float, default=d.tc_lambda)
-    p.add_argument("--bank-size", type=int, default=d.bank_size, help="TC feature bank size (0: within-batch pairs)")
+    p.add_argument("--tc-lambda", type=nonnegative_float, default=d.tc_lambda)
+    p.add_argument("--bank-size", type=nonnegative_int, default=d.bank_size,
+                   help="TC feature bank size (0: within-batch pairs)")
     p.add_argument("--encoder", default=d.encoder, help="default, scratch, a pretrain folder, or hf:/path/to/model")
-    p.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank for hf: encoders (0 = full fine-tuning)")
+    p.add_argument("--lora-r", type=nonnegative_int, default=d.lora_r,
+                   help="LoRA rank for hf: encoders (0 = full fine-tuning)")
     p.add_argument("--pool", default=None, choices=("mean", "cls", "last"))
     p.add_argument("--context", default=d.context, choices=CONTEXTS, help="PMTD context (default past: no future turn)")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--valid-frac", type=float, default=d.valid_frac,
+    p.add_argument("--epochs", type=positive_int, default=d.epochs)
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--valid-frac", type=fraction, default=d.valid_frac,
                    help="stratified share of train held out for validation (0 = none; same split for every seed)")
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--ckpt-every", type=positive_int, default=d.ckpt_every)
     p.add_argument("--device", default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="INFO")
     return p
 

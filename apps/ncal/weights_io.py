@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from core.infra.fileio import atomic_path, torch_save_atomic, write_json_atomic
+from core.infra.fileio import atomic_path, torch_load, torch_save_atomic, write_json_atomic
+from core.infra.fileio import load_safetensors as _load_safetensors
 
 __all__ = ["save_safetensors", "load_safetensors", "save_state", "load_state", "read_json", "write_json_atomic"]
 
@@ -23,13 +24,10 @@ def save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], 
     return path
 
 
-def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no weights file at {path}")
-    return load_file(str(path))
+def load_safetensors(path: str | os.PathLike, *, what: str = "NCAL weights written by apps.ncal.train or "
+                     "apps.ncal.pretrain") -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; a missing or unreadable file names itself (core.infra.fileio)."""
+    return _load_safetensors(path, what=what)
 
 
 def save_state(path: str | os.PathLike, state: dict) -> Path:
@@ -38,7 +36,8 @@ def save_state(path: str | os.PathLike, state: dict) -> Path:
 
 
 def load_state(path: str | os.PathLike) -> dict:
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+    """A training state written by :func:`save_state` (a file that is not one names itself)."""
+    return torch_load(path, what="an NCAL training state (last.pt written by apps.ncal.train or apps.ncal.pretrain)")
 
 
 def read_json(path: str | os.PathLike) -> dict:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from core.infra.fileio import atomic_path
+from core.infra.fileio import atomic_path, open_safetensors
 from core.hf.backend import HIDDEN_ATTR
 
 __all__ = [
@@ -245,15 +245,8 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, *, device=None) 
         CacheMismatchError: the cache was made by another model.
         ValueError: not a cache file of this format.
     """
-    from safetensors import safe_open
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no cache file at {path}")
-    try:
-        f = safe_open(str(path), framework="pt", device=str(device) if device is not None else "cpu")
-    except Exception as err:  # safetensors raises its own error types
-        raise ValueError(f"{path} is not a safetensors file: {err}") from None
-    with f:
+    with open_safetensors(path, what=f"a saved longctx cache (format {FORMAT!r})",
+                          device=device if device is not None else "cpu") as f:
         meta = f.metadata() or {}
         if meta.get("format") != FORMAT:
             raise ValueError(

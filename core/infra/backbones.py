@@ -77,20 +77,13 @@ def load_state_dict_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     A checkpoint's ``state_dict``/``model``/``module``/``teacher`` wrapper is unwrapped and a leading
     ``module.`` (DataParallel) is stripped from the keys; entries that are not tensors are dropped.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"weights file not found: {path!r}")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    from core.infra.fileio import load_safetensors, torch_load
 
-        try:
-            return load_file(path)
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"{path!r} is not a readable safetensors file: {e}") from e
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{path!r} is neither safetensors nor a torch state dict: {e}") from e
+    path = os.fspath(path)
+    what = "backbone weights (a .safetensors file or a torch state dict)"
+    if path.endswith(".safetensors"):
+        return load_safetensors(path, what=what)
+    sd = torch_load(path, what=what, weights_only=True)
     for key in _WRAPPER_KEYS:
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]

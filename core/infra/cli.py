@@ -3,7 +3,7 @@
 Every CLI module ends in ``raise SystemExit(run_cli(main))``. :func:`run_cli` calls ``main(argv)`` and maps what
 comes out of it:
 
-- a return value: the exit code (``None`` is 0);
+- a returned int: the exit code (``None``, or a result object a ``main`` returns to Python callers: 0);
 - the project's input errors — ``ValueError`` (with :class:`UsageError`), ``FileNotFoundError``,
   ``NotADirectoryError``, ``IsADirectoryError``, ``FileExistsError``, ``PermissionError`` — and a ``SystemExit``
   whose code is a message: ``error: <message>`` on stderr, exit code **2** (bad usage or input);
@@ -18,18 +18,29 @@ environment, re-raises instead, with the full traceback. argparse's own usage er
 A command that takes several inputs (images, slides, rows) keeps what succeeded: :class:`InputTally` prints one
 line per bad input and the command goes on with the others; ``main`` then returns :meth:`InputTally.finish`: 0
 (all answered), 1 (some answered, the others reported) or 2 (none could be used).
+
+Options are checked when they are parsed, before any work: the argparse types below (:func:`positive_int`,
+:func:`nonnegative_int`, :func:`positive_float`, :func:`nonnegative_float`, :func:`fraction`,
+:func:`open_fraction`, :func:`port`, :func:`nonempty_path`, :func:`nonempty_path_obj`) raise
+``argparse.ArgumentTypeError``, so a value out of range is argparse's usage error (exit 2), e.g.
+``argument --batch: must be >= 1, got 0``.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "DEBUG_ENV", "INPUT_ERRORS"]
+__all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "DEBUG_ENV", "INPUT_ERRORS",
+           "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "fraction", "open_fraction",
+           "port", "nonempty_path", "nonempty_path_obj"]
 
 #: Environment variable that shows tracebacks (``LONGCTX_DEBUG=1``).
 DEBUG_ENV = "LONGCTX_DEBUG"
@@ -80,7 +91,8 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
             raise
         print("interrupted", file=sys.stderr)
         return 130
-    return 0 if code is None else int(code)
+    # an int is the exit code; any other return value (a result some mains also return to Python callers) means 0
+    return code if isinstance(code, int) and not isinstance(code, bool) else 0
 
 
 class InputTally:
@@ -136,3 +148,86 @@ def print_error(line: str) -> None:
         tqdm.tqdm.write(_one_line(line), file=sys.stderr)
     else:
         print(_one_line(line), file=sys.stderr)
+
+
+# argparse types: each takes the option's text and returns its value, or raises ``argparse.ArgumentTypeError``
+# (argparse then prints ``argument --NAME: <message>`` after the usage and exits 2).
+
+
+def _parse(text: str, kind: type) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (batch sizes, steps, epochs, counts)."""
+    value = _parse(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (where 0 means something: no warm-up, no evaluation, the default)."""
+    value = _parse(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (learning rates, frame rates, minutes)."""
+    value = _parse(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (weight decay, loss weights)."""
+    value = _parse(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    value = _parse(text, float)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value:g}")
+    return value
+
+
+def open_fraction(text: str) -> float:
+    """A number strictly between 0 and 1 (a held-out share that must leave something on both sides)."""
+    value = _parse(text, float)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value:g}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 1..65535."""
+    value = _parse(text, int)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
+    return value
+
+
+def nonempty_path(text: str) -> str:
+    """A path that is not empty or blank (an empty ``--out`` would mean the current folder); returned as given."""
+    if not str(text).strip():  # str(): a caller's argv may hold a Path
+        raise argparse.ArgumentTypeError(f"must be a path, got {str(text)!r}")
+    return text
+
+
+def nonempty_path_obj(text: str) -> Path:
+    """:func:`nonempty_path` as a :class:`~pathlib.Path` (``Path("")`` would silently be the current folder)."""
+    return Path(nonempty_path(text))

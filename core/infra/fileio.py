@@ -2,6 +2,13 @@
 a half-written file under the final name; and :func:`check_writable`, which a command calls on its output paths
 before the work whose results they record.
 
+Readers of user files in the formats the project loads (:func:`load_safetensors`, :func:`open_safetensors`,
+:func:`load_safetensors_model`, :func:`torch_load`, :func:`open_hdf5`, :func:`open_image`): a missing path is a
+``FileNotFoundError``, and a file the library cannot read (text, truncated, another format) a ``ValueError``,
+both naming the file, the format and what was expected there, e.g. ``runs/x/model.safetensors is not a readable
+safetensors file (header too large); expected the weights written by rl.train``. Videos and slides have their
+readers in ``video.io`` and ``pathology.slide``.
+
 Used by the domain packages' CLIs and by the benchmark scripts (which re-export :func:`write_json_atomic` from
 ``benchmarks.common``).
 """
@@ -16,7 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable"]
+__all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable",
+           "load_safetensors", "open_safetensors", "load_safetensors_model", "torch_load", "open_hdf5", "open_image"]
 
 
 @contextmanager
@@ -101,3 +109,150 @@ def check_writable(path: str | os.PathLike | None, *, what: str = "output", fold
     os.close(fd)
     os.unlink(probe)
     return p
+
+
+# -- readers: a file a library cannot read becomes an error that names it and what was expected -------------------
+
+
+def _input_file(path: str | os.PathLike, fmt: str, what: str) -> str:
+    """``path`` as a string when it is an existing file, else ``FileNotFoundError`` / ``ValueError`` naming it."""
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no {fmt} file at {p}; expected {what}")
+    if os.path.isdir(p):
+        raise ValueError(f"{p} is a folder, not a {fmt} file; expected {what}")
+    return p
+
+
+def _unreadable(path: str, fmt: str, what: str, err: BaseException) -> ValueError:
+    reason = " ".join(str(err).split()).removeprefix("Error while deserializing header: ")
+    if type(err).__name__ != "SafetensorError":  # the library's message alone can be cryptic ("pop from empty list")
+        reason = f"{type(err).__name__}: {reason}" if reason else type(err).__name__
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    return ValueError(f"{path} is not a readable {fmt} file ({reason}); expected {what}")
+
+
+def load_safetensors(path: str | os.PathLike, *, what: str = "safetensors weights",
+                     device: Any = "cpu") -> dict[str, Any]:
+    """Every tensor of a safetensors file, on ``device``.
+
+    Args:
+        what: what the file should hold, for the error message (``"the weights written by rl.train"``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a folder, or a file that is not safetensors (text, truncated, another format).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = _input_file(path, "safetensors", what)
+    try:
+        return load_file(p, device=str(device))
+    except PermissionError:
+        raise
+    except (SafetensorError, OSError) as err:
+        raise _unreadable(p, "safetensors", what, err) from err
+
+
+@contextmanager
+def open_safetensors(path: str | os.PathLike, *, what: str = "safetensors weights", device: Any = "cpu") -> Iterator[Any]:
+    """``safetensors.safe_open(path, framework="pt", device=device)`` as a context; the library's errors, at
+    opening and inside the block (``get_tensor`` of a name the file lacks), become the ``ValueError`` of
+    :func:`load_safetensors`, as does a missing path its ``FileNotFoundError``."""
+    from safetensors import SafetensorError, safe_open
+
+    p = _input_file(path, "safetensors", what)
+    try:
+        handle = safe_open(p, framework="pt", device=str(device))
+    except PermissionError:
+        raise
+    except (SafetensorError, OSError) as err:
+        raise _unreadable(p, "safetensors", what, err) from err
+    with handle as f:
+        try:
+            yield f
+        except SafetensorError as err:
+            raise _unreadable(p, "safetensors", what, err) from err
+
+
+def load_safetensors_model(model: Any, path: str | os.PathLike, *, what: str = "safetensors weights",
+                           device: Any = "cpu", strict: bool = True) -> tuple[list[str], list[str]]:
+    """``safetensors.torch.load_model`` (weights stored once for tied parameters are restored to all of them):
+    a file that is not safetensors, or (``strict``) whose tensors do not match ``model``'s, is a ``ValueError``
+    naming the file. Returns ``(missing, unexpected)`` key lists (empty when ``strict``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    p = _input_file(path, "safetensors", what)
+    try:
+        return load_model(model, p, strict=strict, device=str(device))
+    except PermissionError:
+        raise
+    except (SafetensorError, OSError) as err:
+        raise _unreadable(p, "safetensors", what, err) from err
+    except RuntimeError as err:  # strict: keys or shapes that do not fit the model
+        if "Error(s) in loading state_dict" not in str(err):
+            raise
+        msg = " ".join(str(err).split())
+        raise ValueError(f"{p} does not fit the model ({msg[:300]}); expected {what}") from err
+
+
+def torch_load(path: str | os.PathLike, *, what: str = "a checkpoint written by torch.save",
+               map_location: Any = "cpu", weights_only: bool = False) -> Any:
+    """``torch.load(path)``; any failure to unpickle (text, truncated, another format: the library raises
+    ``UnpicklingError``, ``EOFError``, ``RuntimeError``, ``OSError``, ...) is a ``ValueError`` naming the file.
+    ``weights_only=False`` (the default here) runs pickled code: use it only for the project's own checkpoints."""
+    import torch
+
+    p = _input_file(path, "PyTorch checkpoint", what)
+    try:
+        return torch.load(p, map_location=map_location, weights_only=weights_only)
+    except PermissionError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch.load raises many types for a file it cannot unpickle
+        raise _unreadable(p, "PyTorch checkpoint", what, err) from err
+
+
+def open_hdf5(path: str | os.PathLike, *, what: str = "an HDF5 file") -> Any:
+    """``h5py.File(path, "r")`` (use it as a context); a file that is not HDF5, or is truncated, is a
+    ``ValueError`` naming it."""
+    try:
+        import h5py
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise ImportError("reading HDF5 files needs h5py: pip install h5py") from err
+
+    p = _input_file(path, "HDF5", what)
+    try:
+        return h5py.File(p, "r")
+    except PermissionError:
+        raise
+    except OSError as err:  # h5py reports every unreadable file as OSError
+        raise _unreadable(p, "HDF5", what, err) from err
+
+
+def open_image(path: str | os.PathLike, *, what: str = "an image (PNG, JPEG, TIFF, ...)",
+               max_pixels: int | None = None) -> Any:
+    """A ``PIL.Image`` of ``path``, decoded (so a truncated file fails here, not at first use; use it as a
+    context or ``.close()`` it); a file PIL cannot identify or decode is a ``ValueError`` naming it, as is one of
+    more than ``max_pixels`` pixels (checked from the header, before decoding)."""
+    from PIL import Image
+
+    p = _input_file(path, "image", what)
+    try:
+        im = Image.open(p)
+    except PermissionError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:  # UnidentifiedImageError: OSError
+        raise _unreadable(p, "image", what, err) from err
+    w, h = im.size
+    if max_pixels is not None and w * h > max_pixels:
+        im.close()
+        raise ValueError(f"{p} is a {w}x{h} image ({w * h} pixels), above the limit of {max_pixels}; expected {what}")
+    try:
+        im.load()
+    except Exception as err:  # noqa: BLE001 - decoders raise OSError ("image file is truncated"), ValueError, ...
+        im.close()
+        raise _unreadable(p, "image", what, err) from err
+    return im

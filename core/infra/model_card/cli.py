@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from core.infra.cli import nonempty_path_obj
 from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -47,13 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog=GENERATOR,
         description="Write the model card <name>.md of every shipped weights file from its <name>.json provenance.",
     )
-    p.add_argument("--root", type=Path, default=REPO, help="repository root to search (default: this checkout)")
+    p.add_argument("--root", type=nonempty_path_obj, default=REPO,
+                   help="repository root to search (default: this checkout)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a card is missing or stale")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.root.is_dir():  # a wrong root finds no weights: that must not pass as "every card is fine"
+        raise FileNotFoundError(f"--root {str(args.root)!r} is not a folder; give the repository root")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     status = write_cards(args.root, check=args.check)
     if not status:
