@@ -357,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.weights is not None and not os.path.isfile(args.weights):
+        raise FileNotFoundError(f"--weights {args.weights!r} is not a file; give the local weights of the --encoder")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     job = job_config_from_args(args, args.out)
     # Bad options, a missing slides folder and outputs made with other settings are bad usage or input: one line,

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from core.infra.cli import InputTally, UsageError, run_cli
+from core.infra.cli import InputTally, UsageError, positive_float, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("slides", nargs="+", help="slide files")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--model", default=None, help="Querent safetensors (its .json beside it); default: shipped demo model")
-    p.add_argument("--slide-mpp", type=float, default=None, help="µm/px of level 0 for files that lack it")
+    p.add_argument("--slide-mpp", type=positive_float, default=None, help="µm/px of level 0 for files that lack it")
     p.add_argument("--encoder-weights", default=None, help="weights file for the model's patch encoder (default: shipped)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers reading tiles")
     return p

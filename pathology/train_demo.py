@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from core.infra.cli import nonempty_path, open_fraction, positive_int, run_cli
+from core.infra.fileio import check_writable
 from pathology.batch import BatchConfig, run_batch
 from pathology.inference import DEFAULT_SLIDE_MODEL, SAMPLES_DIR
 from pathology.querent import QuerentConfig
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_writable(args.out, what="--out")
+    check_writable(args.samples, what="--samples", folder=True)
     if args.n < 3:
         raise SystemExit(f"--n must be >= 3 (at least 2 slides are held out), got {args.n}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

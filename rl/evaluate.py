@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.infra.cli import InputTally, UsageError, print_error, run_cli
+from core.infra.cli import InputTally, UsageError, finite_float, positive_int, print_error, run_cli
 from core.infra.fileio import load_safetensors
 from rl.envs import make_env, make_vector_env
 from rl.references import normalized_score
@@ -247,16 +247,16 @@ def write_video(frames: list[np.ndarray], path: str | os.PathLike, *, fps: int =
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.evaluate", description="Evaluate a trained policy (normalized score).")
     p.add_argument("--checkpoint", required=True, help="training output directory (config.json + model.safetensors)")
-    p.add_argument("--episodes", type=int, default=10)
-    p.add_argument("--target-return", type=float, action="append", default=None,
+    p.add_argument("--episodes", type=positive_int, default=10)
+    p.add_argument("--target-return", type=finite_float, action="append", default=None,
                    help="return to condition on (repeatable; default: the ones used in training)")
     p.add_argument("--seed", type=int, default=1000)
-    p.add_argument("--batch", type=int, default=10, help="environments stepped together")
+    p.add_argument("--batch", type=positive_int, default=10, help="environments stepped together")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--video", default=None, help="also run one rendered episode (first target) and write it here (.mp4)")
     p.add_argument("--routing", choices=("aux", "prefix"), default="aux",
                    help="DM routing when acting: the auxiliary predictor (default) or causal prefix top-k")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     return p
 
 

@@ -130,6 +130,10 @@ def main(argv=None) -> None:
         check_save_path(args.out)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if args.policy is not None and args.quality == "random":
+        raise SystemExit("--policy is not used with --quality random (its actions are uniform); leave it out")
+    if args.policy is not None and not Path(args.policy).is_file():
+        raise FileNotFoundError(f"--policy {args.policy!r} is not a file; give a behaviour .safetensors")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     ds = generate(args.env, args.quality, args.steps, args.seed, policy_path=args.policy, progress=True)

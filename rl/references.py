@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from core.infra.cli import nonempty_path_obj, run_cli
+from core.infra.cli import nonempty_path_obj, positive_int, run_cli
 from rl.envs import SUPPORTED_ENVS, env_family
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def measure_references(env_id: str, *, episodes: int, seed: int, policy: str | P
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.references", description="Measure -v5 random and expert reference returns.")
     p.add_argument("--env", required=True, choices=SUPPORTED_ENVS)
-    p.add_argument("--episodes", type=int, default=100)
+    p.add_argument("--episodes", type=positive_int, default=100)
     p.add_argument("--seed", type=int, default=50_000, help="first environment seed (the expert's start 1,000,000 later)")
     p.add_argument("--policy", default=None, help="behaviour .safetensors with its .json card (default: the shipped one)")
     p.add_argument("--snapshot", default=None, help="expert snapshot name (default: the card's expert)")
@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from core.infra.fileio import write_json_atomic
+    from core.infra.fileio import check_writable, write_json_atomic
 
     args = build_parser().parse_args(argv)
+    check_writable(args.out, what="--out")  # before the episodes whose returns it records
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     entry = measure_references(args.env, episodes=args.episodes, seed=args.seed, policy=args.policy,

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from core.infra.cli import run_cli
+from core.infra.cli import positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="DM training directory or shipped DM policy")
     p.add_argument("--dataset", required=True,
                    help=".npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
-    p.add_argument("--segments", type=int, default=256, help="random training segments")
+    p.add_argument("--segments", type=positive_int, default=256, help="random training segments")
     p.add_argument("--seed", type=int, default=123, help="seed of the segment sampler")
     p.add_argument("--json", default=None, help="also write the fractions to this JSON file")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     return p
 
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.infra.cli import (fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
-                            run_cli)
+from core.infra.cli import (finite_float, fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float,
+                            positive_int, run_cli)
 from core.infra.fileio import torch_load
 from rl.data import OfflineDataset, check_env_compat, load_dataset, returns_to_go
 from rl.models import DMConfig, DTConfig, build_model, config_from_dict, config_to_dict
@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=positive_int, default=100)
     p.add_argument("--eval-every", type=nonnegative_int, default=0, help="evaluate every N steps (0: only at the end)")
     p.add_argument("--eval-episodes", type=nonnegative_int, default=5, help="episodes per target return (0: no evaluation)")
-    p.add_argument("--eval-target", type=float, action="append", default=None, help="target return (repeatable)")
+    p.add_argument("--eval-target", type=finite_float, action="append", default=None, help="target return (repeatable)")
     p.add_argument("--checkpoint-every", type=positive_int, default=1000)
     p.add_argument("--segment-anchor", choices=SEGMENT_ANCHORS, default="start",
                    help="training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.infra.cli import run_cli
+from core.infra.cli import open_fraction, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dataset", choices=BUNDLED, help="a bundled table")
     src.add_argument("--csv", type=Path, help="a CSV file")
     p.add_argument("--target", default="target", help="label column")
-    p.add_argument("--test-size", type=float, default=0.3, help="held-out share")
-    p.add_argument("--n-estimators", type=int, default=4, help="TabICL ensemble members")
+    p.add_argument("--test-size", type=open_fraction, default=0.3, help="held-out share")
+    p.add_argument("--n-estimators", type=positive_int, default=4, help="TabICL ensemble members")
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: shipped)")
     p.add_argument("--seed", type=int, default=0, help="split seed")
     p.add_argument("--verbose", action="store_true", help="TabICL's progress bars (fine-tuning, predictions) on stderr")

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from core.infra.cli import (fraction, nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
                             run_cli)
 from core.infra.distributed import agreed_stop, finish
-from core.infra.fileio import torch_load, torch_save_atomic
+from core.infra.fileio import check_writable, torch_load, torch_save_atomic
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import atomic_write_text, load_model, save_model
@@ -333,10 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
     p.add_argument("--out", type=nonempty_path_obj, default=Path("runs/tabicl_small"),
                    help="run folder (checkpoints, metrics)")
-    p.add_argument("--steps", type=int, default=100_000, help="stop after this many optimizer steps")
+    p.add_argument("--steps", type=positive_int, default=100_000, help="stop after this many optimizer steps")
     p.add_argument("--max-minutes", type=nonnegative_float, default=None,
                    help="stop after this much wall time (this invocation)")
-    p.add_argument("--batch-size", type=int, default=8, help="tables per step per process")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="tables per step per process")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay")
     p.add_argument("--warmup", type=nonnegative_int, default=500, help="linear warm-up steps")
@@ -354,18 +354,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on features per table (only lowers the curriculum's bound)")
     p.add_argument("--feature-bound", type=int, default=None,
                    help="most features per table, replacing the curriculum's bound (raises it too)")
-    p.add_argument("--icl-ridge", type=float, nargs="+", default=None, metavar="ALPHA",
+    p.add_argument("--icl-ridge", type=nonnegative_float, nargs="+", default=None, metavar="ALPHA",
                    help="add the in-context ridge readout with these penalties to the model (tabular.model; "
                         "with --init-from from weights without it, the readout starts at zero)")
-    p.add_argument("--icl-logistic", type=float, nargs="+", default=None, metavar="ALPHA",
+    p.add_argument("--icl-logistic", type=nonnegative_float, nargs="+", default=None, metavar="ALPHA",
                    help="add the in-context logistic readout (tabular.readout) with these penalties to the model; "
                         "like --icl-ridge, it starts at zero when added with --init-from")
     p.add_argument("--p-factor", type=fraction, default=0.0,
                    help="share of factor-SCM tables in the full prior (tabular.prior; taken from the MLP share)")
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between full-state checkpoints")
     p.add_argument("--val-every", type=int, default=500, help="steps between validations (and best exports)")
-    p.add_argument("--val-tables", type=int, default=64, help="held-out prior tables for validation")
-    p.add_argument("--val-max-rows", type=int, default=512,
+    p.add_argument("--val-tables", type=positive_int, default=64, help="held-out prior tables for validation")
+    p.add_argument("--val-max-rows", type=positive_int, default=512,
                    help="row cap of the validation tables (fixed, independent of the training caps)")
     p.add_argument("--select", choices=("acc", "loss"), default="acc",
                    help="which validation score picks the best checkpoint (accuracy, or log-loss)")
@@ -405,6 +405,8 @@ _RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.export is not None:
+        check_writable(args.export, what="--export")
     for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables", "val_max_rows", "anneal_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -41,16 +41,16 @@ def _one_error_line(capsys) -> str:
 
 
 def test_shared_argparse_types_accept_their_range_and_name_what_is_wrong():
-    from core.infra.cli import (fraction, nonempty_path, nonempty_path_obj, nonnegative_float, nonnegative_int,
-                                open_fraction, port, positive_float, positive_int)
+    from core.infra.cli import (finite_float, fraction, nonempty_path, nonempty_path_obj, nonnegative_float,
+                                nonnegative_int, open_fraction, port, positive_float, positive_int)
 
     assert positive_int("3") == 3 and nonnegative_int("0") == 0 and port("65535") == 65535
-    assert positive_float("1e-4") == 1e-4 and nonnegative_float("0") == 0.0
+    assert positive_float("1e-4") == 1e-4 and nonnegative_float("0") == 0.0 and finite_float("-2.5") == -2.5
     assert fraction("0") == 0.0 and fraction("1") == 1.0 and open_fraction("0.25") == 0.25
     assert nonempty_path("runs/a") == "runs/a" and nonempty_path_obj("runs/a") == Path("runs/a")
     bad = [(positive_int, "0", ">= 1"), (positive_int, "-2", ">= 1"), (positive_int, "1.5", "integer"),
            (nonnegative_int, "-1", ">= 0"), (positive_float, "0", "> 0"), (positive_float, "nan", "finite"),
-           (positive_float, "inf", "finite"), (positive_float, "x", "number"), (nonnegative_float, "-0.1", ">= 0"),
+           (positive_float, "inf", "finite"), (positive_float, "x", "number"), (nonnegative_float, "-0.1", ">= 0"), (finite_float, "nan", "finite"),
            (fraction, "1.01", "[0, 1]"), (fraction, "-0.5", "[0, 1]"), (open_fraction, "0", "(0, 1)"),
            (open_fraction, "1", "(0, 1)"), (port, "0", "1..65535"), (port, "65536", "1..65535"),
            (nonempty_path, "", "path"), (nonempty_path, "  ", "path"), (nonempty_path_obj, "", "path")]  # fmt: skip

@@ -74,8 +74,9 @@ def test_cli_refusals(setup, tmp_path):
         (tmp_path / "one" / "3" / f"{i}.png").write_bytes(p.read_bytes())
     with pytest.raises(ValueError, match="one class only"):
         compress_main(["--demos", str(tmp_path / "one"), "--out", str(tmp_path / "m.safetensors"), "--model", host])
-    with pytest.raises(ValueError, match="delta must be"):
+    with pytest.raises(SystemExit) as e:  # refused when parsed: argparse's usage error
         compress_main(["--demos", str(root / "demos"), "--out", str(tmp_path / "m.safetensors"), "--model", host, "--delta", "0"])
+    assert e.value.code == 2
     torch.manual_seed(5)
     other = EMLoCHost(HostConfig(dim=32, depth=2, num_heads=4, num_kv_heads=2))
     other.save(tmp_path / "other.safetensors")

@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     from video.infinite import METHODS
 
     p = batch_parser("python -m video.batch", __doc__)
-    p.add_argument("--videos", required=True, help="folder of video files")
+    p.add_argument("--videos", required=True, type=nonempty_path, help="folder of video files")
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder (one .safetensors per video + manifest)")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
     p.add_argument("--method", default="infinite", choices=METHODS, help="how each video is read")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
 from core.infra.cli import fraction, nonempty_path, nonnegative_float, positive_float, positive_int, run_cli
-from core.infra.fileio import load_safetensors, open_safetensors, torch_load, torch_save_atomic
+from core.infra.fileio import check_writable, load_safetensors, open_safetensors, torch_load, torch_save_atomic
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
     COLOURS,
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-counts", default="1,2,4", help="chunks each clip is split into (comma list)")
     p.add_argument("--aggregate", default="mean", choices=AGGREGATES,
                    help="answer read-out: mean over chunks or last chunk (fixed size), or attention over all chunks")
-    p.add_argument("--init-from", default=None, help="start from these weights (same-shape tensors copied)")
+    p.add_argument("--init-from", default=None, type=nonempty_path, help="start from these weights (same-shape tensors copied)")
     p.add_argument("--memory-in-loop", action="store_true",
                    help="read the chunks in order through the continuous memory while training (not the published recipe)")
     p.add_argument("--alpha", type=fraction, default=0.75, help="short-term weight with --memory-in-loop")
@@ -308,6 +308,8 @@ def main(argv=None) -> int:
     import sys
 
     args = build_parser().parse_args(argv)
+    if args.export:
+        check_writable(args.export, what="--export")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     for name in ("clip_lengths", "chunk_counts"):
         try:

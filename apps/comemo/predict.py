@@ -10,7 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from core.infra.cli import InputTally, run_cli
+from core.infra.cli import InputTally, positive_int, run_cli
 
 __all__ = ["build_parser", "main"]
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=Path, nargs="+", required=True, help="image files, in prompt order")
     p.add_argument("--question", required=True, help="the question")
     p.add_argument("--weights", type=Path, help="model.safetensors (tokenizer.json beside it) or a run folder; default: shipped")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in tokens")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="longest answer in tokens")
     return p
 
 

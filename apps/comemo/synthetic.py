@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, ImageDraw
 
-from core.infra.cli import nonempty_path_obj, run_cli
+from core.infra.cli import nonempty_path_obj, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -264,11 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.comemo.synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=nonempty_path_obj, required=True, help="output folder")
     p.add_argument("--split", default="train", help="split name: the file DIR/<split>.jsonl")
-    p.add_argument("--samples", type=int, default=200, help="samples per task and image count")
+    p.add_argument("--samples", type=positive_int, default=200, help="samples per task and image count")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to draw")
-    p.add_argument("--images", type=int, nargs="+", default=[1, 2, 4, 8],
+    p.add_argument("--images", type=positive_int, nargs="+", default=[1, 2, 4, 8],
                    help="image counts (train on <= 8, test on 16, 32, 64)")
-    p.add_argument("--tile", type=int, default=32, help="side of one image / tile in pixels")
+    p.add_argument("--tile", type=positive_int, default=32, help="side of one image / tile in pixels")
     p.add_argument("--seed", type=int, default=0, help="stream seed (use different seeds for train and test)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p

@@ -263,17 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folder (last.pt, metrics.jsonl, model.safetensors, tokenizer.json)")
     p.add_argument("--init-from", type=Path, help="weights of a previous stage (its tokenizer.json must lie beside it)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of this stage")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per step and rank")
+    p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps of this stage")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step and rank")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    p.add_argument("--vision-lr-scale", type=float, default=1.0,
+    p.add_argument("--vision-lr-scale", type=nonnegative_float, default=1.0,
                    help="factor on --lr for the vision encoder (e.g. 0.1 to keep a stage -1 ViT close to its weights)")
     p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay")
     p.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clip")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample stream")
-    p.add_argument("--max-images", type=int, default=8, help="train on 1..N images per sample")
-    p.add_argument("--min-images", type=int, default=1, help="train on --min-images..--max-images images per sample")
+    p.add_argument("--max-images", type=positive_int, default=8, help="train on 1..N images per sample")
+    p.add_argument("--min-images", type=positive_int, default=1, help="train on --min-images..--max-images images per sample")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to train on")
     p.add_argument("--image-labels", default="none", choices=IMAGE_LABELS,
                    help="a text label 'image K' before (InternVL's layout) or after each image in the prompt")
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-weights", type=Path, help="local weights file of a timm/open_clip encoder")
     p.add_argument("--encoder-kwargs", default="{}", help='JSON constructor kwargs of the encoder, e.g. \'{"img_size": 32}\'')
     p.add_argument("--val-every", type=int, default=50, help="validation loss every N steps")
-    p.add_argument("--val-samples", type=int, default=32, help="fixed validation samples (seed stream 10**6 + seed)")
+    p.add_argument("--val-samples", type=positive_int, default=32, help="fixed validation samples (seed stream 10**6 + seed)")
     p.add_argument("--ckpt-every", type=int, default=50, help="write last.pt every N steps")
     p.add_argument("--max-minutes", type=nonnegative_float, help="stop (and checkpoint) after this many minutes")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
@@ -325,6 +325,13 @@ def _tokenizer(args) -> CoMemoTokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.encoder_weights is not None:
+        if not args.encoder_weights.is_file():
+            raise FileNotFoundError(f"--encoder-weights {str(args.encoder_weights)!r} is not a file; give the local "
+                                    "weights of the --encoder")
+        if args.encoder == "vit":
+            raise SystemExit("--encoder-weights needs --encoder timm:<name> or open_clip:<name> (the vit encoder is "
+                             "built here)")
     if args.variant not in VARIANTS:
         raise SystemExit(f"unknown --variant {args.variant!r}; choose one of {list(VARIANTS)}")
     if args.stage not in STAGES:

@@ -16,7 +16,7 @@ import torch
 from apps.emloc.api import CompressedContext, compress
 from apps.emloc.cli_common import load_host
 from apps.emloc.io import IMAGE_SUFFIXES, read_demos, read_image
-from core.infra.cli import InputTally, UsageError, nonempty_path_obj
+from core.infra.cli import InputTally, UsageError, nonempty_path_obj, positive_float, positive_int
 from core.infra.fileio import check_writable
 
 logger = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ def build_compress_parser() -> argparse.ArgumentParser:
     p.add_argument("--demos", required=True, type=Path, help="DIR/<label id>/<image> folder or JSONL file")
     p.add_argument("--out", required=True, type=nonempty_path_obj, help="memory file to write (.safetensors)")
     p.add_argument("--model", type=Path, default=None, help="host weights (default: the shipped host)")
-    p.add_argument("--delta", type=float, default=0.005, help="JS-divergence bound per chunk (nats), > 0")
+    p.add_argument("--delta", type=positive_float, default=0.005, help="JS-divergence bound per chunk (nats), > 0")
     p.add_argument("--ratios", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.1, 0.2, 0.5),
                    help="keep ratios tried per layer, comma-separated")
-    p.add_argument("--chunk-demos", type=int, default=16, help="demonstrations per chunk")
+    p.add_argument("--chunk-demos", type=positive_int, default=16, help="demonstrations per chunk")
     p.add_argument("--always-keep", choices=("label", "answer", "both"), default="label",
                    help="tokens EMLoC never prunes: each demo's label token (default), its answer position, or both")
     return p
@@ -92,7 +92,7 @@ def build_predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", required=True, type=Path, help="memory file from python -m apps.emloc.compress")
     p.add_argument("--images", required=True, nargs="+", help="image files or folders of images")
     p.add_argument("--model", type=Path, default=None, help="host weights (default: the shipped host)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     return p
 
 

@@ -20,7 +20,7 @@ line per bad input and the command goes on with the others; ``main`` then return
 (all answered), 1 (some answered, the others reported) or 2 (none could be used).
 
 Options are checked when they are parsed, before any work: the argparse types below (:func:`positive_int`,
-:func:`nonnegative_int`, :func:`positive_float`, :func:`nonnegative_float`, :func:`fraction`,
+:func:`nonnegative_int`, :func:`finite_float`, :func:`positive_float`, :func:`nonnegative_float`, :func:`fraction`,
 :func:`open_fraction`, :func:`port`, :func:`nonempty_path`, :func:`nonempty_path_obj`) raise
 ``argparse.ArgumentTypeError``, so a value out of range is argparse's usage error (exit 2), e.g.
 ``argument --batch: must be >= 1, got 0``.
@@ -39,8 +39,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 __all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "DEBUG_ENV", "INPUT_ERRORS",
-           "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "fraction", "open_fraction",
-           "port", "nonempty_path", "nonempty_path_obj"]
+           "positive_int", "nonnegative_int", "finite_float", "positive_float", "nonnegative_float", "fraction",
+           "open_fraction", "port", "nonempty_path", "nonempty_path_obj"]
 
 #: Environment variable that shows tracebacks (``LONGCTX_DEBUG=1``).
 DEBUG_ENV = "LONGCTX_DEBUG"
@@ -179,6 +179,11 @@ def nonnegative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def finite_float(text: str) -> float:
+    """Any finite number, of either sign (target returns, offsets): ``nan`` and ``inf`` are refused."""
+    return _parse(text, float)
 
 
 def positive_float(text: str) -> float:
