@@ -40,7 +40,7 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from core.attention import attention
+from core.attention import attention, causal_keep
 from core.hf import probes
 
 logger = logging.getLogger(__name__)
@@ -237,27 +237,35 @@ def _fallback_reason(module, query, dropout: float, kwargs: dict) -> str | None:
     return None
 
 
-def _as_dense_for_fallback(attention_mask, query, key, module, kwargs) -> tuple[torch.Tensor | None, bool]:
-    """(mask for transformers' own functions, is_causal) from whatever the model passed."""
+def _implicit_causal(module, query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a call without a mask is causal, as transformers' ``sdpa`` decides it: ``is_causal`` from the call,
+    else from the module (default True), and more than one query. Such a mask is top-left aligned (keys past
+    ``S_q`` are seen by no query)."""
     is_causal = kwargs.get("is_causal")
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    return bool(is_causal) and query.shape[2] > 1
+
+
+def _as_dense_for_fallback(attention_mask, query, key, module, kwargs) -> torch.Tensor | None:
+    """The model's mask as a dense bool keep mask (or its own float mask) for transformers' functions: a
+    :class:`LongctxMask` expanded, an implicit causal mask built, per-head hidden keys folded in."""
     if isinstance(attention_mask, LongctxMask):
         mask = attention_mask.to_bool(query.shape[0], query.device)
     else:
         mask = attention_mask
+    if mask is None and _implicit_causal(module, query, kwargs):
+        mask = causal_keep(query.shape[2], key.shape[2], query.device)[None, None]  # top-left, as sdpa's is_causal
     hidden = getattr(key, HIDDEN_ATTR, None)
     if hidden is not None:
         G = query.shape[1] // key.shape[1]
         keep_h = ~hidden.repeat_interleave(G, dim=1)[:, :, None, :]  # (B, Hq, 1, Sk)
         if mask is None:
-            causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
-            mask = torch.ones(1, 1, query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
-            if causal:
-                mask = torch.ones_like(mask[0, 0]).tril(key.shape[2] - query.shape[2])[None, None]
-        if mask.dtype == torch.bool:
+            mask = keep_h
+        elif mask.dtype == torch.bool:
             mask = mask & keep_h
         else:
             mask = mask.masked_fill(~keep_h, torch.finfo(mask.dtype).min)
-    return mask, is_causal
+    return mask
 
 
 def _hidden_bias(hidden: torch.Tensor, key: torch.Tensor, hq: int, dtype: torch.dtype) -> torch.Tensor:
@@ -277,21 +285,17 @@ def _model_eager(module):
 def _fallback(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    mask, is_causal = _as_dense_for_fallback(attention_mask, query, key, module, kwargs)
-    rest = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    mask = _as_dense_for_fallback(attention_mask, query, key, module, kwargs)
+    rest = {k: v for k, v in kwargs.items() if k != "is_causal"}  # the mask now holds any causality
     if reason == "dropout" and rest.get("softcap") is None and rest.get("position_bias") is None:
         _warn_once(reason, "longctx: dropout in training is not served by core.attention; these calls run "
                            "transformers' sdpa")  # fmt: skip
         if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             mask = mask.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **rest)  # fmt: skip
+                                      is_causal=False, **rest)  # fmt: skip
     _warn_once(reason, f"longctx: {reason} is not served by core.attention; these calls run the model's eager "
                        "attention")  # fmt: skip
-    if mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True)) \
-            and query.shape[2] > 1:  # fmt: skip
-        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
-            key.shape[2] - query.shape[2])[None, None]  # fmt: skip
     if mask is not None and mask.dtype == torch.bool:  # eager functions take an additive float mask
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min)  # fmt: skip
@@ -313,16 +317,14 @@ def _fallback(reason, module, query, key, value, attention_mask, scaling, dropou
 
 
 def _eager(module, query, key, value, mask, scaling, dropout, softcap):
-    """transformers' eager math (with Gemma 2's soft cap) on a dense mask: the reference the fallbacks need."""
+    """transformers' eager math (with Gemma 2's soft cap) on a dense mask (None: no mask, as the caller built any
+    causal one): the reference the fallbacks need when the model's file has no eager function."""
     G = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(G, dim=1)
     v = value.repeat_interleave(G, dim=1)
     scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    if mask is None and getattr(module, "is_causal", True) and query.shape[2] > 1:
-        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
-            key.shape[2] - query.shape[2])  # fmt: skip
     if mask is not None:
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
@@ -368,9 +370,7 @@ def longctx_attention(
                 )
             key_padding = m.key_padding
     elif attention_mask is None:
-        is_causal = kwargs.get("is_causal")
-        is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        causal = bool(is_causal) and Sq > 1
+        causal = _implicit_causal(module, query, kwargs)
         if causal and key.shape[2] > Sq:  # as transformers' sdpa: is_causal aligns top-left, extra keys unseen
             key, value = key[:, :, :Sq], value[:, :, :Sq]
     elif isinstance(attention_mask, torch.Tensor):
