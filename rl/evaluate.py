@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from core.infra.cli import InputTally, UsageError, finite_float, positive_int, print_error, run_cli
-from core.infra.fileio import load_safetensors
+from core.infra.fileio import load_safetensors_model
 from rl.envs import make_env, make_vector_env
 from rl.references import normalized_score
 
@@ -201,9 +201,17 @@ def load_policy(checkpoint: str | os.PathLike):
     if not cfg_path.exists() or not w_path.exists():
         raise FileNotFoundError(f"{str(d)!r} holds no trained policy (needs {cfg_path.name} and {w_path.name}; "
                                 f"train one with `python -m rl.train`)")
-    info = json.loads(cfg_path.read_text())
-    model = build_model(info["algo"], config_from_dict(info["algo"], info["model"]))
-    model.load_state_dict(load_safetensors(w_path, what="policy weights written by rl.train or rl.ship"))
+    try:
+        info = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{cfg_path} is not JSON ({err}); expected the config.json written by rl.train") from err
+    try:
+        model = build_model(info["algo"], config_from_dict(info["algo"], info["model"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{cfg_path} is not a policy config ({type(err).__name__}: {err}); expected the JSON "
+                         f"written by rl.train or rl.ship, with 'algo' ('dt'|'dm') and 'model' "
+                         f"(state_dim, act_dim, ...)") from err
+    load_safetensors_model(model, w_path, what="policy weights written by rl.train or rl.ship for this config")
     return model.eval(), info
 
 

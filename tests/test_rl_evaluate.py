@@ -41,6 +41,32 @@ def test_load_policy_errors(tmp_path):
         rollout(model, info["env"], target_return=1.0, episodes=0)
 
 
+
+def test_load_policy_refuses_foreign_config_and_weights(tmp_path):
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    shipped = next(iter(shipped_policies().values()))
+    run = tmp_path / "run"
+    run.mkdir()
+    info = json.loads(shipped.with_suffix(".json").read_text())
+    shutil.copy(shipped, run / "model.safetensors")
+    (run / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        load_policy(run)
+    bad = dict(info, model={k: v for k, v in info["model"].items() if k != "state_dim"})
+    (run / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="is not a policy config"):
+        load_policy(run)
+    (run / "config.json").write_text(json.dumps(info))
+    load_policy(run)  # the intact pair loads
+    save_file({"weight": torch.zeros(3, 3)}, str(run / "model.safetensors"))
+    with pytest.raises(ValueError, match="does not fit the model"):
+        load_policy(run)
+
 def test_rendering_then_loading_triton_does_not_crash(tmp_path):
     # Offscreen MuJoCo rendering (EGL / Mesa llvmpipe) loads the system LLVM; importing Triton after it used
     # to crash the process (a segfault in Triton's extension). rl.envs loads Triton first when it renders.
