@@ -41,6 +41,7 @@ from apps.emloc.api import compress
 from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
 from benchmarks.common import PeakRSS, portable_args, run_isolated
+from core.infra.cli import nonnegative_int, open_fraction, positive_float, positive_int, run_cli
 from core.infra.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -280,27 +281,45 @@ def plot_curves(summaries: list[dict], path: Path) -> Path:
     return path
 
 
+def _list(kind):
+    """An argparse type: a comma-separated list of ``kind`` values."""
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",")]
+
+    parse.__name__ = f"list of {kind.__name__}"
+    return parse
+
+
+def _baselines(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in BASELINES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown policies {bad}; choose from {','.join(BASELINES)}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.emloc_bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_WEIGHTS, help="host weights (EMLoCHost safetensors); default: the shipped host")
-    p.add_argument("--demos", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 256])
-    p.add_argument("--keep", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1, 0.25, 0.5])
-    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
-    p.add_argument("--episodes", type=int, default=5)
-    p.add_argument("--baselines", type=lambda s: [x for x in s.split(",") if x], default=list(BASELINES),
+    p.add_argument("--demos", type=_list(positive_int), default=[16, 64, 256])
+    p.add_argument("--keep", type=_list(open_fraction), default=[0.05, 0.1, 0.25, 0.5])
+    p.add_argument("--seeds", type=_list(nonnegative_int), default=[0, 1])
+    p.add_argument("--episodes", type=positive_int, default=5)
+    p.add_argument("--baselines", type=_baselines, default=list(BASELINES),
                    help=f"comma list of budgeted policies to compare (default all: {','.join(BASELINES)}); '' for none")
-    p.add_argument("--queries", type=int, default=20)
-    p.add_argument("--n-way", type=int, default=5)
-    p.add_argument("--delta", type=float, default=0.005)
-    p.add_argument("--chunk-demos", type=int, default=16)
+    p.add_argument("--queries", type=positive_int, default=20)
+    p.add_argument("--n-way", type=positive_int, default=5)
+    p.add_argument("--delta", type=positive_float, default=0.005,
+                   help="EMLoC's JS bound per chunk (nats); 0.005 keeps 29-62%% of the cache on the shipped host")
+    p.add_argument("--chunk-demos", type=positive_int, default=16)
     p.add_argument("--always-keep", choices=("label", "answer", "both"), default="label", help="EMLoC's always-kept tokens (apps.emloc.compress)")
-    p.add_argument("--memory-demos", type=int, default=512, help="K whose full context (cache, peak prefill memory) is the fixed memory")
+    p.add_argument("--memory-demos", type=positive_int, default=512, help="K whose full context (cache, peak prefill memory) is the fixed memory")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/emloc_bench.json"))
     p.add_argument("--overwrite", action="store_true", help="discard a rows file made with another host or settings")
     p.add_argument("--peak-memory", action="store_true", help="also measure peak prefill memory per K and policy (fresh processes)")
-    p.add_argument("--memory-grid", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512, 1024, 2048])
-    p.add_argument("--memory-keep", type=float, default=0.25, help="keep fraction of the budgeted policies in the memory probe")
+    p.add_argument("--memory-grid", type=_list(positive_int), default=[64, 128, 256, 512, 1024, 2048])
+    p.add_argument("--memory-keep", type=open_fraction, default=0.25, help="keep fraction of the budgeted policies in the memory probe")
     p.add_argument("--skip-accuracy", action="store_true", help="only the peak-memory probe (with --peak-memory)")
     p.add_argument("--plot-from", type=Path, nargs="+", default=None,
                    help="only draw accuracy-vs-kept curves from these summaries (first: baselines; each adds its EMLoC point) to --plot")
@@ -381,4 +400,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -23,7 +23,13 @@ Policies (``POLICIES``):
         distribution at the chunk's answer tokens stays within Jensen–Shannon divergence ``delta`` of the
         unpruned one (else the layer stays whole); answer tokens are always kept. Token importance is the
         attention the answer tokens give each slot, per KV head, smoothed over ``smooth_kernel`` tokens.
-        :func:`emloc_compress` runs it chunk by chunk over many demonstrations.
+        :func:`emloc_compress` runs it chunk by chunk over many demonstrations; a chunk with ``suffix_embeds``
+        is observed as the reference does it (:func:`core.kv_emloc.policy_emloc_suffix`: each demonstration
+        re-encoded as a suffix after the chunk).
+
+Always-kept tokens: ``Observation.protect`` (bool ``(B, S)``) makes every budgeted policy rank those slots first
+(e.g. the demonstrations' answer tokens EMLoC always keeps), so a comparison at equal budget is about what each
+policy adds; the rest of the budget goes by the policy's own ranking.
 
 "Keeps exactly its budget": with a budgeted policy every KV head of every pruned layer sees
 ``min(budget_l, visible slots)`` slots afterwards (``KVCache.kept_counts``). Budgets count slots, and
@@ -65,6 +71,7 @@ from core.kv_observe import (
     _need,
     _per_layer,
     _pool,
+    _protected,
     _slot_rank,
     _topk_slots,
     importance,
@@ -104,7 +111,7 @@ def policy_random(cache: KVCache, budget: int, obs: Observation | None = None, *
         r = torch.rand(vis.shape[0], 1, vis.shape[2], generator=generator, device=generator.device if generator else "cpu")
         return r.to(vis.device)
 
-    return _per_layer(cache, budget, score)
+    return _per_layer(cache, budget, score, obs)
 
 
 def policy_streaming(cache: KVCache, budget: int, obs: Observation | None = None, *, num_sinks: int = 4) -> Indices:
@@ -118,7 +125,7 @@ def policy_streaming(cache: KVCache, budget: int, obs: Observation | None = None
         rank = _slot_rank(S, vis.device)
         return torch.where(rank < num_sinks, rank + 2 * S, rank)[None, None]  # sinks first, then recency
 
-    return _per_layer(cache, budget, score)
+    return _per_layer(cache, budget, score, obs)
 
 
 def policy_h2o(cache: KVCache, budget: int, obs: Observation | None = None, *, recent_ratio: float = 0.5) -> Indices:
@@ -136,7 +143,7 @@ def policy_h2o(cache: KVCache, budget: int, obs: Observation | None = None, *, r
         recent = _slot_rank(S, vis.device) >= S - n_recent
         return torch.where(recent[None, None], big + _slot_rank(S, vis.device)[None, None], imp)
 
-    return _per_layer(cache, budget, score)
+    return _per_layer(cache, budget, score, obs)
 
 
 def _snap_scores(atts: torch.Tensor, vis: torch.Tensor, window: int, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -165,7 +172,7 @@ def policy_snapkv(
     w = _window(obs, "snapkv")
     if w > budget:
         raise ValueError(f"snapkv: the observation window ({w}) is larger than the budget ({budget})")
-    return _per_layer(cache, budget, lambda i, vis: _snap_scores(atts[i], vis, w, kernel_size, pooling))
+    return _per_layer(cache, budget, lambda i, vis: _snap_scores(atts[i], vis, w, kernel_size, pooling), obs)
 
 
 def pyramid_budgets(budget: int, depth: int, *, floor: int, beta: int = 20) -> list[int]:
@@ -202,7 +209,7 @@ def policy_pyramidkv(
         if int(vis.sum(-1).max()) <= b:
             out.append(None)
             continue
-        out.append(_topk_slots(_snap_scores(atts[i], vis, w, kernel_size, pooling), vis, b))
+        out.append(_topk_slots(_protected(_snap_scores(atts[i], vis, w, kernel_size, pooling), obs), vis, b))
     return out
 
 
@@ -222,7 +229,7 @@ def policy_fastv(cache: KVCache, budget: int, obs: Observation | None = None, *,
     if n_text > budget:
         raise ValueError(f"fastv keeps every text token: budget ({budget}) is below the text tokens ({n_text})")
     rank = atts[k_layer - 1].float().mean(dim=(1, 2))  # (B, S) attention received per slot
-    score = torch.where(image, rank, rank.amax() + 1.0)[:, None, :]
+    score = _protected(torch.where(image, rank, rank.amax() + 1.0)[:, None, :], obs)
     out: Indices = [None] * k_layer
     for layer in cache.layers[k_layer:]:
         vis = layer.visible()

@@ -13,12 +13,13 @@ import torch
 
 from core.attention import attention
 from core.decoder import Decoder, KVCache
+from core.kv_cache import LayerKV
 from core.kv_observe import Indices, Observation, _need, _pool, _topk_slots, importance, observe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["js_divergence", "replay_logits", "EMLoCConfig", "ChunkReport", "policy_emloc", "Chunk",
-           "chunk_demonstrations", "EMLoCResult", "emloc_compress"]
+__all__ = ["js_divergence", "replay_logits", "EMLoCConfig", "ChunkReport", "policy_emloc", "policy_emloc_suffix",
+           "suffix_observe", "Chunk", "chunk_demonstrations", "EMLoCResult", "emloc_compress"]
 
 
 def js_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,6 @@ def policy_emloc(
         if keep_mask.numel() != n:
             raise ValueError(f"keep_mask has {keep_mask.numel()} entries for {n} chunk tokens")
         answer = keep_mask
-    n_ans = int(answer.sum())
     layers_kv = [(l.k, l.v) for l in cache.layers]
 
     def js_of(chunk_keep) -> float:
@@ -161,18 +161,27 @@ def policy_emloc(
         js = js_divergence(obs.logits, logits)
         return float(js.mean() if cfg.js_reduce == "mean" else js.max())
 
+    imps = [importance(obs.attentions[i][..., -n:], cache.layers[i].k.shape[1]) for i in range(L)]  # answers -> chunk
+    return _search(cache, n, imps, answer, js_of, cfg, report)
+
+
+def _search(cache: KVCache, n: int, imps: list[torch.Tensor], keep: torch.Tensor, js_of, cfg: EMLoCConfig,
+            report: ChunkReport | None) -> Indices:
+    """Layer by layer from the top: the smallest ratio of ``cfg.ratios`` whose ``js_of(chunk_keep)`` is at most
+    ``cfg.delta`` (top-k per KV head of the pooled importance ``imps[l]`` ``(B, H_kv, n)``, ``keep`` ranked
+    first), else the layer whole. Returns the indices for :meth:`KVCache.select` (slots before the chunk kept)."""
+    L = cache.num_layers
+    n_keep = int(keep.sum())
     chunk_keep: list[torch.Tensor | None] = [None] * L
     ratios, js_log, kept = [1.0] * L, [0.0] * L, [n] * L
     current = 0.0
     for i in reversed(range(L)):
         layer = cache.layers[i]
-        H = layer.k.shape[1]
-        imp = importance(obs.attentions[i][..., -n:], H)  # (B, H_kv, n) attention the answers give chunk tokens
-        imp = _pool(imp, cfg.smooth_kernel, "avg")
-        score = imp.masked_fill(answer.to(imp.device)[None, None], float("inf"))
+        imp = _pool(imps[i], cfg.smooth_kernel, "avg")
+        score = imp.masked_fill(keep.to(imp.device)[None, None], float("inf"))
         vis = layer.visible()[..., -n:]
         for r in cfg.ratios:
-            k = max(n_ans, math.ceil(r * n))
+            k = max(n_keep, math.ceil(r * n))
             if k >= n:
                 break
             cand = _topk_slots(score, vis, k)  # (B, H_kv, k) chunk-relative
@@ -184,8 +193,12 @@ def policy_emloc(
                 break
         js_log[i] = current
     if report is not None:
-        report.num_tokens, report.num_answer = n, n_ans
+        report.num_tokens, report.num_answer = n, n_keep
         report.ratios, report.js, report.kept = ratios, js_log, kept
+    return _with_prior(cache, n, chunk_keep)
+
+
+def _with_prior(cache: KVCache, n: int, chunk_keep: list[torch.Tensor | None]) -> Indices:
     out: Indices = []
     for layer, keep in zip(cache.layers, chunk_keep):
         if keep is None:
@@ -195,6 +208,55 @@ def policy_emloc(
         prior = torch.arange(S - n, device=keep.device)[None, None].expand(B, H, -1)
         out.append(torch.cat([prior, keep + (S - n)], dim=-1))
     return out
+
+
+def _expand(cache: KVCache, N: int) -> KVCache:
+    """The cache repeated over a batch of ``N`` (views)."""
+    return KVCache(layers=[LayerKV(l.k.expand(N, -1, -1, -1), l.v.expand(N, -1, -1, -1), l.pos.expand(N, -1),
+                                   None if l.mask is None else l.mask.expand(N, -1, -1)) for l in cache.layers],
+                   next_pos=cache.next_pos.expand(N))
+
+
+@torch.no_grad()
+def suffix_observe(model: Decoder, cache: KVCache, suffix_embeds: torch.Tensor, suffix_answer: torch.Tensor,
+                   *, probes: bool = False):
+    """Each row of ``suffix_embeds`` ``(N, S_s, dim)`` encoded on its own after ``cache`` (B = 1), at the positions
+    after it; returns ``(logits (N, Q, vocab) at the answer positions, attentions per layer (N, H_q, Q, S_l + S_s)
+    or None)``."""
+    N, S_s, _ = suffix_embeds.shape
+    qi = torch.as_tensor(suffix_answer).bool().reshape(-1).nonzero()[:, 0]
+    pos = (cache.next_pos[:1].to(suffix_embeds.device) + torch.arange(S_s, device=suffix_embeds.device))[None].expand(N, -1)
+    out = model(inputs_embeds=suffix_embeds, position_ids=pos, cache=_expand(cache, N), use_cache=False,
+                attn_queries=qi if probes else None, logits_index=qi)
+    return out.logits, out.attentions
+
+
+def policy_emloc_suffix(cache: KVCache, n: int, *, model: Decoder, suffix_embeds: torch.Tensor,
+                        suffix_answer: torch.Tensor, keep_mask: torch.Tensor, config: EMLoCConfig | None = None,
+                        report: ChunkReport | None = None) -> Indices:
+    """EMLoC with the reference's observers: the chunk (the last ``n`` slots of ``cache``) is scored by each of its
+    demonstrations re-encoded as a suffix after it (``suffix_embeds`` rows, observers at ``suffix_answer``), whose
+    attention to the chunk is normalised over the chunk and suffix keys (the earlier memory left out); the JS bound
+    is measured on the suffixes' answer outputs. ``keep_mask`` (bool ``(n,)``) names the always-kept tokens."""
+    cfg = config or EMLoCConfig()
+    keep_mask = torch.as_tensor(keep_mask).bool().reshape(-1).cpu()
+    if keep_mask.numel() != n:
+        raise ValueError(f"keep_mask has {keep_mask.numel()} entries for {n} chunk tokens")
+    base, atts = suffix_observe(model, cache, suffix_embeds, suffix_answer, probes=True)
+    imps = []
+    for layer, a in zip(cache.layers, atts):
+        S = len(layer)
+        part = a[..., S - n :].float()
+        chunk = part[..., :n] / part.sum(-1, keepdim=True).clamp_min(1e-30)  # (N, H_q, Q, n)
+        Nb, Hq, Q, _ = chunk.shape
+        imps.append(importance(chunk.permute(1, 0, 2, 3).reshape(1, Hq, Nb * Q, n), layer.k.shape[1]))
+
+    def js_of(chunk_keep) -> float:
+        logits, _ = suffix_observe(model, cache.select(_with_prior(cache, n, chunk_keep)), suffix_embeds, suffix_answer)
+        js = js_divergence(base, logits)
+        return float(js.mean() if cfg.js_reduce == "mean" else js.max())
+
+    return _search(cache, n, imps, keep_mask, js_of, cfg, report)
 
 
 #: The registry: name -> ``policy(cache, budget, obs, **options) -> indices per layer``.
@@ -209,6 +271,10 @@ class Chunk:
         position_ids: optional ``(S,)``/``(B, S)`` positions; default continues after the memory.
         keep_mask: optional bool ``(S,)``: the tokens always kept, when they are not the answer tokens (e.g. a host
             whose label token follows the position that predicts it).
+        suffix_embeds: optional ``(N, S_s, dim)``: the chunk's demonstrations re-encoded one per row, each as a
+            suffix after the chunk (the reference's observers, :func:`policy_emloc_suffix`); with
+            ``suffix_answer`` (bool ``(S_s,)``, the observed positions in a row). None: the chunk's own answer
+            tokens observe it causally (the default).
     """
 
     input_ids: torch.Tensor | None = None
@@ -216,6 +282,8 @@ class Chunk:
     answer_mask: torch.Tensor
     position_ids: torch.Tensor | None = None
     keep_mask: torch.Tensor | None = None
+    suffix_embeds: torch.Tensor | None = None
+    suffix_answer: torch.Tensor | None = None
 
 
 def chunk_demonstrations(demos: list[tuple[torch.Tensor, torch.Tensor]], per_chunk: int) -> list[Chunk]:
@@ -273,8 +341,14 @@ def emloc_compress(
         if obs.num_new != ans.numel():
             raise ValueError(f"chunk {c}: answer_mask has {ans.numel()} entries for {obs.num_new} tokens")
         report = ChunkReport(num_tokens=obs.num_new, num_answer=int(ans.sum()))
-        cache = out.cache.select(policy_emloc(out.cache, None, obs, model=model, config=cfg, report=report,
-                                              keep_mask=chunk.keep_mask))
+        if chunk.suffix_embeds is not None:
+            keep = ans if chunk.keep_mask is None else chunk.keep_mask
+            cache = out.cache.select(policy_emloc_suffix(out.cache, obs.num_new, model=model, config=cfg, report=report,
+                                                         suffix_embeds=chunk.suffix_embeds, keep_mask=keep,
+                                                         suffix_answer=chunk.suffix_answer))
+        else:
+            cache = out.cache.select(policy_emloc(out.cache, None, obs, model=model, config=cfg, report=report,
+                                                  keep_mask=chunk.keep_mask))
         reports.append(report)
         logger.debug("emloc chunk %d: ratios %s, js %s", c, report.ratios, report.js)
         if progress is not None:

@@ -34,6 +34,9 @@ class Observation:
         query_embeds: ``(B, Q, dim)`` the probe tokens' input embeddings (for :func:`replay_logits`).
         query_pos: ``(B, Q)`` the probe tokens' position ids.
         image_mask: bool ``(B, S)`` over the slots of an unpruned cache, True = image token (FastV).
+        protect: bool ``(B, S)`` over the slots of an unpruned cache, True = always kept: every budgeted policy
+            ranks these slots first (e.g. the demonstrations' answer tokens, which EMLoC always keeps), and the rest
+            of the budget goes by the policy's own ranking.
     """
 
     attentions: list[torch.Tensor] | None = None
@@ -43,6 +46,7 @@ class Observation:
     query_embeds: torch.Tensor | None = None
     query_pos: torch.Tensor | None = None
     image_mask: torch.Tensor | None = None
+    protect: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -135,15 +139,29 @@ def _need(obs: Observation | None, what: str, policy: str):
     return value
 
 
-def _per_layer(cache: KVCache, budget: int, score_fn: Callable[[int, torch.Tensor], torch.Tensor]) -> Indices:
-    """Top-``budget`` slots per head from ``score_fn(layer, visible_BHS) -> (B, H|1, S)``; None when it all fits."""
+def _protected(score_BHS: torch.Tensor, obs: Observation | None) -> torch.Tensor:
+    """``score`` with the slots of ``obs.protect`` (if any) ranked first."""
+    protect = None if obs is None else obs.protect
+    if protect is None:
+        return score_BHS
+    protect = torch.as_tensor(protect).bool().to(score_BHS.device)
+    if protect.shape[-1] != score_BHS.shape[-1]:
+        raise ValueError(f"Observation.protect covers {protect.shape[-1]} slots, the layer holds {score_BHS.shape[-1]} "
+                         "(protect applies to an unpruned cache)")
+    return score_BHS.float().masked_fill(protect.reshape(-1, 1, protect.shape[-1]), float("inf"))
+
+
+def _per_layer(cache: KVCache, budget: int, score_fn: Callable[[int, torch.Tensor], torch.Tensor],
+               obs: Observation | None = None) -> Indices:
+    """Top-``budget`` slots per head from ``score_fn(layer, visible_BHS) -> (B, H|1, S)`` (``obs.protect`` first);
+    None when it all fits."""
     out: Indices = []
     for i, layer in enumerate(cache.layers):
         vis = layer.visible()
         if int(vis.sum(-1).max()) <= budget:
             out.append(None)
             continue
-        score = score_fn(i, vis).expand_as(vis)
+        score = _protected(score_fn(i, vis).expand_as(vis), obs)
         out.append(_topk_slots(score, vis, budget))
     return out
 

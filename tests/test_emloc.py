@@ -169,3 +169,59 @@ def test_image_summary_option_changes_tokens_and_round_trips(tmp_path):
     back = EMLoCHost.load(tmp_path / "h.safetensors")
     assert back.config.image_summary and back.fingerprint() == m.fingerprint()
     torch.testing.assert_close(back.embed_demos(imgs, labs), x)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("delta", [0.02, 1e-6])
+def test_suffix_observers_bound_js_on_every_chunk_by_an_independent_replay(episode, delta):
+    """observers="suffix" (the reference's): each demo of a chunk re-encoded after the chunk; replayed here one demo
+    at a time with the decoder itself, the mean JS at the answer positions stays within delta on every chunk."""
+    m = tiny_host()
+    ctx = compress(m, demos(episode), delta=delta, chunk_demos=8, observers="suffix")
+    assert ctx.settings["observers"] == "suffix" and len(ctx.reports) == 3
+    x = m.embed_demos(episode.demo_images[None], episode.demo_labels[None])
+    P = m.config.tokens_per_demo
+    T = 8 * P
+    qi = m.config.tokens_per_image - 1
+    mem_len = [0] * m.config.depth
+    for c, rep in enumerate(ctx.reports):
+        memory = ctx.cache.select([torch.arange(l)[None, None].expand(1, 2, -1) for l in mem_len]) if c else None
+        own = torch.arange(c * T, (c + 1) * T)[None]  # the chunk's positions (a slice of the final cache keeps its
+        whole = m.decoder(inputs_embeds=x[:, c * T : (c + 1) * T], position_ids=own, cache=memory).cache  # next_pos)
+        kept = ctx.cache.select([torch.arange(l + k)[None, None].expand(1, 2, -1) for l, k in zip(mem_len, rep.kept)])
+        js = []
+        for d in range(8):
+            suffix = x[:, c * T + d * P : c * T + (d + 1) * P]
+            pos = (c + 1) * T + torch.arange(P)
+            a = m.decoder(inputs_embeds=suffix, position_ids=pos[None], cache=whole, use_cache=False).logits[0, qi]
+            b = m.decoder(inputs_embeds=suffix, position_ids=pos[None], cache=kept, use_cache=False).logits[0, qi]
+            js.append(js_divergence(a, b))
+        assert float(torch.stack(js).mean()) <= delta + 1e-7, (c, rep.js)
+        mem_len = [l + k for l, k in zip(mem_len, rep.kept)]
+    if delta == 1e-6:
+        assert any(r == 1.0 for rep in ctx.reports for r in rep.ratios)  # the bound bites somewhere
+    else:
+        assert ctx.keep_fraction() < 0.9
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("policy", ["random", "streaming", "h2o", "snapkv", "pyramidkv", "fastv"])
+def test_protected_answers_are_kept_by_every_budgeted_policy_within_its_budget(episode, policy):
+    """protect_answers: every demo's label token is kept first; the budget per layer and head is unchanged."""
+    m = tiny_host()
+    P = m.config.tokens_per_demo
+    n = episode.demo_images.shape[0] * P
+    labels = torch.arange(n) % P == m.config.tokens_per_image
+    ctx = compress(m, demos(episode), policy=policy, keep=0.5, protect_answers=True, seed=3)
+    plain = compress(m, demos(episode), policy=policy, keep=0.5, seed=3)
+    km, kp = ctx.kept_map(), plain.kept_map()
+    pruned = [i for i in range(m.config.depth) if not bool(kp[i].all())]
+    assert pruned
+    for i in pruned:
+        if int(kp[i].sum(-1).min()) >= int(labels.sum()):  # PyramidKV's top layers may hold fewer slots than labels
+            assert bool(km[i][:, labels].all()), (policy, i)  # every label token, every head
+        else:
+            assert int(km[i][:, labels].sum(-1).min()) == int(kp[i].sum(-1).min())  # labels fill the whole budget
+        assert torch.equal(km[i].sum(-1), kp[i].sum(-1))  # the same budget
+    if policy == "streaming":
+        assert not bool(kp[pruned[0]][:, labels].all())  # without protection recency drops the early labels

@@ -120,3 +120,26 @@ def test_cli_with_the_shipped_host_reads_labels_from_the_demos(tmp_path, capsys)
     out = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
     got = np.array([o["label"] for o in sorted(out, key=lambda o: o["image"])])
     assert len(got) == 10 and (got == ep.query_labels.numpy()).mean() >= 0.7  # chance: 0.2
+
+
+def test_compress_offers_every_policy_and_refuses_a_budgeted_one_without_keep(setup, capsys):
+    from apps.emloc.cli import build_compress_parser, compress_main
+    from core.infra.cli import run_cli
+    from core.kv_compress import POLICIES
+
+    root, _ = setup
+    action = next(a for a in build_compress_parser()._actions if a.dest == "policy")
+    assert sorted(action.choices) == sorted(POLICIES)
+    help_text = build_compress_parser().format_help()
+    assert "29-62%" in " ".join(help_text.split())
+    base = ["--demos", str(root / "demos"), "--model", str(root / "host.safetensors")]
+    assert run_cli(compress_main, [*base, "--out", str(root / "x.safetensors"), "--policy", "snapkv"]) == 2
+    assert "needs --keep" in capsys.readouterr().err
+    assert not (root / "x.safetensors").exists()
+    with pytest.raises(SystemExit) as exc:  # argparse's own usage error: exit 2, one line
+        run_cli(compress_main, [*base, "--out", str(root / "x.safetensors"), "--ratios", "0.1,2"])
+    assert exc.value.code == 2 and "(0, 1)" in capsys.readouterr().err
+    mem = root / "snap.safetensors"
+    assert compress_main([*base, "--out", str(mem), "--policy", "snapkv", "--keep", "0.3", "--protect-answers"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(info["kept_fraction"] - 0.3) < 0.02

@@ -218,22 +218,31 @@ def compress(
     *,
     delta: float = 0.005,
     ratios: tuple[float, ...] = (0.1, 0.2, 0.5),
-    chunk_demos: int = 16,
+    chunk_demos: int | None = None,
     policy: str = "emloc",
     keep: float | None = None,
     window: int = 8,
     seed: int = 0,
     always_keep: str = "label",
     progress: Callable[[int, int], None] | None = None,
+    protect_answers: bool = False,
+    observers: str = "chunk",
+    processor=None,
+    **hf_options,
 ) -> CompressedContext:
     """Compress demonstrations into a :class:`CompressedContext`.
+
+    A transformers model (from :func:`core.hf.load`, with ``processor``) goes to :func:`apps.emloc.hf.compress_hf`
+    (demonstrations are ``(image, label text)`` pairs; ``window`` defaults to 32 there, ``chunk_demos`` to 4, and
+    ``hf_options`` such as ``prompt`` and ``image_size`` are passed on); it returns an
+    :class:`apps.emloc.hf.HFContext`.
 
     Args:
         model: the host.
         demos: ``(images (K, size, size), labels (K,))`` or ``(image, label)`` pairs (see :func:`check_demos`).
         delta: EMLoC's JS-divergence bound per chunk (nats), > 0.
         ratios: keep ratios EMLoC tries per layer.
-        chunk_demos: demonstrations per chunk (EMLoC).
+        chunk_demos: demonstrations per chunk (EMLoC; default 16 on the host).
         policy: ``"emloc"``, ``"full"`` or a budgeted policy of :data:`core.kv_compress.POLICIES`.
         keep: for budgeted policies, the fraction of demo tokens kept per layer and KV head, in (0, 1].
         window: observation window (last tokens) for snapkv/pyramidkv/fastv probes.
@@ -243,7 +252,25 @@ def compress(
             output predicts the label and where the JS bound is measured) or ``"both"``. The answer positions
             score importance and carry the JS bound whichever is kept.
         progress: called with ``(chunks_done, chunks_total)``.
+        observers: EMLoC's observers on the host: ``"chunk"`` (default; each chunk's own answer positions, causally)
+            or ``"suffix"`` (the reference's: every demonstration of the chunk re-encoded as a suffix after it, so
+            every chunk token is scored by every answer; the JS bound is measured on the suffixes).
+        protect_answers: budgeted policies keep every demo's label token first (EMLoC's always-kept tokens) and
+            spend the rest of the budget by their own ranking (``core.kv_compress.Observation.protect``).
     """
+    if not isinstance(model, EMLoCHost):
+        from apps.emloc.hf import REFERENCE_CHUNK_DEMOS, compress_hf
+
+        opts = dict(hf_options)
+        if window != 8:
+            opts["window"] = window
+        return compress_hf(model, demos, processor=processor, delta=delta, ratios=ratios, policy=policy, keep=keep,
+                           seed=seed, progress=progress, protect_answers=protect_answers,
+                           chunk_demos=REFERENCE_CHUNK_DEMOS if chunk_demos is None else chunk_demos, **opts)
+    if hf_options:
+        raise ValueError(f"options {sorted(hf_options)} are for transformers models; the host takes none of them")
+    if chunk_demos is None:
+        chunk_demos = 16
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
     images, labels = check_demos(model, demos)
@@ -260,16 +287,24 @@ def compress(
             raise ValueError(f"chunk_demos must be a positive int, got {chunk_demos!r}")
         if always_keep not in ("answer", "label", "both"):
             raise ValueError(f"always_keep must be 'answer', 'label' or 'both', got {always_keep!r}")
+        if observers not in ("chunk", "suffix"):
+            raise ValueError(f"observers must be 'chunk' or 'suffix', got {observers!r}")
         cfg = EMLoCConfig(delta=float(delta), ratios=tuple(ratios))
         T = model.config.tokens_per_demo * chunk_demos
         lab = torch.arange(n_tok) % model.config.tokens_per_demo == model.config.tokens_per_image  # label tokens
         keep = {"answer": ans, "label": lab, "both": ans | lab}[always_keep]
+        P = model.config.tokens_per_demo
         chunks = [Chunk(inputs_embeds=x[:, s : s + T], answer_mask=ans[s : s + T],
-                        keep_mask=None if always_keep == "answer" else keep[s : s + T]) for s in range(0, n_tok, T)]
+                        keep_mask=None if always_keep == "answer" else keep[s : s + T],
+                        suffix_embeds=None if observers == "chunk" else x[0, s : s + T].reshape(-1, P, x.shape[-1]),
+                        suffix_answer=None if observers == "chunk" else ans[:P])
+                  for s in range(0, n_tok, T)]
         res = emloc_compress(model.decoder, chunks, config=cfg,
                              progress=None if progress is None else (lambda i, r: progress(i + 1, len(chunks))))
         settings = {"policy": "emloc", "delta": float(delta), "ratios": list(cfg.ratios), "chunk_demos": chunk_demos,
                     "always_keep": always_keep}
+        if observers != "chunk":
+            settings["observers"] = observers
         return CompressedContext(model=model, cache=res.cache, label_ids=label_ids, num_demos=K, num_tokens=n_tok,
                                  settings=settings, reports=res.reports)
     settings: dict = {"policy": policy}
@@ -285,9 +320,13 @@ def compress(
         w = min(window, budget, n_tok)
         out, obs = observe(model.decoder, inputs_embeds=x, query_index="all" if policy == "h2o" else w)
         obs.image_mask = (torch.arange(n_tok) % model.config.tokens_per_demo < model.config.tokens_per_image)[None]  # (1, S)
+        if protect_answers:  # the label tokens, as EMLoC keeps them
+            obs.protect = (torch.arange(n_tok) % model.config.tokens_per_demo == model.config.tokens_per_image)[None]
         opts = {"generator": torch.Generator().manual_seed(seed)} if policy == "random" else {}
         cache = compress_cache(out.cache, policy, budget, obs, **opts)
         settings.update(keep=float(keep), window=w)
+        if protect_answers:
+            settings["protect_answers"] = True
     if progress is not None:
         progress(1, 1)
     return CompressedContext(model=model, cache=cache, label_ids=label_ids, num_demos=K, num_tokens=n_tok, settings=settings)

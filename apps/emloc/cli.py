@@ -16,7 +16,8 @@ import torch
 from apps.emloc.api import CompressedContext, compress
 from apps.emloc.cli_common import load_host
 from apps.emloc.io import IMAGE_SUFFIXES, read_demos, read_image
-from core.infra.cli import InputTally, UsageError, nonempty_path_obj, positive_float, positive_int
+from core.infra.cli import InputTally, UsageError, nonempty_path_obj, open_fraction, positive_float, positive_int
+from core.kv_compress import POLICIES
 from core.infra.fileio import check_writable
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ __all__ = ["build_compress_parser", "compress_main", "build_predict_parser", "pr
 COMPRESS_DOC = """Compress labelled demonstrations into a reusable memory file: ``python -m apps.emloc.compress``.
 
     python -m apps.emloc.compress --demos DIR_or_JSONL --out memory.safetensors [--model PATH]
-        [--delta 0.005] [--ratios 0.1,0.2,0.5] [--chunk-demos 16]
+        [--delta 0.005] [--ratios 0.1,0.2,0.5] [--chunk-demos 16] [--policy emloc | full | snapkv --keep 0.2 ...]
 
 ``DIR`` holds ``DIR/<label id>/<image>``; a JSONL file holds ``{"image": path, "label": id}`` lines (see
 :mod:`apps.emloc.io`). The memory (safetensors) names the model and the settings; ``python -m
@@ -47,14 +48,30 @@ still answered; the exit code is then 1 (2 when no image could be read).
 ACCEPTED_IMAGES = f"image files ({', '.join(IMAGE_SUFFIXES)}; .npy: a 2-D array) or folders of them"
 
 
+def _ratios(text: str) -> tuple[float, ...]:
+    """Comma-separated keep ratios, each in (0, 1)."""
+    try:
+        return tuple(open_fraction(x) for x in text.split(","))
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"keep ratios are comma-separated numbers in (0, 1): {err}") from None
+
+
 def build_compress_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.emloc.compress", description=COMPRESS_DOC.split("\n\n")[0], epilog=COMPRESS_DOC.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--demos", required=True, type=Path, help="DIR/<label id>/<image> folder or JSONL file")
     p.add_argument("--out", required=True, type=nonempty_path_obj, help="memory file to write (.safetensors)")
     p.add_argument("--model", type=Path, default=None, help="host weights (default: the shipped host)")
-    p.add_argument("--delta", type=positive_float, default=0.005, help="JS-divergence bound per chunk (nats), > 0")
-    p.add_argument("--ratios", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.1, 0.2, 0.5),
+    p.add_argument("--policy", choices=sorted(POLICIES), default="emloc",
+                   help="emloc (default), full, or a budgeted baseline kept at --keep of the tokens")
+    p.add_argument("--keep", type=open_fraction, default=None,
+                   help="budgeted policies: fraction of tokens kept per layer and KV head, in (0, 1)")
+    p.add_argument("--protect-answers", action="store_true",
+                   help="budgeted policies keep every demo's label token first (what EMLoC always keeps)")
+    p.add_argument("--delta", type=positive_float, default=0.005,
+                   help="EMLoC's JS-divergence bound per chunk (nats), > 0; the published 0.005 keeps 29-62%% of the "
+                        "cache on the shipped host (16-512 demos), 0.1 keeps 21-28%%")
+    p.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.5),
                    help="keep ratios tried per layer, comma-separated")
     p.add_argument("--chunk-demos", type=positive_int, default=16, help="demonstrations per chunk")
     p.add_argument("--always-keep", choices=("label", "answer", "both"), default="label",
@@ -68,6 +85,8 @@ def compress_main(argv: list[str] | None = None) -> int:
     args = build_compress_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     check_writable(args.out, what="--out")  # before the compression it would record
+    if args.policy not in ("emloc", "full") and args.keep is None:
+        raise UsageError(f"--policy {args.policy} needs --keep, the fraction of tokens kept, in (0, 1)")
     model = load_host(args.model)
     images, labels, _ = read_demos(args.demos, model.config.image_size)
     bar = tqdm(desc="compress", unit="chunk")
@@ -78,7 +97,8 @@ def compress_main(argv: list[str] | None = None) -> int:
         bar.refresh()
 
     ctx = compress(model, (images, labels), delta=args.delta, ratios=args.ratios, chunk_demos=args.chunk_demos,
-                   always_keep=args.always_keep, progress=progress)
+                   always_keep=args.always_keep, progress=progress, policy=args.policy, keep=args.keep,
+                   protect_answers=args.protect_answers)
     bar.close()
     ctx.save(args.out)
     print(json.dumps({"memory": str(args.out), "demos": ctx.num_demos, "tokens": ctx.num_tokens,
