@@ -1,13 +1,17 @@
 """∞-Video benchmark: questions only a long-term memory can answer, every peer at an equal budget.
 
 Videos come from ``video.synthetic`` (written as H.264 MP4 once, cached in ``--data``): 1K-16K frames with
-2-8 coloured events of 4-8 frames each. Each video is asked one question of every type (first, last,
-count, order, exists, next, after); ``next`` ("which colour came right after the first red?") and ``after``
-("did green appear after the last blue?") depend on order and context across chunks.
+2-8 coloured events of 4-8 frames each. Questions of every type (first, last, count, order, exists, next,
+after) are answer-balanced over the dataset (``--balanced K``: up to K per type and video, yes/no 50/50,
+counts uniform over 0-3, ``next`` colours uniform; ``--balanced 0``: the older one question per type);
+``next`` ("which colour came right after the first red?") and ``after`` ("did green appear after the last
+blue?") depend on order and context across chunks. The trivial baseline (row ``majority``) gives each type's
+most frequent answer counted on as many development questions (another seed).
 
-The answer head reads a fixed-size output for every method (``--aggregate``: the last read's Q queries,
-or their mean over reads as in the released ∞-Video pipeline), never a per-chunk list. Peers, all with
-the same weights and the same videos:
+The answer head reads a fixed-size output for every method (``--aggregate``: the mean over reads of the Q
+queries, as the released ∞-Video pipeline feeds its LLM, by default; or the last read's), never a per-chunk
+list. ``NAME@ALPHA`` runs a memory method at another alpha on the same decoded video. Peers, all with the
+same weights and the same videos:
 
 - ``uniform``: ``--num-basis`` frames (as many as the memory holds vectors) spread over the video, read once;
 - ``chunks``: every chunk of ``--chunk-size`` frames read without memory (alpha = 1);
@@ -20,8 +24,8 @@ the same weights and the same videos:
   loop — not the published, training-free recipe, reported apart.
 
 Each video is decoded and encoded once per model and fed to every method (``InfiniteVideo.feed``).
-Accuracy gets a Wilson 95% interval; method pairs get the paired difference on the same questions with a
-95% normal interval. Resumable: the JSON keeps every video's per-question marks and a rerun with the same
+Accuracy gets a Wilson 95% interval and a 95% bootstrap over whole videos; method pairs get the paired
+difference on the same questions with a 95% normal interval and the same video bootstrap. Resumable: the JSON keeps every video's per-question marks and a rerun with the same
 settings skips the videos done; ``--videos`` can grow between runs. Peak memory: each (method, length) case
 in a fresh process (``benchmarks.common.run_isolated``), growth of the resident set while ingesting one video.
 
@@ -60,7 +64,32 @@ METHODS_ALL = ("uniform", "chunks", "infinite", "infinite_nosticky", "moviechat"
 PAIRS = (("infinite", "chunks"), ("infinite", "uniform"), ("infinite", "infinite_nosticky"),
          ("infinite", "moviechat"), ("infinite_memtrained", "infinite"), ("infinite_memtrained", "chunks"))
 # settings that change the answers: a result file is only resumed with the same values
-SETTINGS = ("seed", "aggregate", "chunk_size", "num_basis", "alpha", "weights", "weights_memory", "dev")
+SETTINGS = ("seed", "aggregate", "chunk_size", "num_basis", "alpha", "weights", "weights_memory", "dev", "balanced")
+DEV_OFFSET = 7_777_777  # seed offset of the development videos
+
+
+def split_method(name: str, alpha: float) -> tuple[str, float]:
+    """``"infinite@0.25"`` -> ``("infinite", 0.25)``; a name without ``@`` reads at ``alpha``."""
+    base, _, a = name.partition("@")
+    if a:
+        try:
+            val = float(a)
+        except ValueError:
+            raise SystemExit(f"bad alpha in method {name!r}: {a!r}") from None
+        if not 0.0 <= val <= 1.0:
+            raise SystemExit(f"alpha in method {name!r} must lie in [0, 1]")
+        return base, val
+    return base, alpha
+
+
+def pairs_for(methods: list[str]) -> list[tuple[str, str]]:
+    """The paired comparisons: every ∞-Video variant against the peers and its non-sticky twin at the same alpha."""
+    out = list(PAIRS)
+    for m in methods:
+        base, _, a = m.partition("@")
+        if base == "infinite" and a:
+            out += [(m, "chunks"), (m, "uniform"), (m, f"infinite_nosticky@{a}"), (m, "moviechat")]
+    return out
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -84,13 +113,45 @@ def paired(a: list[int], b: list[int], z: float = 1.96) -> dict:
             "ci_lo": mean - z * se, "ci_hi": mean + z * se}
 
 
-def dataset(root: Path, length: int, n: int, seed: int) -> list[dict]:
-    """``n`` videos of ``length`` frames (written once; deterministic per index, so a larger ``n`` reuses them)."""
+def video_bootstrap(per_video: list[list[float]], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the mean over questions when whole videos are resampled (questions of one video are not
+    independent: the same reading answers them all)."""
+    if len(per_video) < 2:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    sums = np.array([sum(v) for v in per_video], dtype=float)
+    counts = np.array([len(v) for v in per_video], dtype=float)
+    idx = rng.integers(0, len(per_video), size=(reps, len(per_video)))
+    means = sums[idx].sum(1) / np.maximum(counts[idx].sum(1), 1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return (float(lo), float(hi))
+
+
+def dataset(root: Path, length: int, n: int, seed: int, balanced: int = 0) -> list[dict]:
+    """``n`` videos of ``length`` frames (written once; deterministic per index, so a larger ``n`` reuses them);
+    ``balanced = k`` asks answer-balanced questions, up to ``k`` per type and video."""
     from video.synthetic import load_dataset, write_dataset
 
-    folder = root / f"len{length}_seed{seed}"
-    write_dataset(folder, n=n, frames=[length], seed=seed + length, size=32)
+    folder = root / (f"len{length}_seed{seed}" + (f"_bal{balanced}" if balanced else ""))
+    write_dataset(folder, n=n, frames=[length], seed=seed + length, size=32, balanced=balanced)
     return load_dataset(folder)[:n]
+
+
+def majority_answers(length: int, n: int, seed: int, balanced: int) -> dict[str, str]:
+    """Each question type's most frequent answer on ``n`` development videos of ``length`` frames (questions only:
+    no video is written or read)."""
+    from collections import Counter, defaultdict
+
+    from video.synthetic import AnswerBalancer, make_questions, make_spec
+
+    s = seed + DEV_OFFSET + length
+    bal = AnswerBalancer(balanced, seed=s) if balanced else None
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for i in range(n):
+        spec = make_spec(length, seed=s * 100003 + i, size=32)
+        for q in (bal.questions(spec) if bal else make_questions(spec, s * 100003 + i)):
+            counts[q.qtype][q.answer] += 1
+    return {t: c.most_common(1)[0][0] for t, c in counts.items()}
 
 
 def _readers(args) -> dict[str, tuple]:
@@ -107,8 +168,9 @@ def _readers(args) -> dict[str, tuple]:
     out = {}
     for m in args.method_list:
         key = "memory" if m == "infinite_memtrained" else "main"
-        cfg = InfiniteVideoConfig(method="infinite" if key == "memory" else m, chunk_size=args.chunk_size,
-                                  num_basis=args.num_basis, num_frames=args.num_basis, alpha=args.alpha,
+        base, alpha = split_method(m, args.alpha)
+        cfg = InfiniteVideoConfig(method="infinite" if key == "memory" else base, chunk_size=args.chunk_size,
+                                  num_basis=args.num_basis, num_frames=args.num_basis, alpha=alpha,
                                   aggregate=args.aggregate, seed=args.seed)
         iv = InfiniteVideo(models[key], cfg, device="cpu")
         models[key] = iv.model  # the shipped model, loaded once
@@ -168,8 +230,9 @@ def summarize(result: dict) -> dict:
                 types += result["videos"][v]["qtypes"]
             k, n = sum(marks), len(marks)
             lo, hi = wilson(k, n)
+            blo, bhi = video_bootstrap([result["videos"][v]["runs"][m]["marks"] for v in vids])
             row = {"method": m, "frames": length, "videos": len(vids), "questions": n, "accuracy": k / n,
-                   "ci_lo": lo, "ci_hi": hi}
+                   "ci_lo": lo, "ci_hi": hi, "boot_lo": blo, "boot_hi": bhi}
             for t in QUESTION_TYPES:
                 sel = [x for x, tt in zip(marks, types) if tt == t]
                 if sel:
@@ -181,11 +244,29 @@ def summarize(result: dict) -> dict:
             speed.append({"method": m, "frames": length, "read_s": sum(r["memory_s"] for r in runs),
                           "frames_read": frames, "decode_s": sum(r["decode"] for r in runs),
                           "encode_s": sum(r["encode"] for r in runs)})
-        for a, b in PAIRS:
+        base = [int(str(a) == result.get("majority", {}).get(str(length), {}).get(t))
+                for v in vids for t, a in zip(result["videos"][v]["qtypes"], result["videos"][v]["answers"])]
+        if result.get("majority", {}).get(str(length)):
+            k, n = sum(base), len(base)
+            lo, hi = wilson(k, n)
+            acc.append({"method": "majority", "frames": length, "videos": len(vids), "questions": n,
+                        "accuracy": k / n, "ci_lo": lo, "ci_hi": hi})
+            maj = result["majority"][str(length)]
+            per_type = {}
+            for v in vids:
+                for t, a in zip(result["videos"][v]["qtypes"], result["videos"][v]["answers"]):
+                    per_type.setdefault(t, []).append(int(str(a) == maj.get(t)))
+            acc[-1].update({f"acc_{t}": sum(x) / len(x) for t, x in per_type.items()})
+        for a, b in pairs_for(methods):
             if a in methods and b in methods:
                 ma = [x for v in vids for x in result["videos"][v]["runs"][a]["marks"]]
                 mb = [x for v in vids for x in result["videos"][v]["runs"][b]["marks"]]
-                pairs.append({"frames": length, "a": a, "b": b, **paired(ma, mb)})
+                diffs = [[x - y for x, y in zip(result["videos"][v]["runs"][a]["marks"], result["videos"][v]["runs"][b]["marks"])]
+                         for v in vids]
+                blo, bhi = video_bootstrap(diffs)
+                pairs.append({"frames": length, "a": a, "b": b, **paired(ma, mb), "boot_lo": blo, "boot_hi": bhi})
+                if b == "chunks" and result.get("majority", {}).get(str(length)) and len(base) == len(ma):
+                    pairs.append({"frames": length, "a": a, "b": "majority", **paired(ma, base)})
                 for t in ("next", "after", "first", "order"):
                     ta = [x for v in vids for x, tt in zip(result["videos"][v]["runs"][a]["marks"], result["videos"][v]["qtypes"]) if tt == t]
                     tb = [x for v in vids for x, tt in zip(result["videos"][v]["runs"][b]["marks"], result["videos"][v]["qtypes"]) if tt == t]
@@ -214,7 +295,9 @@ def run(args) -> dict:
 
     for length in [] if args.peak_only else lengths:
         n = args.videos
-        records = dataset(data, length, n, args.seed + (7_777_777 if args.dev else 0))
+        records = dataset(data, length, n, args.seed + (DEV_OFFSET if args.dev else 0), args.balanced)
+        if not args.dev:  # the trivial baseline: majority answers counted on as many development videos
+            result.setdefault("majority", {})[str(length)] = majority_answers(length, n, args.seed, args.balanced)
         for r in tqdm(records, desc=f"{length} frames", unit="video"):
             key = f"{length}/{r['video']}"
             entry = result["videos"].setdefault(key, {"qtypes": [q.qtype for q in r["questions"]],
@@ -230,7 +313,7 @@ def run(args) -> dict:
             for length in [L for L in lengths if L >= 1024] or lengths[-1:]:
                 if any(p["method"] == m and p["frames"] == length for p in result["peak_memory"]):
                     continue
-                path = dataset(data, length, 1, args.seed + (7_777_777 if args.dev else 0))[0]["path"]
+                path = dataset(data, length, 1, args.seed + (DEV_OFFSET if args.dev else 0), args.balanced)[0]["path"]
                 argv = [sys.executable, "-m", "benchmarks.video_bench", "--peak-case", m, path,
                         "--chunk-size", str(args.chunk_size), "--num-basis", str(args.num_basis), "--alpha", str(args.alpha)]
                 if args.weights:
@@ -268,12 +351,14 @@ def report(result: dict, plot: Path | None) -> str:
             f"(uniform reads as many frames), alpha {s['alpha']}, weights {s['weights'] or 'shipped'}"
             + (f", memory-trained weights {s['weights_memory']}" if s.get("weights_memory") else "")
             + (" — development set" if s.get("dev") else ""), ""]
-    acc_cols = ["method", "frames", "videos", "accuracy", "ci_lo", "ci_hi", *[f"acc_{t}" for t in QUESTION_TYPES]]
-    text += ["## Accuracy (Wilson 95% interval)", format_table(result["accuracy"], acc_cols)]
+    acc_cols = ["method", "frames", "videos", "questions", "accuracy", "ci_lo", "ci_hi", "boot_lo", "boot_hi",
+                *[f"acc_{t}" for t in QUESTION_TYPES]]
+    text += ["## Accuracy (Wilson 95% interval over questions; boot: 95% interval resampling whole videos)",
+             format_table(result["accuracy"], acc_cols)]
     if result["paired"]:
         text += ["", "## Paired differences on the same questions (a - b, 95% interval)",
                  format_table(result["paired"], ["frames", "a", "b", "qtype", "questions", "a_only", "b_only",
-                                                 "diff", "ci_lo", "ci_hi"])]
+                                                 "diff", "ci_lo", "ci_hi", "boot_lo", "boot_hi"])]
     text += ["", "## Reading time (s, all videos of a length; decode and encode are shared by the methods)",
              format_table(result["throughput"], ["method", "frames", "frames_read", "read_s", "decode_s", "encode_s"])]
     if result.get("peak_memory"):
@@ -289,11 +374,12 @@ def report(result: dict, plot: Path | None) -> str:
             import matplotlib.pyplot as plt
 
             fig, ax = plt.subplots(figsize=(6.5, 4))
-            for m in [m for m in METHODS_ALL if any(r["method"] == m for r in result["accuracy"])]:
+            for m in list(dict.fromkeys(r["method"] for r in result["accuracy"])):
                 rows = [r for r in result["accuracy"] if r["method"] == m]
                 x = np.array([r["frames"] for r in rows], dtype=float)
                 y = np.array([r["accuracy"] for r in rows])
                 err = np.array([[r["accuracy"] - r["ci_lo"] for r in rows], [r["ci_hi"] - r["accuracy"] for r in rows]])
+                err = np.maximum(err, 0.0)  # the Wilson bounds of 0 or n right answers are off by rounding
                 ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=m)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("video length (frames)")
@@ -315,13 +401,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="1K,4K,16K", help="video lengths in frames (comma list)")
     p.add_argument("--videos", type=int, default=16, help="videos per length (each asked every question type)")
     p.add_argument("--methods", default="uniform,chunks,infinite,infinite_nosticky,moviechat",
-                   help=f"comma list out of {list(METHODS_ALL)}")
+                   help=f"comma list out of {list(METHODS_ALL)}; NAME@ALPHA reads a memory method at another alpha "
+                        "(e.g. infinite@0.75), sharing the decoded video")
     p.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
                    help="model weights (default: video/weights/videoqa_nomem.safetensors, trained without the memory)")
     p.add_argument("--weights-memory", default=None,
                    help="weights of a model trained with the memory in the loop (adds infinite_memtrained)")
-    p.add_argument("--aggregate", default=None, choices=("last", "mean"),
-                   help="fixed-size answer read-out; default: the one the model was trained with")
+    p.add_argument("--aggregate", default="mean", choices=("last", "mean"),
+                   help="fixed-size answer read-out: mean over chunks (the reference, default) or the last chunk's")
+    p.add_argument("--balanced", type=int, default=3,
+                   help="answer-balanced questions, up to this many per type and video (0: the old one per type)")
     p.add_argument("--chunk-size", type=int, default=32, help="frames per chunk")
     p.add_argument("--num-basis", type=int, default=64, help="basis functions of the memory = frames uniform reads")
     p.add_argument("--alpha", type=float, default=0.1,
@@ -354,7 +443,7 @@ def main(argv=None) -> int:
     if args.weights_memory and "infinite_memtrained" not in args.method_list:
         args.method_list.append("infinite_memtrained")
     for m in args.method_list:
-        if m not in METHODS_ALL:
+        if split_method(m, args.alpha)[0] not in METHODS_ALL:
             raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS_ALL)}")
     if "infinite_memtrained" in args.method_list and not args.weights_memory:
         raise SystemExit("infinite_memtrained needs --weights-memory")
@@ -367,7 +456,8 @@ def main(argv=None) -> int:
 
         readout = load_model(args.weights or default_weights_path()).config.readout
         args.aggregate = readout if readout in ("last", "mean") else "last"
-    name = "video_bench_bounded" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "") + f"_{args.aggregate}"
+    name = ("video_bench_bounded" + ("_balanced" if args.balanced else "") + ("_quick" if args.quick else "")
+            + ("_dev" if args.dev else "") + f"_{args.aggregate}")
     args.out = args.out or str(RESULTS / f"{name}.json")
     if args.report_only:
         result = read_json(args.out)

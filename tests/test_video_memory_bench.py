@@ -153,6 +153,7 @@ def test_benchmark_statistics():
 
 def test_benchmark_runs_and_resumes(tmp_path, model):
     from benchmarks import video_bench
+    from video.synthetic import QUESTION_TYPES
     from video.train import save_weights
 
     weights = tmp_path / "m.safetensors"
@@ -162,12 +163,13 @@ def test_benchmark_runs_and_resumes(tmp_path, model):
             "--num-basis", "16", "--data", str(tmp_path / "data"), "--out", str(out)]
     assert video_bench.main(argv) == 0
     res = json.loads(out.read_text())
-    assert res["settings"]["aggregate"] == "last" and len(res["videos"]) == 2
+    assert res["settings"]["aggregate"] == "mean" and res["settings"]["balanced"] == 3 and len(res["videos"]) == 2
     methods = {r["method"] for r in res["accuracy"]}
-    assert methods == {"uniform", "chunks", "infinite", "infinite_nosticky", "moviechat"}
+    assert methods == {"uniform", "chunks", "infinite", "infinite_nosticky", "moviechat", "majority"}
+    assert set(res["majority"]["96"]) <= set(QUESTION_TYPES)  # counted on development questions
     for v in res["videos"].values():
         n = len(v["qtypes"])
-        assert n >= 5 and all(len(r["marks"]) == n for r in v["runs"].values())
+        assert n >= 7 and all(len(r["marks"]) == n for r in v["runs"].values())
         assert v["runs"]["uniform"]["frames_read"] == 16
     assert out.with_suffix(".png").exists() and "Paired" in out.with_suffix(".md").read_text()
     # a rerun finds every video done and reads nothing
@@ -183,6 +185,43 @@ def test_benchmark_runs_and_resumes(tmp_path, model):
         video_bench.run_video = orig
     with pytest.raises(SystemExit, match="other settings"):
         video_bench.main(argv + ["--alpha", "0.5"])
+    # NAME@ALPHA: a memory method at another alpha on the same decoded video, paired with its non-sticky twin
+    out2 = tmp_path / "r2.json"
+    argv2 = [*argv[:-1], str(out2), "--methods", "chunks,infinite@0.75,infinite_nosticky@0.75,infinite@1", "--aggregate",
+             "last"]
+    assert video_bench.main(argv2) == 0
+    res = json.loads(out2.read_text())
+    marks = {m: [x for v in res["videos"].values() for x in v["runs"][m]["marks"]] for m in res["methods"]}
+    assert marks["infinite@1"] == marks["chunks"]  # alpha 1 is the chunk baseline
+    pairs = {(r["a"], r["b"]) for r in res["paired"] if "qtype" not in r or r.get("qtype") in (None, "–")}
+    assert ("infinite@0.75", "infinite_nosticky@0.75") in pairs and ("infinite@0.75", "majority") in pairs
+    with pytest.raises(SystemExit, match="alpha"):
+        video_bench.main([*argv2[:-3], "infinite@2"])
+
+
+def test_balanced_questions_spread_the_answers():
+    from collections import Counter, defaultdict
+
+    from video.synthetic import BALANCED_RANGES, AnswerBalancer, make_spec
+
+    bal, counts = AnswerBalancer(3, seed=5), defaultdict(Counter)
+    specs = [make_spec(1024, seed=100 + i, size=32) for i in range(40)]
+    per_video = [bal.questions(s) for s in specs]
+    for qs in per_video:
+        for q in qs:
+            counts[q.qtype][q.answer] += 1
+    for qtype, answers in BALANCED_RANGES.items():
+        c = [counts[qtype][a] for a in answers]
+        assert max(c) - min(c) <= 1, (qtype, counts[qtype])  # uniform over the range, within one question
+        assert set(counts[qtype]) <= set(answers)
+    assert sum(counts["exists"].values()) >= 100 and sum(counts["count"].values()) >= 30
+    # sequential: the first videos' questions do not depend on the later ones
+    again = AnswerBalancer(3, seed=5)
+    assert [again.questions(s) for s in specs[:10]] == per_video[:10]
+    for q in per_video[0]:  # every answer is the true one
+        from video.synthetic import make_question
+
+        assert make_question(specs[0], q.qtype, q.arg1, q.arg2).answer == q.answer
 
 
 def test_init_from_copies_what_fits(tmp_path):

@@ -1,12 +1,13 @@
 """∞-Video: question answering over videos of any length with a short-clip Q-former and a continuous memory.
 
 ``from video import InfiniteVideo``; see :mod:`video.infinite`. Submodules: ``io`` (streaming reader),
-``synthetic`` (procedural long-video QA), ``encoders``, ``model``, ``train``, ``batch``.
+``synthetic`` (procedural long-video QA), ``encoders``, ``model``, ``train``, ``batch``, ``hf``
+(a real transformers Q-former video-LLM: ``InfiniteVideo.from_hf(folder)``), ``recipes``.
 """
 
 from __future__ import annotations
 
-__all__ = ["InfiniteVideo", "InfiniteVideoConfig", "VideoStream"]
+__all__ = ["InfiniteVideo", "InfiniteVideoConfig", "InfiniteVideoLM", "HFVideoConfig", "VideoStream"]
 
 
 def __getattr__(name: str):
@@ -15,6 +16,10 @@ def __getattr__(name: str):
         from video import infinite
 
         return getattr(infinite, name)
+    if name in ("InfiniteVideoLM", "HFVideoConfig"):
+        from video import hf
+
+        return getattr(hf, name)
     if name == "VideoStream":
         from video.io import VideoStream
 

@@ -1,12 +1,18 @@
 """Batch ingestion: one consolidated memory file per video, resumable, shardable.
 
     python -m video.batch --videos DIR --out DIR [--shard I/N] [--skip-errors] [--overwrite] [--time-limit S]
+    python -m video.batch --model hf:DIR --videos DIR --out DIR [--prompt TEXT] [--max-new-tokens N] [--alpha A]
 
 For each video (sorted by name; shard ``I`` of ``N`` takes every ``N``-th starting at ``I``) it writes
 ``OUT/<file name>.safetensors`` (``a.mp4.safetensors``: ``a.mp4`` and ``a.mkv`` do not collide) holding the
 query embeddings of every chunk (``chunk_outputs`` (C, Q, D), ``chunk_times`` (C,)) and, for the ∞-Video methods,
 each Q-former layer's memory (``layer<i>.coef`` (N, D) basis coefficients and ``layer<i>.density`` (T,), the last
 attention density), with the reading settings in the metadata.
+
+With ``--model hf:DIR`` (a local transformers InstructBLIP-Video, :mod:`video.hf`) the Q-former reads ``--prompt``
+as its instruction and each file holds ``features`` (the LLM inputs, mean over chunks, ``(F * Q, D_llm)``) and each
+cross-attention layer's memory (``layer<i>.coef``, ``layer<i>.density``); ``--max-new-tokens N`` also generates the
+answer to the prompt (metadata ``answer``).
 
 Settings: each file's metadata holds ``settings`` (JSON) and ``settings_fingerprint``: every reading setting
 (method, chunk size, fps, memory settings, ...) and the model's identity (its config, frame encoder included, and
@@ -30,7 +36,7 @@ import logging
 import time
 from pathlib import Path
 
-from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
+from core.infra.cli import UsageError, fraction, nonempty_path, nonnegative_int, positive_float, positive_int, run_cli
 from core.infra.fileio import check_writable
 from core.infra.jobs import (
     Item,
@@ -151,14 +157,50 @@ def run_batch(videos, out, *, iv=None, shard: tuple[int, int] = (0, 1), skip_err
     return _run(videos, cfg, iv)
 
 
-def _run(videos, cfg: JobConfig, iv) -> dict[str, dict]:
+class _HFVideoJob(_VideoJob):
+    """The per-video work with a transformers Q-former video-LLM (:class:`video.hf.InfiniteVideoLM`)."""
+
+    extra_fields = ("frames", "chunks")
+
+    def __init__(self, lm, out: Path, prompt: str, max_new_tokens: int):
+        super().__init__(lm, out)
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+
+    def run_settings(self) -> dict:
+        if self._settings is None:
+            self._settings = {**self.iv.settings(), "prompt": self.prompt, "max_new_tokens": self.max_new_tokens}
+        return self._settings
+
+    def process(self, item: Item) -> dict:
+        from safetensors.torch import save_file
+
+        res = self.iv.ingest(item.path, [self.prompt])
+        tensors = {"features": res.features[0].float().contiguous().cpu()}
+        for i, c in enumerate(res.coefficients or []):
+            tensors[f"layer{i}.coef"] = c[0].contiguous()
+        for i, d in enumerate(res.densities or []):
+            tensors[f"layer{i}.density"] = d[0].contiguous()
+        meta = {"video": Path(item.path).name, "method": res.method, "num_frames": str(res.num_frames),
+                "frames_read": str(res.frames_read), "chunks": str(res.num_chunks), "prompt": self.prompt}
+        if self.max_new_tokens:
+            ids = self.iv.generate(res.features[0], self.prompt, max_new_tokens=self.max_new_tokens)
+            meta["answer"] = self.iv.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        settings = self.run_settings()
+        meta["settings"] = json.dumps(canonical_settings(settings), sort_keys=True)
+        meta["settings_fingerprint"] = settings_fingerprint(settings)
+        with atomic_write(Path(self.outputs(item)[0])) as tmp:
+            save_file(tensors, tmp, metadata=meta)
+        return {"frames": res.frames_read, "chunks": res.num_chunks}
+
+
+def _run(videos, cfg: JobConfig, iv, job=None) -> dict[str, dict]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     items = [Item(key=p.name, path=str(p)) for p in list_videos(videos)]
     if iv is None:
         from video.infinite import InfiniteVideo
 
         iv = InfiniteVideo()
-    return run_job(_VideoJob(iv, Path(cfg.out)), items, cfg)
+    return run_job(job or _VideoJob(iv, Path(cfg.out)), items, cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,8 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--videos", required=True, type=nonempty_path, help="folder of video files")
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder (one .safetensors per video + manifest)")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
+    p.add_argument("--model", default=None, type=nonempty_path,
+                   help="hf:DIR for a local transformers InstructBLIP-Video folder (free-text prompt, see --prompt); "
+                        "a weights file is the same as --weights")
     p.add_argument("--method", default="infinite", choices=METHODS, help="how each video is read")
-    p.add_argument("--chunk-size", type=positive_int, default=32, help="frames per chunk")
+    p.add_argument("--chunk-size", type=positive_int, default=None,
+                   help="frames per chunk (default 32; with hf: the model's clip length, 4)")
+    p.add_argument("--alpha", type=fraction, default=0.75, help="weight of the chunk's own attention; 1 - alpha on the memory (default 0.75)")
+    p.add_argument("--prompt", default="Describe what happens in the video.",
+                   help="instruction the Q-former reads (hf: only)")
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=0,
+                   help="also generate the answer to --prompt with this many tokens (hf: only; 0 = no text)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="hf: model dtype")
     p.add_argument("--fps", type=positive_float, default=None, help="read rate in frames/s (default: every frame)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_job_arguments(p, item="video")
@@ -183,12 +235,32 @@ def main(argv=None) -> int:
 
     # Bad options, a missing videos folder and files made with other settings are bad usage or input: one line,
     # exit 2 (run_cli), before any work. A video that fails stops the run (exit 1) unless --skip-errors.
+    from video.hf import HF_METHODS, parse_hf_spec
+
+    hf_dir = parse_hf_spec(args.model) if args.model else None
+    if args.model and hf_dir is None:
+        if args.weights:
+            raise UsageError("give the toy model's weights with --weights or --model, not both")
+        args.weights = args.model
+    if hf_dir is not None and args.method not in HF_METHODS:
+        raise UsageError(f"--method {args.method} is not available with --model hf:; choose one of {list(HF_METHODS)}")
+    if hf_dir is None and (args.max_new_tokens or args.dtype):
+        raise UsageError("--max-new-tokens and --dtype apply to --model hf:DIR only")
     list_videos(args.videos)
     check_writable(args.out, what="--out", folder=True)
-    iv = InfiniteVideo(args.weights, InfiniteVideoConfig(method=args.method, chunk_size=args.chunk_size, fps=args.fps),
-                       device=args.device)
+    job = None
+    if hf_dir is not None:
+        from video.hf import HFVideoConfig, InfiniteVideoLM
+
+        iv = InfiniteVideoLM.from_hf(hf_dir, config=HFVideoConfig(method=args.method, chunk_size=args.chunk_size,
+                                                                  fps=args.fps, alpha=args.alpha),
+                                     device=args.device, dtype=args.dtype)
+        job = _HFVideoJob(iv, Path(args.out), args.prompt, args.max_new_tokens)
+    else:
+        iv = InfiniteVideo(args.weights, InfiniteVideoConfig(method=args.method, chunk_size=args.chunk_size or 32,
+                                                             fps=args.fps, alpha=args.alpha), device=args.device)
     try:
-        rows = _run(args.videos, job_config_from_args(args, args.out, desc="videos"), iv)
+        rows = _run(args.videos, job_config_from_args(args, args.out, desc="videos"), iv, job)
     except SettingsMismatch:
         raise
     except Exception as e:  # noqa: BLE001

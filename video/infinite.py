@@ -166,6 +166,15 @@ class InfiniteVideo:
         self.model = model.to(self.device).eval()
         self.config = config or InfiniteVideoConfig()
 
+    @classmethod
+    def from_hf(cls, path, config=None, **kwargs):
+        """A local transformers InstructBLIP-Video folder read with the ∞-Video memory, answering in free text:
+        a :class:`video.hf.InfiniteVideoLM` (``config``: :class:`video.hf.HFVideoConfig`; ``kwargs``: ``device``,
+        ``dtype``, ``attn``)."""
+        from video.hf import InfiniteVideoLM
+
+        return InfiniteVideoLM.from_hf(path, config=config, **kwargs)
+
     @property
     def aggregate(self) -> str:
         """The answer read-out in use: the config's, else the one the model was trained with."""

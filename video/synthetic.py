@@ -56,6 +56,8 @@ __all__ = [
     "iter_frames",
     "make_questions",
     "make_question",
+    "answer_options",
+    "AnswerBalancer",
     "random_next_question",
     "random_after_question",
     "question_text",
@@ -284,6 +286,77 @@ def make_questions(spec: VideoSpec, rng: np.random.Generator | int) -> list[Ques
     return out
 
 
+def answer_options(spec: VideoSpec, qtype: str) -> dict[str, list[tuple[int, int]]]:
+    """Every question of ``qtype`` this video allows, grouped by answer: ``{answer: [(arg1, arg2), ...]}``."""
+    present = sorted({e.colour for e in spec.events})
+    C = range(len(COLOURS))
+    if qtype in ("first", "last"):
+        args = [(-1, -1)]
+    elif qtype in ("count", "exists"):
+        args = [(c, -1) for c in C]
+    elif qtype in ("order", "after"):
+        args = [(a, b) for a in present for b in present if a != b]
+    elif qtype == "next":
+        order = [e.colour for e in sorted(spec.events, key=lambda e: e.start)]
+        args = [(c, -1) for c in present if order.index(c) + 1 < len(order)]
+    else:
+        raise ValueError(f"unknown question type {qtype!r}; choose one of {list(QUESTION_TYPES)}")
+    out: dict[str, list[tuple[int, int]]] = {}
+    for a1, a2 in args:
+        out.setdefault(_answer(spec, qtype, a1, a2), []).append((a1, a2))
+    return out
+
+
+#: The answers each balanced question type is spread over uniformly. Counts stop at 3: a colour shown 4 times is
+#: rare in these videos (2 of 40 videos of 2-8 events), so "4" is not asked.
+BALANCED_RANGES = {"count": ("0", "1", "2", "3"), "exists": ("yes", "no"), "order": ("yes", "no"),
+                   "after": ("yes", "no"), "next": COLOURS}
+
+
+class AnswerBalancer:
+    """Questions whose answers are balanced over a whole dataset: for each question type, each new question takes,
+    among the answers this video allows, the one given least often so far (ties at random), then random arguments
+    with that answer; when every answer left here is ahead of the least given one of the type's range
+    (:data:`BALANCED_RANGES`), the video gets no more questions of that type. Yes/no answers come out 50/50, counts
+    uniform over 0-3 and ``next`` colours uniform, within one question; ``first`` / ``last`` are fixed by the video
+    (their colours are drawn uniformly by :func:`make_spec`).
+    Sequential: the questions of the first ``n`` videos do not depend on the videos after them."""
+
+    def __init__(self, per_type: int = 3, seed: int = 0) -> None:
+        if per_type < 1:
+            raise ValueError(f"per_type must be >= 1, got {per_type}")
+        self.per_type = per_type
+        self.rng = np.random.default_rng(seed)
+        self.counts: dict[str, dict[str, int]] = {t: {} for t in QUESTION_TYPES}
+
+    def questions(self, spec: VideoSpec) -> list[Question]:
+        out = []
+        for qtype in QUESTION_TYPES:
+            options = answer_options(spec, qtype)
+            used: set[tuple[int, int]] = set()
+            for _ in range(1 if qtype in ("first", "last") else self.per_type):
+                avail = {a: [x for x in args if x not in used] for a, args in options.items()}
+                avail = {a: args for a, args in avail.items() if args}
+                if not avail:
+                    break
+                seen = self.counts[qtype]
+                rng_answers = BALANCED_RANGES.get(qtype)
+                if rng_answers is not None:
+                    avail = {a: args for a, args in avail.items() if a in rng_answers}
+                    if not avail:
+                        break
+                least = min(seen.get(a, 0) for a in avail)
+                if rng_answers is not None and least > min(seen.get(a, 0) for a in rng_answers):
+                    break  # only over-asked answers left here: skip, so every answer of the range stays equally likely
+                pick = sorted(a for a in avail if seen.get(a, 0) == least)
+                answer = pick[int(self.rng.integers(len(pick)))]
+                a1, a2 = avail[answer][int(self.rng.integers(len(avail[answer])))]
+                used.add((a1, a2))
+                seen[answer] = seen.get(answer, 0) + 1
+                out.append(Question(qtype=qtype, arg1=a1, arg2=a2, answer=answer, text=question_text(qtype, a1, a2)))
+        return out
+
+
 def random_next_question(spec: VideoSpec, rng: np.random.Generator) -> Question | None:
     """A ``next`` question about a colour whose first event is followed by another (None if there is none)."""
     order = [e.colour for e in sorted(spec.events, key=lambda e: e.start)]
@@ -372,12 +445,14 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_dataset(out, *, n: int, frames: Sequence[int], seed: int, size: int = 32, fps: float = 25.0,
-                  progress: bool = False) -> list[dict]:
+                  progress: bool = False, balanced: int = 0) -> list[dict]:
     """Write ``n`` videos and their questions under ``out`` (resumable: finished videos are skipped).
 
     Files: ``video_XXXXX.mp4``, ``questions.json`` (specs + questions) and ``questions.csv``.
-    Video ``i`` has ``frames[i % len(frames)]`` frames and seed ``seed * 100003 + i``.
+    Video ``i`` has ``frames[i % len(frames)]`` frames and seed ``seed * 100003 + i``. ``balanced = k > 0`` asks
+    answer-balanced questions (:class:`AnswerBalancer`, up to ``k`` per type and video) instead of one per type.
     """
+    balancer = AnswerBalancer(balanced, seed=seed) if balanced else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
@@ -392,7 +467,7 @@ def write_dataset(out, *, n: int, frames: Sequence[int], seed: int, size: int = 
         name = f"video_{i:05d}.mp4"
         if not (out / name).exists():
             write_video(out / name, iter_frames(spec), fps=fps)
-        qs = make_questions(spec, vseed)
+        qs = balancer.questions(spec) if balancer else make_questions(spec, vseed)
         records.append({"video": name, "spec": spec.to_json(), "questions": [asdict(q) for q in qs]})
     _atomic_write_text(out / "questions.json", json.dumps(records, indent=1))
     rows = [["video", "num_frames", "qtype", "arg1", "arg2", "question", "answer"]]
@@ -429,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="dataset seed")
     p.add_argument("--size", type=positive_int, default=32, help="frame side in pixels (the shipped model reads 32)")
     p.add_argument("--fps", type=positive_float, default=25.0, help="frame rate of the written files")
+    p.add_argument("--balanced", type=positive_int, default=None,
+                   help="answer-balanced questions, up to this many per type and video (default: one per type)")
     return p
 
 
@@ -442,7 +519,8 @@ def main(argv=None) -> int:
     for f in frames:
         if not 64 <= f <= 50_000:
             raise SystemExit(f"--frames values must lie in [64, 50000], got {f}")
-    write_dataset(args.out, n=args.n, frames=frames, seed=args.seed, size=args.size, fps=args.fps, progress=True)
+    write_dataset(args.out, n=args.n, frames=frames, seed=args.seed, size=args.size, fps=args.fps, progress=True,
+                  balanced=args.balanced or 0)
     logger.info("wrote %d videos and their questions to %s", args.n, args.out)
     return 0
 

@@ -13,7 +13,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_ui", "run_question", "bundled_videos", "EXAMPLE"]
+__all__ = ["build_ui", "run_question", "run_free_text", "bundled_videos", "EXAMPLE"]
 
 ONE_COLOUR = ("count", "exists", "next")  # question types with one colour argument
 TWO_COLOURS = ("order", "after")  # and with two
@@ -154,6 +154,49 @@ def run_question(video: str | None, upload: str | None, question: str, colour1: 
     return "".join(lines), fig, gallery, table
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_reader(folder: str, mtime: float):
+    import torch
+
+    from video.hf import InfiniteVideoLM
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    return InfiniteVideoLM.from_hf(folder)
+
+
+def run_free_text(video: str | None, upload: str | None, model: str, question: str, method: str = "infinite",
+                  alpha: float = 0.75, max_new_tokens: int = 32) -> str:
+    """Answer a free-text question with a local InstructBLIP-Video (``model`` = ``hf:DIR``) read with the memory."""
+    from dataclasses import replace
+
+    from video.hf import HF_METHODS, parse_hf_spec
+
+    folder = parse_hf_spec((model or "").strip())
+    if folder is None:
+        raise ValueError("give a model as hf:DIR (a local InstructBLIP-Video folder); the closed questions above use "
+                         "the shipped small model")
+    if not (question or "").strip():
+        raise ValueError("type a question")
+    if method not in HF_METHODS:
+        raise ValueError(f"method {method!r} is not available with a transformers model; choose one of {list(HF_METHODS)}")
+    if upload:
+        path = Path(upload)
+    else:
+        videos = bundled_videos()
+        if video not in videos:
+            raise ValueError(f"unknown bundled video {video!r}; choose one of {list(videos)}")
+        path = videos[video]
+    cfg_file = Path(folder) / "config.json"
+    lm = _hf_reader(folder, os.path.getmtime(cfg_file) if cfg_file.exists() else 0.0)
+    lm.config = replace(lm.config, method=method, alpha=float(alpha))
+    answer = lm.answer(path, question.strip(), max_new_tokens=int(max_new_tokens))
+    res = lm.last_result
+    return (f"**Q:** {question.strip()}  \n**A:** {answer or '(empty)'}\n\nRead {res.frames_read} of {res.num_frames} "
+            f"frames in {res.num_chunks} chunk(s) of {lm.chunk_size} with `{method}` (alpha {alpha}); the LLM saw the "
+            f"Q-former outputs averaged over chunks.")
+
+
 def build_ui() -> None:
     import gradio as gr
 
@@ -189,6 +232,24 @@ def build_ui() -> None:
         e = EXAMPLE
         return _run(e["video"], None, e["question"], e["colour1"], e["colour2"], e["method"])
 
+    with gr.Accordion("Your own model: a local InstructBLIP-Video (free-text questions)", open=False):
+        gr.Markdown("A transformers `InstructBlipVideoForConditionalGeneration` folder saved with its processor, "
+                    "given as `hf:DIR`. Its Q-former's cross-attention reads the ∞-Video memory while the video "
+                    "streams; the language model answers. The questions above keep using the shipped small model.")
+        with gr.Row():
+            hf_model = gr.Textbox(label="model (hf:DIR)", placeholder="hf:/path/to/instructblip-video")
+            hf_question = gr.Textbox(label="question", placeholder="What happens in the video?")
+            hf_alpha = gr.Slider(0.0, 1.0, value=0.75, step=0.05, label="alpha (1 = no memory)")
+        hf_run = gr.Button("Answer with this model")
+        hf_status = gr.Markdown(elem_id=f"{KEY}-hf-status")
+
+    def _ask(v, up, m, q, meth, a):
+        try:
+            return run_free_text(v, up, m, q, meth, a)
+        except (ValueError, FileNotFoundError) as err:
+            raise gr.Error(str(err)) from err
+
+    hf_run.click(_ask, [video, upload, hf_model, hf_question, method, hf_alpha], hf_status, api_name=f"{KEY}_ask")
     outs = [status, plot, gallery, probs]
     run.click(_run, [video, upload, question, colour1, colour2, method], outs, api_name=f"{KEY}_run")
     example.click(_example, None, outs, api_name=f"{KEY}_example")

@@ -1,0 +1,1 @@
+"""Recipes: end-to-end evaluations of real models with the ∞-Video memory."""
