@@ -21,9 +21,12 @@ every case it had finished:
    transformers backend against transformers' ``sdpa`` and ``eager`` on a random Qwen2 (prefill time, peak
    memory, last-token logits compared). The bf16 parity tests of the bridge (``tests/test_hf_bridge.py``,
    marked ``gpu``) run in step 2.
+8. ``tabular_bench``: ``benchmarks.tabular_vs_official --device cuda``: TabICL here against the official
+   ``tabicl`` package on the same random v1-size model, 10K-100K train rows x 100 features, fp32: wall time and
+   peak CUDA memory ratios (cases past a third of the box are recorded as timeouts).
 
 Steps 2, 3, 4 and 6 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
-GPU work there is small); steps 5 and 7 time kernels and run alone after them, one after the other.
+GPU work there is small); steps 5, 7 and 8 time and run alone after them, one after the other.
 ``summary.md`` in OUT holds the tables for the README. On a machine without CUDA, steps 1 and 6 run, the others
 are recorded as skipped, and the exit code is 0; on a GPU it is 0 when every step ran and passed, else 1.
 """
@@ -48,13 +51,15 @@ from benchmarks.common import format_table, read_json, write_json_atomic
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench")
-GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench")
-TIMING_STEPS = ("bench", "hf_bench")
+STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench", "tabular_bench")
+GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench", "tabular_bench")
+TIMING_STEPS = ("bench", "hf_bench", "tabular_bench")
 #: Seconds each step may take (``--box STEP=S`` overrides); steps 2-4 and 6 overlap, so the total stays
 #: under ``--budget-s`` (default 560 s: 9.5 minutes less process start-up).
 DEFAULT_BOXES = {"env": 30.0, "pytest": 200.0, "numerics": 200.0, "int64": 150.0, "bench": 230.0, "dispatch": 120.0,
-                 "hf_bench": 100.0}  # fmt: skip
+                 "hf_bench": 100.0, "tabular_bench": 60.0}  # fmt: skip
+#: Train rows of the tabular_bench step (100 features, 1,000 test rows, the published v1 sizes, fp32).
+TABULAR_ROWS = "10000,50000,100000"
 NUMERICS_SHARDS = 4
 
 
@@ -191,6 +196,13 @@ def _hf_bench_job(out: Path, box: float) -> Job:
     return Job(step="hf_bench", argv=argv, box_s=box, log=out / "logs" / "hf_bench.log", extra={"json": path})
 
 
+def _tabular_bench_job(out: Path, box: float) -> Job:
+    path = out / "tabular_vs_official_gpu.json"
+    argv = [sys.executable, "-m", "benchmarks.tabular_vs_official", "--device", "cuda", "--arch", "v1", "--rows",
+            TABULAR_ROWS, "--repeats", "1", "--timeout", str(int(max(10, box / 3))), "--out", str(path)]  # fmt: skip
+    return Job(step="tabular_bench", argv=argv, box_s=box, log=out / "logs" / "tabular_bench.log", extra={"json": path})
+
+
 def _junit_summary(xml: Path) -> dict[str, Any]:
     """Counts and failing test ids from pytest's JUnit XML."""
     import xml.etree.ElementTree as ET
@@ -229,6 +241,10 @@ def _finish(job: Job, out: Path) -> dict[str, Any]:
                                               "time_ratio_longctx_over_this", "memory_ratio_longctx_over_this",
                                               "max_abs_diff_vs_longctx")} for r in data.get("rows", [])]  # fmt: skip
         ok = rc == 0 and bool(rec["rows"])
+    elif job.step == "tabular_bench":
+        data = read_json(job.extra["json"]) or {}
+        rec["rows"] = data.get("ratios", [])
+        ok = rc == 0 and any("time_ratio" in r for r in rec["rows"])
     elif job.step == "bench":
         data = read_json(job.extra["json"]) or {}
         rec["targets"] = data.get("targets")
@@ -286,6 +302,9 @@ def summarize(report: dict[str, Any]) -> str:
             what = "; ".join(f"{k} {v}" for k, v in t.items() if not isinstance(v, (dict, list)))
         elif name == "hf_bench" and rec.get("rows"):
             what = f"{sum(r.get('status') == 'ok' for r in rec['rows'])} of {len(rec['rows'])} cases ran"
+        elif name == "tabular_bench" and rec.get("rows"):
+            what = "; ".join(f"{r['rows']} rows: time x{r.get('time_ratio')}, CUDA memory x{r.get('peak_cuda_ratio')}"
+                             for r in rec["rows"])
         lines.append({"step": name, "status": status, "seconds": rec.get("seconds"), "result": what})
     text = format_table(lines, ["step", "status", "seconds", "result"])
     targets = report["steps"].get("bench", {}).get("targets") or {}
@@ -385,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     cuda = bool(env.get("cuda_available"))
     if not cuda:
-        print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64, bench and hf_bench "
+        print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64, bench, hf_bench and "
+              "tabular_bench "
               "need one "
               "(recorded as skipped); running env and dispatch only.")  # fmt: skip
         for name in GPU_STEPS:
@@ -435,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
 
     # Phase B: timings, alone on the GPU, one after the other.
-    for name, make in (("bench", _bench_job), ("hf_bench", _hf_bench_job)):
+    for name, make in (("bench", _bench_job), ("hf_bench", _hf_bench_job), ("tabular_bench", _tabular_bench_job)):
         if not (cuda and name in steps):
             continue
         box = min(boxes[name], deadline - time.monotonic())

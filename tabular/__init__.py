@@ -6,7 +6,7 @@ only when the estimator is first used.
 
 from __future__ import annotations
 
-__all__ = ["TabICLClassifier"]
+__all__ = ["TabICLClassifier", "load_model"]
 
 
 def __getattr__(name: str):
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from tabular.estimator import TabICLClassifier
 
         return TabICLClassifier
+    if name == "load_model":  # this project's .safetensors / .pt, or an official TabICL .ckpt
+        from tabular.weights_io import load_model
+
+        return load_model
     raise AttributeError(f"module 'tabular' has no attribute {name!r}")

@@ -20,12 +20,13 @@ the first ``predict`` while the cache fits in the other half, so repeated predic
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -63,7 +64,10 @@ def _fit_rows(n: int, seed) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, _NORM_FIT_ROWS, replace=False))
 
 
-def _get_model(checkpoint, device: torch.device) -> TabICL:
+def _get_model(checkpoint, device: torch.device, *, official: bool = False) -> TabICL:
+    """The checkpoint's model. The published checkpoints read cells scaled outside the model; outside ``official``
+    mode this estimator's own pipeline feeds them, so they get a view of the same weights that standardizes cells
+    with train statistics itself (clipped at ±100, the official scaler's bound)."""
     path = str(default_checkpoint() if checkpoint is None else checkpoint)
     try:
         stamp = os.stat(path).st_mtime_ns  # a rewritten file is reloaded
@@ -72,7 +76,12 @@ def _get_model(checkpoint, device: torch.device) -> TabICL:
     key = (path, stamp, str(device))
     if key not in _MODEL_CACHE:
         _MODEL_CACHE[key] = load_model(path, device=device)
-    return _MODEL_CACHE[key]
+    model = _MODEL_CACHE[key]
+    if official or model.config.input_standardize:
+        return model
+    view = copy.copy(model)  # shares the modules and weights; only the config differs
+    view.config = replace(model.config, input_standardize=True, clip_value=100.0)
+    return view
 
 
 @dataclass(kw_only=True)
@@ -230,6 +239,11 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         finetune_lr: learning rate of the fine-tuning steps.
         verbose: progress bars on standard error (predictions: ensemble views done; fine-tuning: steps and
             loss), and there too the choices made at fit (temperature, feature reduction, kept fine-tuning step).
+        official: with an official checkpoint (``checkpoint="tabicl-classifier-....ckpt"``), run the official
+            package's own preprocessing and ensembling around this model (:mod:`tabular.official_pipeline`; needs
+            ``pip install tabicl==2.2.0``): the official predictions. Uses ``n_estimators``, ``norm_methods``,
+            ``random_state``, ``device``, ``memory_budget_mb`` and ``softmax_temperature`` ("auto" = the official
+            0.9); the other options do not apply. At most the checkpoint's ``max_classes`` classes.
     """
 
     def __init__(
@@ -251,7 +265,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         finetune_steps: int = 0,
         finetune_lr: float = 3e-4,
         verbose: bool = False,
+        official: bool = False,
     ) -> None:
+        self.official = official
         self.n_estimators = n_estimators
         self.checkpoint = checkpoint
         self.device = device
@@ -279,6 +295,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         return tags
 
     def _check_params(self) -> None:
+        if not isinstance(self.official, (bool, np.bool_)):
+            raise ValueError(f"official must be True or False, got {self.official!r}")
         if not (isinstance(self.n_estimators, (int, np.integer)) and self.n_estimators >= 1):
             raise ValueError(f"n_estimators must be a positive int, got {self.n_estimators!r}")
         if not (isinstance(self.memory_budget_mb, (int, float)) and self.memory_budget_mb > 0):
@@ -376,6 +394,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError("y contains missing labels (NaN/None); drop those rows or label them")
         check_classification_targets(y)
         self.classes_, y_enc = np.unique(y, return_inverse=True)
+        if self.official:
+            return self._fit_official(df, y_enc.astype(np.int64))
         self._pre = TablePreprocessor(onehot_max_levels=self.onehot_max_levels)
         Xv, is_cat = self._pre.fit_transform(df)
         self._device = self._resolve_device()
@@ -815,8 +835,27 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
                 out += p[:, g : g + 1] * self._node_proba(child, X_test, temperature, memo)
         return out
 
+    def _fit_official(self, df, y_enc: np.ndarray) -> "TabICLClassifier":
+        from tabular.official_pipeline import OfficialEnsemble
+
+        self._device = self._resolve_device()
+        model = _get_model(self.checkpoint, self._device, official=True)
+        if model.config.input_standardize:
+            raise ValueError("official=True needs an official TabICL checkpoint (a tabicl-classifier-*.ckpt file, or "
+                             "one converted by tabular.convert); this checkpoint is the project's own")
+        t = 0.9 if self.softmax_temperature == "auto" else float(self.softmax_temperature)
+        self.temperature_ = t
+        self._official = OfficialEnsemble(model, n_estimators=int(self.n_estimators), norm_methods=self._norm_list(),
+                                          softmax_temperature=t, random_state=self.random_state,
+                                          memory_budget_mb=float(self.memory_budget_mb), device=self._device)
+        self._official.fit(df, y_enc, len(self.classes_))
+        return self
+
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``(n_samples, n_classes)``, columns in the order of ``classes_``."""
+        if self.official:
+            check_is_fitted(self, "_official")
+            return self._official.predict_proba(self._validate_X(X, reset=False))
         check_is_fitted(self, "_members")
         df = self._validate_X(X, reset=False)
         Xv = self._pre.transform(df)

@@ -60,11 +60,12 @@ def save_model(model: TabICL, path: str | os.PathLike, *, extra: dict | None = N
 
 
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> TabICL:
-    """Load a model written by :func:`save_model` (or a pretraining checkpoint ``.pt``), in eval mode; its card
-    (the metadata ``extra`` written with it) is ``model.card``."""
+    """Load a model written by :func:`save_model`, a pretraining checkpoint ``.pt`` or an official TabICL checkpoint
+    ``.ckpt`` (v1, v1.1, v2: :mod:`tabular.official`), in eval mode; its card (the metadata ``extra`` written with
+    it) is ``model.card``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"TabICL checkpoint {str(path)!r} does not exist (expected a .safetensors or .pt file)")
+        raise FileNotFoundError(f"TabICL checkpoint {str(path)!r} does not exist (expected a .safetensors, .pt or .ckpt file)")
     if path.suffix == ".safetensors":
         what = "TabICL weights written by tabular.pretrain (--export or best.safetensors)"
         with open_safetensors(path, what=what) as f:
@@ -81,8 +82,17 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -
         config = TabICLConfig(**ckpt["model_config"])
         state = ckpt["model"]
         card = {"step": ckpt.get("step"), "pretrained_max_features": ckpt.get("max_features_seen")}
+    elif path.suffix == ".ckpt":
+        from tabular.official import read_official
+
+        what = "an official TabICL classifier checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, -v2-20260212)"
+        ckpt = torch_load(path, what=what, weights_only=True)  # a third-party file: tensors and plain data only
+        model, card = read_official(path, ckpt)
+        model.card = card
+        return model.to(device)
     else:
-        raise ValueError(f"unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; use .safetensors or .pt")
+        raise ValueError(f"unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; use .safetensors, .pt "
+                         "(tabular.pretrain) or .ckpt (official TabICL)")
     model = TabICL(config)
     model.load_state_dict(state)
     model.card = card  # the model card (pretraining facts such as ``pretrained_max_features``), may be empty
