@@ -20,7 +20,9 @@ RUNS=${RUNS:-runs/comemo}
 OUT=${OUT:-benchmarks/results/comemo}
 VIT=$RUNS/vit_pre1500/model.safetensors
 mkdir -p "$RUNS" "$OUT"
-recipe() { echo "--batch-size 8 --lr 2e-3 --warmup 50 --seed $1 --min-images 1 --val-every 250 --val-samples 32 --init-from $VIT --image-labels after --vision-lr-scale 0.1"; }
+# the first memory-path layout, which these runs used (docs/experiments/comemo.md); the defaults now follow the reference
+LAYOUT="--cross-placement first --memory-queries text --memory-norm own"
+recipe() { echo "--batch-size 8 --lr 2e-3 --warmup 50 --seed $1 --min-images 1 --val-every 250 --val-samples 32 --init-from $VIT --image-labels after --vision-lr-scale 0.1 $LAYOUT"; }
 NEEDLE_EVAL="--images 2 4 8 16 32 64 --tasks needle --per-count 40 --eval-seed 777 --threads 1 --no-progress --max-images 8"
 TASKS_EVAL="--images 2 4 8 16 --tasks needle count describe detail --per-count 20 --eval-seed 777 --threads 1 --no-progress --max-images 8"
 EQUAL="--variant-args lvlm-1d=--mlp-ratio=7 --variant-args lvlm-dhr=--mlp-ratio=7"

@@ -218,16 +218,28 @@ class CrossAttentionBlock(HasBackend, nn.Module):
 class GatedCrossAttentionBlock(HasBackend, nn.Module):
     """Tanh-gated cross-attention block (Flamingo / CoMemo memory path), pre-norm.
 
-    ``x += tanh(g_attn) · XAttn(LN x, C)``; ``x += tanh(g_ff) · FFN(LN x)``, with scalar gates
+    ``x += tanh(g_attn) · XAttn(N x, C)``; ``x += tanh(g_ff) · FFN(N x)``, with scalar gates
     ``attn_gate`` and ``ff_gate`` initialised to ``gate_init`` (0: the block is the identity at
     initialisation, so it can be inserted into a trained network without changing it).
+
+    The context ``C`` is the memory as given (``norm_context=False``), through its own norm (``True``), or
+    through the queries' norm ``norm1`` (``"shared"``: one norm for text and media, as CoMemo's released code).
+    :meth:`context_norm` applies whichever is configured.
+
+    Memory keys and values depend only on the memory, so a caller that reads the same memory at every
+    decoding step can compute them once: :meth:`memory_kv` returns them, and ``forward(..., memory_kv=...)``
+    uses them instead of ``context_BND``. With ``cache_memory_kv = True`` the block does this itself: it keeps
+    the keys/values of the last memory it saw and reuses them while the same tensor (same object, same key
+    RoPE table values) comes back; ``clear_memory_kv()`` drops them.
 
     Args:
         dim: features of ``x`` (e.g. the language model's hidden size).
         num_heads: attention heads.
         context_dim: features of the context (e.g. image tokens), default ``dim``.
-        norm_context: LayerNorm the context before the key/value projections.
+        norm_context: ``False``, ``True`` or ``"shared"`` (see above; ``"shared"`` needs ``context_dim == dim``).
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, as Llama/Qwen2-family language models).
         gate_init: initial value of both gates (before tanh).
+        head_dim: per-head size (default ``dim // num_heads``).
         mlp_ratio, mlp_hidden_dim, activation, num_kv_heads, dropout, norm_eps, bias, backend, device,
         dtype: as in :class:`SelfAttentionBlock`.
     """
@@ -238,8 +250,10 @@ class GatedCrossAttentionBlock(HasBackend, nn.Module):
         num_heads: int,
         *,
         context_dim: int | None = None,
-        norm_context: bool = False,
+        norm_context: bool | str = False,
+        norm: str = "layer",
         gate_init: float = 0.0,
+        head_dim: int | None = None,
         mlp_ratio: float = 4.0,
         mlp_hidden_dim: int | None = None,
         activation: str = "gelu",
@@ -254,38 +268,78 @@ class GatedCrossAttentionBlock(HasBackend, nn.Module):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
         context_dim = dim if context_dim is None else context_dim
+        if norm_context not in (False, True, "shared"):
+            raise ValueError(f"norm_context must be False, True or 'shared', got {norm_context!r}")
+        if norm_context == "shared" and context_dim != dim:
+            raise ValueError(f"a norm shared by text and memory needs context_dim == dim, got {context_dim} != {dim}")
+        if norm not in ("layer", "rms"):
+            raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+        make_norm = (lambda n: nn.LayerNorm(n, eps=norm_eps, **fk)) if norm == "layer" else (
+            lambda n: nn.RMSNorm(n, eps=norm_eps, **fk))
+        self.shared_norm = norm_context == "shared"
         self.attn = MultiHeadAttention(
-            dim, num_heads, kv_dim=context_dim, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout,
-            backend=backend, **fk,
+            dim, num_heads, kv_dim=context_dim, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
+            dropout=dropout, backend=backend, **fk,
         )
         self.mlp = MLP(dim, hidden_dim_for(dim, mlp_ratio, mlp_hidden_dim), dropout=dropout, activation=activation, bias=bias, **fk)
-        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **fk)
-        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **fk)
-        self.norm_context = nn.LayerNorm(context_dim, eps=norm_eps, **fk) if norm_context else nn.Identity()
+        self.norm1 = make_norm(dim)
+        self.norm2 = make_norm(dim)
+        self.norm_context = make_norm(context_dim) if norm_context is True else nn.Identity()
         self.attn_gate = nn.Parameter(torch.full((), float(gate_init), **fk))
         self.ff_gate = nn.Parameter(torch.full((), float(gate_init), **fk))
+        self.cache_memory_kv = False
+        self._kv_cache: tuple | None = None  # (memory, key rope cos, k, v) while cache_memory_kv
+
+    def context_norm(self, context_BND: torch.Tensor) -> torch.Tensor:
+        """The memory as the key/value projections read it (own norm, shared norm or as given)."""
+        return self.norm1(context_BND) if self.shared_norm else self.norm_context(context_BND)
+
+    def memory_kv(self, context_BND: torch.Tensor, *, k_rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the memory, ``2 x (B, H_kv, N, head_dim)`` (keys rotated by ``k_rope``)."""
+        return self.attn.project_kv(self.context_norm(context_BND), rope=k_rope)
+
+    def clear_memory_kv(self) -> None:
+        self._kv_cache = None
+
+    def _cached_kv(self, context_BND, k_rope):
+        c = self._kv_cache
+        if c is not None and c[0] is context_BND and (
+            (c[1] is None and k_rope is None)
+            or (c[1] is not None and k_rope is not None and c[1].shape == k_rope[0].shape and torch.equal(c[1], k_rope[0]))
+        ):
+            return c[2], c[3]
+        k, v = self.memory_kv(context_BND, k_rope=k_rope)
+        self._kv_cache = (context_BND, None if k_rope is None else k_rope[0], k, v)
+        return k, v
 
     def forward(
         self,
         x_BSD: torch.Tensor,
-        context_BND: torch.Tensor,
+        context_BND: torch.Tensor | None = None,
         *,
         context_padding_mask: torch.Tensor | None = None,
         attn_bias: torch.Tensor | None = None,
         q_rope: RopeTables | None = None,
         k_rope: RopeTables | None = None,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``x (B, S, dim)``, ``context (B, N, context_dim)`` -> ``(B, S, dim)``.
 
         ``q_rope``/``k_rope``: RoPE tables for the queries (text positions) and keys (image positions,
         e.g. from :func:`core.rope.rope_dhr_position_ids`). ``attn_bias`` can restrict which context
-        tokens each query sees (e.g. ``-inf`` for images that come later in the text).
+        tokens each query sees (e.g. ``-inf`` for images that come later in the text). ``memory_kv``:
+        keys/values from :meth:`memory_kv` (then ``context_BND`` and ``k_rope`` are not read).
         """
-        ctx = self.norm_context(context_BND)
-        attn_out = self.attn(
-            self.norm1(x_BSD), ctx, key_padding_mask=context_padding_mask, attn_bias=attn_bias,
-            q_rope=q_rope, k_rope=k_rope,
-        )
+        if memory_kv is not None:
+            k, v = memory_kv
+        elif context_BND is None:
+            raise ValueError("pass context_BND or memory_kv")
+        elif self.cache_memory_kv:
+            k, v = self._cached_kv(context_BND, k_rope)
+        else:
+            k, v = self.memory_kv(context_BND, k_rope=k_rope)
+        q = self.attn.project_q(self.norm1(x_BSD), rope=q_rope)
+        attn_out = self.attn.merge(self.attn.attend(q, k, v, key_padding_mask=context_padding_mask, attn_bias=attn_bias))
         x_BSD = x_BSD + torch.tanh(self.attn_gate) * attn_out
         return x_BSD + torch.tanh(self.ff_gate) * self.mlp(self.norm2(x_BSD))
 

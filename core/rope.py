@@ -205,6 +205,10 @@ def rope_dhr_position_ids(
     centre; ``G = thumb_grid``) and inherits that cell's id. Rows and columns are scaled separately, so
     non-square grids are handled correctly. An image thus uses ``G**2`` ids however many tiles it has.
 
+    Tile order: CoMemo's released code numbers tiles column-first although InternVL crops them row-major, which
+    transposes the 2-D positions on every grid with more than one row and column; here tiles are numbered in
+    the order they are cropped, so a tile token's id is the thumbnail cell it lies in.
+
     Args:
         tile_grid: ``(rows, cols)`` tiles of the high-resolution view.
         thumb_grid: thumbnail tokens per side (16 for InternVL's 448-px tiles: 256 tokens).

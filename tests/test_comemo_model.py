@@ -108,7 +108,7 @@ def test_zero_gates_equal_the_context_only_twin(tok):
 
 def test_memory_path_reaches_text_only(tok):
     torch.manual_seed(0)
-    m = CoMemoModel(_cfg("comemo", tok)).eval()
+    m = CoMemoModel(_cfg("comemo", tok, memory_queries="text")).eval()
     for block in m.decoder.cross.values():
         block.attn_gate.data.fill_(1.0)
     b = build_batch(_examples()[:1], tok, m.cfg)

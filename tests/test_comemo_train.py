@@ -38,9 +38,13 @@ def test_stages_train_the_right_parameters():
     s1 = set_stage(m, 1)
     assert {n.split(".")[0] for n in s1} == {"projector", "decoder"}
     assert all(n.startswith(("projector.", "decoder.cross.")) for n in s1) and any(n.endswith("attn_gate") for n in s1)
-    s2 = set_stage(m, 2)
-    assert not any(n.endswith(("attn_gate", "ff_gate")) for n in s2) and any(n.startswith("vision.") for n in s2)
+    s2 = set_stage(m, 2)  # the released phase 2: LLM and ViT frozen, gates frozen
+    assert not any(n.endswith(("attn_gate", "ff_gate")) for n in s2)
+    assert all(n.startswith(("projector.", "decoder.cross.")) for n in s2) and any(n.startswith("projector.") for n in s2)
+    assert any(n.startswith("decoder.cross.") for n in s2)
     assert all(not p.requires_grad for n, p in m.named_parameters() if n not in s2)
+    frozen = set_stage(m, 3, freeze_gates=True)
+    assert not any(n.endswith(("attn_gate", "ff_gate")) for n in frozen) and len(frozen) == len(list(m.parameters())) - 2 * len(m.decoder.cross)
     s3 = set_stage(m, 3)
     assert len(s3) == len(list(m.parameters()))
     with pytest.raises(ValueError, match="unknown stage"):
@@ -73,7 +77,9 @@ def test_resume_is_exact_and_stages_chain(tmp_path):
     c = load_file(tmp_path / "s2" / "model.safetensors")
     gates = [k for k in a if k.endswith(("attn_gate", "ff_gate"))]
     assert gates and all(torch.equal(a[k], c[k]) for k in gates)
-    assert not torch.equal(a["vision.pos"], c["vision.pos"])
+    assert torch.equal(a["vision.pos"], c["vision.pos"])  # stage 2 keeps the ViT and the LLM frozen
+    assert torch.equal(a["decoder.layers.0.attn.q_proj.weight"], c["decoder.layers.0.attn.q_proj.weight"])
+    assert not torch.equal(a["projector.fc1.weight"], c["projector.fc1.weight"])
     assert (tmp_path / "s2" / "tokenizer.json").read_text() == (tmp_path / "full" / "tokenizer.json").read_text()
 
 

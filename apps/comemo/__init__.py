@@ -5,7 +5,8 @@ Modules: :mod:`apps.comemo.tiling` (InternVL's dynamic tiling), :mod:`apps.comem
 (``tokenizer.json`` with image special tokens), :mod:`apps.comemo.synthetic` (procedural multi-image tasks),
 :mod:`apps.comemo.model` (vision encoder, pixel shuffle, projector, the four variants),
 :mod:`apps.comemo.train` (staged training CLI), :mod:`apps.comemo.api` (``CoMemo``),
-:mod:`apps.comemo.predict` (CLI). Importing this package does no work.
+:mod:`apps.comemo.predict` (CLI); :mod:`apps.comemo.hf` (``CoMemo.from_hf``: the memory path on a transformers
+InternVL model) and :mod:`apps.comemo.recipes.internvl` (its staged training). Importing this package does no work.
 """
 
 from __future__ import annotations

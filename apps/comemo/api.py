@@ -55,6 +55,15 @@ class CoMemo:
         model = CoMemoModel.load(path, device=device)
         return cls(model, CoMemoTokenizer.load(tok_path))
 
+    @staticmethod
+    def from_hf(path: str | os.PathLike, **kwargs):
+        """A local InternVL-family model folder (transformers ``InternVLForConditionalGeneration``) with the CoMemo
+        memory path added: :func:`apps.comemo.hf.from_hf` (``every``, ``queries``, ``positions``, ``dtype``,
+        ``device``); returns an :class:`apps.comemo.hf.HFCoMemo`."""
+        from apps.comemo.hf import from_hf
+
+        return from_hf(path, **kwargs)
+
     @property
     def variant(self) -> str:
         return self.model.cfg.variant

@@ -4,7 +4,7 @@ The image tokens reach the decoder (:class:`core.decoder.Decoder`) by one or two
 ``CoMemoConfig.variant`` (all variants share every size):
 
 ========== ============================ ============================================================
-variant    context path (tokens in LM)   memory path (gated cross-attention before every k-th layer)
+variant    context path (tokens in LM)   memory path (gated cross-attention every k-th layer)
 ========== ============================ ============================================================
 lvlm-1d    yes, plain 1-D positions      no   (the LLaVA / InternVL baseline)
 lvlm-dhr   yes, RoPE-DHR positions       no
@@ -15,9 +15,14 @@ comemo     yes, RoPE-DHR positions       yes, keys at their RoPE-DHR ids
 Image tokens of one image, in sequence order: its ``rows*cols`` tiles (row-major, ``T*T`` tokens each,
 row-major inside a tile), then the thumbnail (``T*T`` tokens, ``G = T``). A single-tile image has no
 thumbnail: its one tile shows the whole image and takes the thumbnail's ids. RoPE-DHR ids come from
-:func:`core.rope.rope_dhr_position_ids` (an image uses ``T*T`` ids whatever its tile count); the memory
-path's queries are the text tokens only (image slots get no cross-attention update, via
-``memory_attn_bias``), with their own positions.
+:func:`core.rope.rope_dhr_position_ids` (an image uses ``T*T`` ids whatever its tile count).
+
+Memory-path layout (``CoMemoConfig``; the defaults follow CoMemo's released code): a block before decoder layer
+``i`` where ``(i + 1) % cross_every == 0`` (``cross_placement="reference"``); every token queries the memory
+(``memory_queries="all"``; ``"text"``: image slots get no update, via ``memory_attn_bias``), with its own
+position; one norm shared by the queries and the memory (``memory_norm="shared"``). Files written before these
+options (the shipped weights among them) load with the first layout, :data:`LEGACY_MEMORY`: blocks before layers
+0, k, 2k, text queries, a separate memory LayerNorm.
 
 Layouts: tiles ``(N, 3, tile, tile)`` float (normalised by :func:`normalise_tiles`); ViT output
 ``(N, P, vision_dim)`` with ``P = (tile/patch)**2``; after the shuffle ``(N, T*T, vision_dim*s*s)`` with
@@ -26,6 +31,7 @@ Layouts: tiles ``(N, 3, tile, tile)`` float (normalised by :func:`normalise_tile
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,12 +45,12 @@ from torch.nn import functional as F
 
 from apps.comemo.tokenizer import IMAGE_LABELS
 from core.decoder import Decoder, DecoderConfig
-from core.layers import SelfAttentionBlock
+from core.layers import GatedCrossAttentionBlock, SelfAttentionBlock
 from core.infra.fileio import atomic_path, load_safetensors_model, open_safetensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VARIANTS", "VisionConfig", "CoMemoConfig", "VisionEncoder", "pixel_shuffle", "Projector",
+__all__ = ["VARIANTS", "LEGACY_MEMORY", "VisionConfig", "CoMemoConfig", "VisionEncoder", "pixel_shuffle", "Projector",
            "CoMemoModel", "normalise_tiles", "lm_loss"]
 
 VARIANTS = ("lvlm-1d", "lvlm-dhr", "flamingo", "comemo")
@@ -52,6 +58,11 @@ CONTEXT_VARIANTS = ("lvlm-1d", "lvlm-dhr", "comemo")
 MEMORY_VARIANTS = ("flamingo", "comemo")
 DHR_VARIANTS = ("lvlm-dhr", "comemo")
 MODEL_FORMAT = "longctx.comemo.v1"
+CROSS_PLACEMENTS = ("reference", "first")
+MEMORY_QUERIES = ("all", "text")
+MEMORY_NORMS = ("shared", "own")
+#: The memory-path layout of files written before the layout options existed (the shipped weights among them).
+LEGACY_MEMORY = {"cross_placement": "first", "memory_queries": "text", "memory_norm": "own"}
 
 
 @dataclass(kw_only=True)
@@ -93,7 +104,7 @@ class CoMemoConfig:
     depth: int = 4  # decoder layers
     num_heads: int = 4  # decoder heads
     mlp_ratio: float = 4.0  # decoder MLP width / dim
-    cross_every: int = 2  # memory path: gated cross-attention before layers 0, k, 2k, ... (paper: 4 of 24+)
+    cross_every: int = 2  # memory path: a gated cross-attention block every k-th layer (cross_placement; paper: 4)
     vision: VisionConfig = field(default_factory=VisionConfig)
     min_tiles: int = 1  # tiling: fewest tiles per image
     max_tiles: int = 6  # tiling: most tiles per image (InternVL: 12; 6 covers the detail task's grids)
@@ -108,6 +119,12 @@ class CoMemoConfig:
     # factor on the projected image tokens: at initialisation they are ~10x the norm of the token embeddings
     # (std 0.02), which drowns the text in the residual stream; 1.0 keeps the original (and old files)
     image_token_scale: float = 1.0
+    # memory-path layout (files written before these options lack them and load with LEGACY_MEMORY):
+    # "reference": a block before decoder layer i where (i + 1) % cross_every == 0 (CoMemo's released code);
+    # "first": before layers 0, k, 2k, ... (the first layout here)
+    cross_placement: str = "reference"
+    memory_queries: str = "all"  # "all": every token queries the memory (the reference); "text": text tokens only
+    memory_norm: str = "shared"  # "shared": one norm for text and memory (the reference); "own": a separate LayerNorm
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, dict):
@@ -128,6 +145,21 @@ class CoMemoConfig:
             raise ValueError(f"image_token_scale must be a positive number, got {self.image_token_scale!r}")
         if self.uses_memory and not (isinstance(self.cross_every, int) and self.cross_every > 0):
             raise ValueError(f"variant {self.variant!r} needs cross_every > 0, got {self.cross_every!r}")
+        for name, allowed in (("cross_placement", CROSS_PLACEMENTS), ("memory_queries", MEMORY_QUERIES),
+                              ("memory_norm", MEMORY_NORMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {list(allowed)}")
+        if self.uses_memory and self.cross_placement == "reference" and self.cross_every > self.depth:
+            raise ValueError(f"cross_every ({self.cross_every}) > depth ({self.depth}) leaves no memory block")
+
+    @property
+    def cross_layers(self) -> list[int]:
+        """Indices of the decoder layers preceded by a memory block (empty without a memory path)."""
+        if not self.uses_memory:
+            return []
+        if self.cross_placement == "first":
+            return list(range(0, self.depth, self.cross_every))
+        return [i for i in range(self.depth) if (i + 1) % self.cross_every == 0]
 
     @property
     def uses_context(self) -> bool:
@@ -155,7 +187,8 @@ class CoMemoConfig:
 
     @classmethod
     def from_json(cls, text: str) -> CoMemoConfig:
-        return cls(**json.loads(text))
+        """A config from :meth:`to_json`; keys missing from older files take the values of that time."""
+        return cls(**{**LEGACY_MEMORY, **json.loads(text)})
 
 
 def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -240,6 +273,14 @@ class CoMemoModel(nn.Module):
             self.vision = ExternalEncoder(v, load_weights=load_encoder_weights)
         self.projector = Projector(self.vision.width * v.shuffle ** 2, cfg.dim)
         self.decoder = Decoder(cfg.decoder_config())
+        if cfg.uses_memory and (cfg.cross_placement, cfg.memory_norm) != ("first", "own"):
+            d = cfg.decoder_config()
+            self.decoder.cross = nn.ModuleDict({
+                str(i): GatedCrossAttentionBlock(
+                    d.dim, d.num_heads, context_dim=d.dim, norm_context="shared" if cfg.memory_norm == "shared" else True,
+                    gate_init=0.0, mlp_ratio=d.mlp_ratio, activation=d.activation, num_kv_heads=d.num_kv_heads,
+                    norm_eps=d.norm_eps, bias=d.bias, backend=d.backend)
+                for i in cfg.cross_layers})
 
     def image_tokens(self, tiles_N3HW: torch.Tensor) -> torch.Tensor:
         """``(N, 3, tile, tile)`` -> ``(N * T*T, dim)`` projected tokens, tiles in order, tokens row-major."""
@@ -261,7 +302,7 @@ class CoMemoModel(nn.Module):
             kw["memory_BMD"] = img_TD[batch.memory_index.clamp(min=0)]  # (B, M, dim)
             kw["memory_position_ids"] = batch.memory_position_ids
             kw["memory_padding_mask"] = batch.memory_index < 0
-            if bool((slot >= 0).any()):  # image slots are not queries of the memory path
+            if self.cfg.memory_queries == "text" and bool((slot >= 0).any()):  # image slots query no memory
                 bias = torch.zeros(slot.shape, dtype=x_BSD.dtype, device=x_BSD.device)
                 kw["memory_attn_bias"] = bias.masked_fill(slot >= 0, float("-inf"))[:, None, :, None]
         return kw
@@ -273,6 +314,20 @@ class CoMemoModel(nn.Module):
     def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Mean next-token cross-entropy over the labelled tokens; also token accuracy."""
         return lm_loss(self(batch).logits, batch.labels)
+
+    @contextlib.contextmanager
+    def memory_kv_cache(self):
+        """Within the block, each memory block computes the memory's keys/values once per memory tensor and
+        reuses them while the same memory comes back (decoding steps of one prompt); dropped on exit."""
+        blocks = list(self.decoder.cross.values())
+        for b in blocks:
+            b.cache_memory_kv = True
+        try:
+            yield self
+        finally:
+            for b in blocks:
+                b.cache_memory_kv = False
+                b.clear_memory_kv()
 
     def gates(self) -> dict[str, float]:
         """tanh of every cross-attention gate (0 for variants without a memory path)."""

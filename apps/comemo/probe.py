@@ -61,7 +61,7 @@ def attention_per_image(model: CoMemoModel, tok: CoMemoTokenizer, images: list, 
         for block, (x_BSD, ctx_BND), kwargs in captured:
             attn = block.attn
             qh = attn.project_q(block.norm1(x_BSD), rope=kwargs.get("q_rope"))[:, :, q]  # (B, H, d)
-            k, _ = attn.project_kv(block.norm_context(ctx_BND), rope=kwargs.get("k_rope"))  # (B, Hk, M, d)
+            k, _ = attn.project_kv(block.context_norm(ctx_BND), rope=kwargs.get("k_rope"))  # (B, Hk, M, d)
             k = k.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
             logits = torch.einsum("bhd,bhmd->bhm", qh, k) / math.sqrt(qh.shape[-1])
             pad = kwargs.get("context_padding_mask")

@@ -5,9 +5,13 @@ Stages (``--stage``; each later stage starts from the previous one with ``--init
 ==== ==================================================== =========================================
  0   text-only language modelling (question + answer text) decoder without its cross blocks
  1   alignment: vision encoder and LM frozen               projector + memory path (cross blocks, gates)
- 2   gates frozen                                          everything but the tanh gates
+ 2   LLM, vision encoder and gates frozen                  projector + memory path without its gates
  3   full fine-tuning                                      everything
 ==== ==================================================== =========================================
+
+Stage 2 as CoMemo's released phase-2 script (the LLM and ViT stay frozen; the paper freezes the gates). Before
+this, stage 2 trained everything but the gates. ``--freeze-gates`` keeps every gate at its initial 0 in every
+stage: the memory path then changes nothing (its blocks get no gradient), the control that isolates it.
 
 Samples are drawn on the fly: sample ``i`` of the run (counted over steps, ranks and the batch) comes from
 its own seed (:func:`apps.comemo.synthetic.sample_seed`), with its task and image count (1..``--max-images``)
@@ -36,7 +40,8 @@ from pathlib import Path
 import torch
 
 from apps.comemo.batch import build_batch
-from apps.comemo.model import VARIANTS, CoMemoConfig, CoMemoModel, VisionConfig, lm_loss
+from apps.comemo.model import (CROSS_PLACEMENTS, LEGACY_MEMORY, MEMORY_NORMS, MEMORY_QUERIES, VARIANTS, CoMemoConfig,
+                               CoMemoModel, VisionConfig, lm_loss)
 from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
 from apps.comemo.tokenizer import IMAGE_LABELS, CoMemoTokenizer, train_tokenizer
 from core.infra.cli import (nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
@@ -53,11 +58,12 @@ STAGES = (0, 1, 2, 3)
 _RECIPE_KEYS = ("variant", "stage", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed", "max_images",
                 "tasks", "dim", "depth", "heads", "cross_every", "tile", "patch", "vision_dim", "vision_depth",
                 "encoder", "encoder_kwargs", "min_images", "image_labels", "image_token_scale", "vision_lr_scale", "label_range",
-                "mlp_ratio", "image_grid")
+                "mlp_ratio", "image_grid", "cross_placement", "memory_queries", "memory_norm", "freeze_gates")
 
 
-def set_stage(model: CoMemoModel, stage: int) -> list[str]:
-    """Set ``requires_grad`` for ``stage`` (see module docs); returns the names of the trained parameters."""
+def set_stage(model: CoMemoModel, stage: int, *, freeze_gates: bool = False) -> list[str]:
+    """Set ``requires_grad`` for ``stage`` (see module docs); returns the names of the trained parameters.
+    ``freeze_gates``: the tanh gates are never trained."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; choose one of {list(STAGES)}")
     names = []
@@ -70,9 +76,11 @@ def set_stage(model: CoMemoModel, stage: int) -> list[str]:
         elif stage == 1:
             train = name.startswith("projector.") or is_cross
         elif stage == 2:
-            train = not is_gate
+            train = name.startswith("projector.") or (is_cross and not is_gate)
         else:
             train = True
+        if is_gate and freeze_gates:
+            train = False
         p.requires_grad_(train)
         if train:
             names.append(name)
@@ -139,12 +147,19 @@ def add_size_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-dim", type=positive_int, default=96, help="ViT width")
     p.add_argument("--vision-depth", type=positive_int, default=2, help="ViT blocks")
     p.add_argument("--vocab-size", type=positive_int, default=320, help="tokenizer size when one is trained here")
+    p.add_argument("--cross-placement", default="reference", choices=CROSS_PLACEMENTS,
+                   help="memory blocks before layer i with (i+1) %% k == 0 (reference) or before layers 0, k, 2k (first)")
+    p.add_argument("--memory-queries", default="all", choices=MEMORY_QUERIES,
+                   help="tokens that query the memory: every token (all, the reference) or text tokens only")
+    p.add_argument("--memory-norm", default="shared", choices=MEMORY_NORMS,
+                   help="one norm for text and memory (shared, the reference) or a separate memory LayerNorm (own)")
 
 
 def model_config(args, vocab_size: int) -> CoMemoConfig:
     return CoMemoConfig(
         variant=args.variant, vocab_size=vocab_size, dim=args.dim, depth=args.depth, num_heads=args.heads, mlp_ratio=args.mlp_ratio,
         cross_every=args.cross_every, image_labels=args.image_labels, image_token_scale=args.image_token_scale,
+        cross_placement=args.cross_placement, memory_queries=args.memory_queries, memory_norm=args.memory_norm,
         vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth,
                             encoder=args.encoder, encoder_weights=None if args.encoder_weights is None else str(args.encoder_weights),
                             encoder_kwargs=json.loads(args.encoder_kwargs)),
@@ -168,7 +183,7 @@ class Trainer:
         self._build_optimizer()
 
     def _build_optimizer(self) -> None:
-        self.trained = set_stage(self.model, self.args.stage)
+        self.trained = set_stage(self.model, self.args.stage, freeze_gates=getattr(self.args, "freeze_gates", False))
         self.ddp_model: torch.nn.Module = self.model
         if self.world > 1:
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
@@ -193,11 +208,13 @@ class Trainer:
         frac = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
-    def init_from(self, path: Path) -> None:
-        """Weights of another run (any variant): matching keys are loaded, the rest keeps its initialisation."""
+    def init_from(self, path: Path, prefixes: list[str] | None = None) -> None:
+        """Weights of another run (any variant): matching keys (those starting with one of ``prefixes``, if
+        given) are loaded, the rest keeps its initialisation."""
         src = CoMemoModel.load(path)
         own = self.model.state_dict()
-        shared = {k: v for k, v in src.state_dict().items() if k in own and own[k].shape == v.shape}
+        shared = {k: v for k, v in src.state_dict().items() if k in own and own[k].shape == v.shape
+                  and (not prefixes or k.startswith(tuple(prefixes)))}
         self.model.load_state_dict(shared, strict=False)
         fresh = sorted(set(own) - set(shared))
         if fresh:
@@ -262,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=nonempty_path_obj, required=True,
                    help="run folder (last.pt, metrics.jsonl, model.safetensors, tokenizer.json)")
     p.add_argument("--init-from", type=Path, help="weights of a previous stage (its tokenizer.json must lie beside it)")
+    p.add_argument("--init-only", nargs="+", metavar="PREFIX",
+                   help="with --init-from: load only the tensors whose names start with these prefixes (e.g. vision.)")
+    p.add_argument("--freeze-gates", action="store_true",
+                   help="keep every memory gate at 0 in every stage (the control that isolates the memory path)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps of this stage")
     p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step and rank")
@@ -360,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--resume given but {last} does not exist")
         state = torch_load(last, what="the training state written by apps.comemo.train")
         for key in _RECIPE_KEYS:
+            if key in LEGACY_MEMORY and key not in state["args"]:  # a checkpoint from before the layout options
+                setattr(args, key, LEGACY_MEMORY[key])
             old = state["args"].get(key)
             if old is not None and old != getattr(args, key):
                 logger.warning("--%s %s ignored: the resumed run uses %s", key.replace("_", "-"), getattr(args, key), old)
@@ -373,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.load_state_dict(state)
         logger.info("resumed from %s at step %d", last, trainer.step)
     elif args.init_from is not None:
-        trainer.init_from(args.init_from)
+        trainer.init_from(args.init_from, args.init_only)
     command = "python -m apps.comemo.train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     trainer.commands.append({"from_step": trainer.step, "command": command})
     metrics_path = out / "metrics.jsonl"

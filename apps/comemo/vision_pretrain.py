@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     cfg = CoMemoConfig(variant=args.variant, vocab_size=tok.vocab_size, dim=args.dim, depth=args.depth,
                        num_heads=args.heads, mlp_ratio=args.mlp_ratio, cross_every=args.cross_every,
-                       vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth))
+                       cross_placement=args.cross_placement, memory_queries=args.memory_queries,
+                       memory_norm=args.memory_norm, vision=VisionConfig(tile=args.tile, patch=args.patch, dim=args.vision_dim, depth=args.vision_depth))
     model = CoMemoModel(cfg)
     args.out.mkdir(parents=True, exist_ok=True)
     metrics = args.out / "metrics.jsonl"
