@@ -37,6 +37,7 @@ __all__ = [
     "class_mean_cosines",
     "nc1",
     "nc2",
+    "mean_offdiag_cosine",
 ]
 
 
@@ -193,11 +194,14 @@ def class_means(h_ND: torch.Tensor, y_N: torch.Tensor, num_classes: int) -> tupl
     return sums_KD / counts_K.clamp_min(1)[:, None], counts_K
 
 
-def class_mean_cosines(h_ND: torch.Tensor, y_N: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Cosines ``(K, K)`` between class means centred on the mean of the class means (NaN rows for absent classes)."""
+def class_mean_cosines(h_ND: torch.Tensor, y_N: torch.Tensor, num_classes: int, *, centre: bool = True) -> torch.Tensor:
+    """Cosines ``(K, K)`` between class means centred on the mean of the class means (NaN rows for absent classes).
+
+    ``centre=False``: cosines of the raw class means, the quantity TC pulls to −1/(K−1) (centred means of equal
+    norm always average −1/(K−1) off the diagonal, so only their spread is informative)."""
     mu_KD, counts_K = class_means(h_ND.double(), y_N, num_classes)
     present = counts_K > 0
-    c_KD = mu_KD - mu_KD[present].mean(0)
+    c_KD = mu_KD - mu_KD[present].mean(0) if centre else mu_KD
     u_KD = F.normalize(c_KD, dim=-1)
     cos_KK = u_KD @ u_KD.T
     cos_KK[~present] = float("nan")
@@ -221,6 +225,17 @@ def nc1(h_ND: torch.Tensor, y_N: torch.Tensor, num_classes: int) -> float:
     c_KD = mu_KD[present] - mu_KD[present].mean(0)
     sb_DD = c_KD.T @ c_KD / c_KD.shape[0]
     return float(torch.trace(sw_DD @ torch.linalg.pinv(sb_DD, hermitian=True)) / c_KD.shape[0])
+
+
+def mean_offdiag_cosine(h_ND: torch.Tensor, y_N: torch.Tensor, num_classes: int) -> float:
+    """Mean cosine between the raw (uncentred) means of different classes present; −1/(K−1) at a simplex ETF."""
+    cos_KK = class_mean_cosines(h_ND.detach(), y_N, num_classes, centre=False)
+    present = ~torch.isnan(cos_KK.diagonal())
+    G = cos_KK[present][:, present]
+    k = G.shape[0]
+    if k < 2:
+        raise ValueError("needs examples of at least 2 classes")
+    return float((G.sum() - G.diagonal().sum()) / (k * (k - 1)))
 
 
 def nc2(h_ND: torch.Tensor, y_N: torch.Tensor, num_classes: int) -> float:

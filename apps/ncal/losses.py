@@ -68,10 +68,10 @@ class LongTailLoss(nn.Module):
         self.register_buffer("log_prior_K", torch.log(counts_K / counts_K.sum()).float())
         self.bank = FeatureBank(cfg.bank_size if cfg.name == "tc" else 0, feature_dim)
 
-    def forward(self, feats_ND: torch.Tensor, logits_NK: torch.Tensor, y_N: torch.Tensor,
-                etf_W_KD: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    def terms(self, feats_ND: torch.Tensor, logits_NK: torch.Tensor, y_N: torch.Tensor,
+              etf_W_KD: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(task loss, TC term before λ or None)`` as tensors (the TC term only for ``tc``; no bank push)."""
         name = self.cfg.name
-        parts: dict[str, float] = {}
         if name in ("ce", "tc"):
             task = F.cross_entropy(logits_NK, y_N)
         elif name == "cb":
@@ -85,13 +85,21 @@ class LongTailLoss(nn.Module):
             if etf_W_KD is None:
                 raise ValueError("the etf loss needs the ETF classifier's vectors (etf_W_KD)")
             task = dot_regression_loss(feats_ND, y_N, etf_W_KD)
-        parts["task"] = float(task.detach())
+        if name != "tc":
+            return task, None
+        bank_h, bank_y = self.bank.get()
+        return task, tc_loss(feats_ND, y_N, self.num_classes, bank_h_MD=bank_h, bank_y_M=bank_y)
+
+    def forward(self, feats_ND: torch.Tensor, logits_NK: torch.Tensor, y_N: torch.Tensor,
+                etf_W_KD: torch.Tensor | None = None, *, tc_on: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+        """``tc_on=False`` leaves the TC term out of the loss (still measured and logged; a TC schedule)."""
+        task, reg = self.terms(feats_ND, logits_NK, y_N, etf_W_KD)
+        parts: dict[str, float] = {"task": float(task.detach())}
         loss = task
-        if name == "tc":
-            bank_h, bank_y = self.bank.get()
-            reg = tc_loss(feats_ND, y_N, self.num_classes, bank_h_MD=bank_h, bank_y_M=bank_y)
+        if reg is not None:
             parts["tc"] = float(reg.detach())
-            loss = task + self.cfg.tc_lambda * reg
+            if tc_on:
+                loss = task + self.cfg.tc_lambda * reg
             if self.training:
                 self.bank.push(feats_ND, y_N)
         return loss, parts

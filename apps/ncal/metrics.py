@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.collapse import class_mean_cosines, nc1, nc2
+from core.collapse import class_mean_cosines, mean_offdiag_cosine, nc1, nc2
 
 __all__ = ["classification_metrics", "collapse_metrics", "confusion_matrix"]
 
@@ -46,11 +46,12 @@ def classification_metrics(y_true, y_pred, classes: list[str], bins: dict[str, s
 
 
 def collapse_metrics(feats_ND: torch.Tensor, y_N, num_classes: int) -> dict:
-    """NC1, NC2 and the centred class-mean cosine matrix (list of lists; NaN → None) of features."""
+    """NC1, NC2, the mean cosine of different classes' raw means and the centred class-mean cosine matrix (list of lists; NaN → None) of features."""
     y = torch.as_tensor(np.asarray(y_N), dtype=torch.long)
     cos = class_mean_cosines(feats_ND, y, num_classes)
     return {
         "nc1": nc1(feats_ND, y, num_classes),
         "nc2": nc2(feats_ND, y, num_classes),
+        "cos_mean": mean_offdiag_cosine(feats_ND, y, num_classes),  # raw class means (ETF: -1/(K-1))
         "cosines": [[None if np.isnan(v) else round(float(v), 4) for v in row] for row in cos.tolist()],
     }

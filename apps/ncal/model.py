@@ -110,6 +110,17 @@ def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = N
     if not folder.is_dir():
         raise FileNotFoundError(f"no NCAL checkpoint folder at {folder}")
     meta = read_json(folder / "ncal.json")
+    if meta["encoder"].get("kind") == "hf-lm":  # a decoder LLM that generates the class name (apps.ncal.llm)
+        from apps.ncal.llm_train import build_lm
+
+        model, prompter = build_lm(meta["encoder"], device=device)
+        sd = load_safetensors(folder / "model.safetensors", what="the NCAL weights written by apps.ncal.train")
+        want = set(model.trainable_state())
+        if set(sd) != want:
+            raise ValueError(f"{folder}/model.safetensors does not hold this model's trainable weights "
+                             f"(missing {sorted(want - set(sd))[:3]}, unexpected {sorted(set(sd) - want)[:3]})")
+        model.load_state_dict(sd, strict=False)
+        return Checkpoint(model=model.eval(), tokenizer=prompter, meta=meta)
     enc, tok = build_encoder(meta["encoder"], tokenizer_path=folder / "tokenizer.json")
     model = NCALModel(enc, len(meta["classes"]), head="etf" if meta["loss"]["name"] == "etf" else "linear")
     sd = load_safetensors(folder / "model.safetensors", what="the NCAL weights written by apps.ncal.train")

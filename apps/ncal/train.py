@@ -4,7 +4,9 @@
 JSONL path (TMWPL or PMTD layout; ``--test PATH`` for an evaluation file). ``--encoder`` is ``default`` (the
 character transformer pretrained here by MLM, shipped in ``apps/ncal/weights/mlm_encoder``), ``scratch`` (same
 shape, random), a folder written by ``python -m apps.ncal.pretrain``, or ``hf:/path/to/model`` (a local Hugging
-Face checkpoint; ``--lora-r 8`` for LoRA through ``peft``).
+Face checkpoint; ``--lora-r 8`` for LoRA through ``peft``). ``--head lm`` with an ``hf:`` decoder LLM trains the
+LLM to generate the class name instead (:mod:`apps.ncal.llm`, :mod:`apps.ncal.llm_train`); ``--tc-start`` delays
+the TC term, and ``tc_grad_share`` in ``metrics.jsonl`` measures its gradient against cross-entropy's.
 
 Writes to ``OUT``: ``last.pt`` (full state every ``--ckpt-every`` steps and at each epoch end: model, loss state
 with its TC feature bank, optimizer, scheduler, step, RNG; rerunning the same command resumes from it),
@@ -65,6 +67,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["TrainConfig", "train", "build_parser", "main", "DEFAULT_ENCODER", "load_data"]
 
 DEFAULT_ENCODER = Path(__file__).resolve().parent / "weights" / "mlm_encoder"
+#: losses of the lm head: LM cross-entropy on the label tokens, + λ·TC, + λ·dot-regression to a fixed ETF
+#: (both on the last real prompt token's hidden state), or class-balanced weights per example
+LM_LOSSES = ("ce", "tc", "etf", "cb")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +82,8 @@ class TrainConfig:
     loss: str = "tc"  # one of LOSSES
     tc_lambda: float = 0.1  # TC weight (NCAL: 0.1)
     bank_size: int = 256  # TC feature bank (0 = pairs within the batch only)
+    tc_start: float = 0.0  # share of the training steps before the TC term enters the loss (0: every step)
+    grad_share_every: int = 50  # tc: every N steps, measure ‖∇(λ·TC)‖ / ‖∇CE‖ over the trainable weights (0: never)
     encoder: str = "default"  # "default", "scratch", a pretrain folder, or "hf:/path"
     lora_r: int = 0  # LoRA rank for an hf: encoder (0 = full fine-tuning)
     pool: str | None = None  # feature pooling; None = "mean" for the character encoder, "last" for hf:
@@ -91,6 +98,15 @@ class TrainConfig:
     ckpt_every: int = 200  # steps between full-state checkpoints (also at every epoch end)
     nc_train_sample: int = 1024  # train examples whose features give the train NC1/NC2 each epoch
     device: str | None = None  # default: cuda if available
+    # the LLM recipe (head "lm": the class name generated as text by a local decoder LLM, apps.ncal.llm)
+    head: str = "auto"  # "auto" (linear head; the fixed ETF for the etf loss) or "lm" (needs an hf: encoder)
+    grad_accum: int = 1  # micro-batches per optimizer step (lm head)
+    lora_alpha: int = 32  # LoRA α (lm head; LoRA rank: lora_r)
+    lora_dropout: float = 0.1  # LoRA dropout (lm head)
+    fp16: bool = False  # lm head on CUDA: fp16 base weights + autocast + loss scaling (adapters stay fp32)
+    instruction: str | None = None  # lm head: the prompt's instruction (None: the dataset's default)
+    max_prompt_tokens: int = 2048  # lm head: prompt cut-off (the text's end is cut)
+    score: str = "sum"  # lm head: class score = sum (or mean) of the class name's token log-probabilities
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -100,6 +116,24 @@ class TrainConfig:
         for name in ("epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head not in ("auto", "lm"):
+            raise ValueError(f"head must be 'auto' or 'lm', got {self.head!r}")
+        if self.head == "lm":
+            if not self.encoder.startswith("hf:"):
+                raise ValueError(f"the lm head needs a local decoder LLM: --encoder hf:/path/to/model, got {self.encoder!r}")
+            if self.loss not in LM_LOSSES:
+                raise ValueError(f"the lm head trains with {LM_LOSSES}, got loss {self.loss!r}")
+        if self.score not in ("sum", "mean"):
+            raise ValueError(f"score must be 'sum' or 'mean', got {self.score!r}")
+        if self.grad_accum < 1 or self.max_prompt_tokens < 8:
+            raise ValueError(f"grad_accum must be >= 1 and max_prompt_tokens >= 8, got {self.grad_accum}, "
+                             f"{self.max_prompt_tokens}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if not 0.0 <= self.tc_start < 1.0:
+            raise ValueError(f"tc_start must be in [0, 1) (a share of the training steps), got {self.tc_start!r}")
+        if self.grad_share_every < 0:
+            raise ValueError(f"grad_share_every must be >= 0, got {self.grad_share_every}")
         if not 0.0 <= self.valid_frac < 1.0:
             raise ValueError(f"valid_frac must be in [0, 1) (0 = no validation split), got {self.valid_frac!r}")
 
@@ -153,31 +187,14 @@ def _evaluate(model, tok, examples, classes, bins, device, label_idx) -> tuple[d
     m = classification_metrics(y, probs.argmax(1).tolist(), list(classes), bins)
     present = len(set(y))
     if present >= 2:
-        m.update({f"nc_{k}": v for k, v in collapse_metrics(feats, y, len(classes)).items() if k != "cosines"})
+        cm = collapse_metrics(feats, y, len(classes))
+        m.update({f"nc_{k}": v for k, v in cm.items() if k != "cosines"})
     return m, feats
 
 
-def train(cfg: TrainConfig, *, progress: bool = True,
-          examples: tuple[list[Example], list[Example] | None, tuple[str, ...]] | None = None) -> dict:
-    """Run (or resume) one fine-tuning run; returns the final ``ncal.json`` metadata (with test metrics).
-
-    ``examples``: ``(train, test or None, classes)`` given in memory (then ``cfg.dataset`` is only a name).
-    """
-    from tqdm.auto import tqdm
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if world > 1:
-        import torch.distributed as dist
-
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+def prepare_data(cfg: TrainConfig, examples=None):
+    """``(train, valid or None, test or None, classes, dataset name, valid split record or None)``: the data of a
+    run, with the stratified validation hold-out taken out of train when ``cfg.valid_frac > 0``."""
     if examples is None:
         train_ex, test_ex, classes, ds_name = load_data(cfg.dataset, cfg.test, cfg.context)
     else:
@@ -195,6 +212,58 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                        "not_in_valid": [c for c in classes if split_counts.get(c, 0) == 0]}
         logger.info("validation split: %d of %d train items (frac %.3f, seed %d)", len(valid_ex),
                     len(valid_ex) + len(train_ex), cfg.valid_frac, VALID_SEED)
+    return train_ex, valid_ex, test_ex, classes, ds_name, valid_split
+
+
+_EPOCH_KEYS = ("accuracy", "macro_f1", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2", "nc_cos_mean")
+
+
+def _step_with_share(loss_fn, feats_BD, logits_BK, y_B, params, tc_on: bool):
+    """Backward of the loss with the two terms' weight gradients taken apart: returns ``(loss, parts, share)``,
+    ``share = ‖∇(λ·TC)‖ / ‖∇task‖`` (measured even while the TC term is off; then only the task term is applied)."""
+    task, reg = loss_fn.terms(feats_BD, logits_BK, y_B)
+    lam = loss_fn.cfg.tc_lambda
+    g_task = torch.autograd.grad(task, params, retain_graph=True, allow_unused=True)
+    g_reg = torch.autograd.grad(lam * reg, params, allow_unused=True)
+    norm = lambda gs: math.sqrt(sum(float(g.double().pow(2).sum()) for g in gs if g is not None))
+    share = norm(g_reg) / max(norm(g_task), 1e-30)
+    for p, gt, gr in zip(params, g_task, g_reg):
+        g = gt if gt is not None else None
+        if tc_on and gr is not None:
+            g = gr if g is None else g + gr
+        p.grad = g
+    if loss_fn.training:
+        loss_fn.bank.push(feats_BD, y_B)
+    loss = (task + lam * reg) if tc_on else task
+    return loss.detach(), {"task": float(task.detach()), "tc": float(reg.detach())}, share
+
+
+def train(cfg: TrainConfig, *, progress: bool = True,
+          examples: tuple[list[Example], list[Example] | None, tuple[str, ...]] | None = None) -> dict:
+    """Run (or resume) one fine-tuning run; returns the final ``ncal.json`` metadata (with test metrics).
+
+    ``examples``: ``(train, test or None, classes)`` given in memory (then ``cfg.dataset`` is only a name).
+    """
+    if cfg.head == "lm":
+        from apps.ncal.llm_train import train_lm
+
+        return train_lm(cfg, progress=progress, examples=examples)
+    from tqdm.auto import tqdm
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_ex, valid_ex, test_ex, classes, ds_name, valid_split = prepare_data(cfg, examples)
     label_idx = {c: k for k, c in enumerate(classes)}
     bins = longtail_bins([e.label for e in train_ex], classes)
     counts = Counter(e.label for e in train_ex)
@@ -217,6 +286,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     steps_per_epoch = math.ceil(n_batches / world)
     total = steps_per_epoch * cfg.epochs
     warm = max(1, int(cfg.warmup_frac * total))
+    tc_from = int(round(cfg.tc_start * total))  # first step whose loss has the TC term
 
     def lr_at(step: int) -> float:
         if step < warm:
@@ -265,16 +335,21 @@ def train(cfg: TrainConfig, *, progress: bool = True,
             epoch = step // steps_per_epoch
             batches = _batches(len(texts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch))[rank::world]
             model.train(); loss_fn.train()
-            run_loss, run_n, run_tc = 0.0, 0, 0.0
+            run_loss, run_n, run_tc, shares = 0.0, 0, 0.0, []
             for bi in range(step % steps_per_epoch, steps_per_epoch):
                 t0 = time.time()
                 idx = batches[bi % len(batches)]
                 b = tok.batch([texts[i] for i in idx], device=device)
                 y_B = y_all[idx].to(device)
                 feats_BD, logits_BK = ddp_model(b["input_ids"], b["attention_mask"])
-                loss, parts = loss_fn(feats_BD, logits_BK, y_B, model.etf_W_KD)
+                tc_on = step >= tc_from
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                if cfg.loss == "tc" and cfg.grad_share_every and step % cfg.grad_share_every == 0 and world == 1:
+                    loss, parts, share = _step_with_share(loss_fn, feats_BD, logits_BK, y_B, params, tc_on)
+                    shares.append(share)
+                else:
+                    loss, parts = loss_fn(feats_BD, logits_BK, y_B, model.etf_W_KD, tc_on=tc_on)
+                    loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step(); sched.step()
                 step += 1
@@ -287,17 +362,20 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                 rec = {"epoch": epoch + 1, "step": step, "train_loss": round(run_loss / max(run_n, 1), 4), "wall_s": round(wall, 1)}
                 if cfg.loss == "tc":  # the TC term alone (before λ), mean over this call's steps of the epoch
                     rec["train_tc"] = round(run_tc / max(run_n, 1), 4)
+                    rec["tc_active"] = step > tc_from  # the TC term was in the loss for (part of) this epoch
+                    if shares:  # ‖∇(λ·TC)‖ / ‖∇CE‖ over the trainable weights, median of the measured steps
+                        rec["tc_grad_share"] = round(float(np.median(shares)), 4)
                 sub = [train_ex[i] for i in nc_idx]
                 tr_m, _ = _evaluate(model, tok, sub, classes, bins, device, label_idx)
                 rec["train_nc1"], rec["train_nc2"] = tr_m.get("nc_nc1"), tr_m.get("nc_nc2")
                 if valid_ex is not None:
                     last_valid, _ = _evaluate(model, tok, valid_ex, classes, bins, device, label_idx)
                     rec.update({f"valid_{k}": v for k, v in last_valid.items()
-                                if k in ("accuracy", "macro_f1", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2")})
+                                if k in _EPOCH_KEYS})
                 if test_ex is not None:
                     last_test, _ = _evaluate(model, tok, test_ex, classes, bins, device, label_idx)
                     rec.update({f"test_{k}": v for k, v in last_test.items()
-                                if k in ("accuracy", "macro_f1", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2")})
+                                if k in _EPOCH_KEYS})
                 metrics_f.write(json.dumps(rec) + "\n"); metrics_f.flush()
                 logger.info("epoch %d: %s", epoch + 1, rec)
             checkpoint()
@@ -330,6 +408,14 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     return meta
 
 
+def _share_before_end(text: str) -> float:
+    """A share of the training steps in [0, 1)."""
+    value = fraction(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (1 would never switch the TC term on), got {value:g}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.ncal.train", description=__doc__.split("\n\n")[0])
     d = TrainConfig(dataset="tmwpl", out="x")
@@ -341,9 +427,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tc-lambda", type=nonnegative_float, default=d.tc_lambda)
     p.add_argument("--bank-size", type=nonnegative_int, default=d.bank_size,
                    help="TC feature bank size (0: within-batch pairs)")
+    p.add_argument("--tc-start", type=_share_before_end, default=d.tc_start,
+                   help="share of the training steps before the TC term enters the loss (0: every step)")
+    p.add_argument("--grad-share-every", type=nonnegative_int, default=d.grad_share_every,
+                   help="tc: steps between measurements of the TC gradient's share (0: never)")
     p.add_argument("--encoder", default=d.encoder, help="default, scratch, a pretrain folder, or hf:/path/to/model")
-    p.add_argument("--lora-r", type=nonnegative_int, default=d.lora_r,
-                   help="LoRA rank for hf: encoders (0 = full fine-tuning)")
+    p.add_argument("--lora-r", type=nonnegative_int, default=None,
+                   help="LoRA rank for hf: encoders (0 = full fine-tuning; default 0, 8 with --head lm)")
+    p.add_argument("--head", default=d.head, choices=("auto", "lm"),
+                   help="auto: linear (ETF for --loss etf); lm: the class name generated by the hf: decoder LLM")
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, help="lm head: micro-batches per step")
+    p.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha, help="lm head: LoRA alpha")
+    p.add_argument("--lora-dropout", type=_share_before_end, default=d.lora_dropout, help="lm head: LoRA dropout")
+    p.add_argument("--fp16", action="store_true", help="lm head on CUDA: fp16 weights, autocast and loss scaling")
+    p.add_argument("--instruction", default=None, help="lm head: the prompt's instruction (default: the dataset's)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=d.max_prompt_tokens, help="lm head: prompt cut-off")
+    p.add_argument("--score", default=d.score, choices=("sum", "mean"),
+                   help="lm head: class score from the name's token log-probabilities")
+    p.add_argument("--warmup-frac", type=_share_before_end, default=d.warmup_frac, help="share of steps warming up")
     p.add_argument("--pool", default=None, choices=("mean", "cls", "last"))
     p.add_argument("--context", default=d.context, choices=CONTEXTS, help="PMTD context (default past: no future turn)")
     p.add_argument("--epochs", type=positive_int, default=d.epochs)
@@ -364,9 +465,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(dataset=args.dataset, out=args.out, test=args.test, loss=args.loss, seed=args.seed,
-                      tc_lambda=args.tc_lambda, bank_size=args.bank_size, encoder=args.encoder, lora_r=args.lora_r,
+                      tc_lambda=args.tc_lambda, bank_size=args.bank_size, tc_start=args.tc_start,
+                      grad_share_every=args.grad_share_every, encoder=args.encoder,
+                      lora_r=args.lora_r if args.lora_r is not None else (8 if args.head == "lm" else 0),
                       pool=args.pool, context=args.context, epochs=args.epochs, batch_size=args.batch_size,
-                      lr=args.lr, valid_frac=args.valid_frac, ckpt_every=args.ckpt_every, device=args.device)
+                      lr=args.lr, valid_frac=args.valid_frac, ckpt_every=args.ckpt_every, device=args.device,
+                      head=args.head, grad_accum=args.grad_accum, lora_alpha=args.lora_alpha,
+                      lora_dropout=args.lora_dropout, fp16=args.fp16, instruction=args.instruction,
+                      max_prompt_tokens=args.max_prompt_tokens, score=args.score, warmup_frac=args.warmup_frac)
     meta = train(cfg)
     finish()  # under torchrun: every rank waits for rank 0's evaluation, then the group is torn down
     if meta.get("valid"):
