@@ -36,6 +36,24 @@ from pathology.training import TrainConfig, cross_validate, load_bags, read_spli
 logger = logging.getLogger(__name__)
 
 
+def _rate(text: str) -> float:
+    """A dropout rate: a number in [0, 1)."""
+    value = fraction(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value:g}")
+    return value
+
+
+def recipe_for(n_bags: int) -> dict:
+    """The default recipe for a cohort of ``n_bags`` slides: model size by cohort size, and the training settings
+    of :class:`TrainConfig` (chosen on development cohorts of 60-300 bags, docs/experiments/pathology.md)."""
+    d = TrainConfig()
+    dim = 32 if n_bags < 400 else 64 if n_bags < 1500 else 128
+    size = dict(dim=dim, depth=1 if n_bags < 400 else 2, heads=2 if dim == 32 else 4, pool_hidden=dim, dropout=0.1)
+    return {**size, **{k: getattr(d, k) for k in ("lr", "weight_decay", "batch_slides", "max_patches", "feature_dropout",
+                                                     "monitor", "smooth", "patience", "min_epochs", "epochs")}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m pathology.train", description=__doc__.split("\n")[0])
@@ -65,12 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of each fold's training patients held out for early stopping, in [0, 1) (0 = none)")
     p.add_argument("--patience", type=positive_int, default=d.patience, help="epochs without a better validation loss")
     p.add_argument("--min-epochs", type=nonnegative_int, default=d.min_epochs, help="never stop before this epoch")
+    p.add_argument("--monitor", choices=("auc", "loss"), default=d.monitor,
+                   help="early stopping on the validation AUC (classification; ties: loss) or the validation loss")
+    p.add_argument("--smooth", type=positive_int, default=d.smooth,
+                   help="epochs averaged by the early-stopping score (1 = none)")
+    p.add_argument("--feature-dropout", type=_rate, default=d.feature_dropout,
+                   help="dropout on the input features while training, in [0, 1)")
     p.add_argument("--no-standardize", action="store_true", help="train on raw features (not z-scored)")
     p.add_argument("--class-weights", choices=("balanced", "none"), default="balanced",
                    help="cross-entropy class weights (balanced: inverse class frequency)")
-    p.add_argument("--dim", type=positive_int, default=128, help="model width")
-    p.add_argument("--depth", type=positive_int, default=2, help="layers (Querent and dense)")
-    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--dim", type=positive_int, default=None,
+                   help="model width (default by cohort size: 32 under 400 slides, 64 under 1,500, else 128)")
+    p.add_argument("--depth", type=positive_int, default=None,
+                   help="layers of Querent and dense (default: 1 under 400 slides, else 2)")
+    p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: 2 at width 32, else 4)")
     p.add_argument("--region-size", type=positive_int, default=8, help="Querent region side in patches")
     p.add_argument("--topk", type=positive_int, default=8, help="Querent regions chosen per query region")
     p.add_argument("--dropout", type=fraction, default=0.1)
@@ -109,13 +135,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     bags = load_bags(args.features, args.labels, task=args.task, target=args.target, time_col=args.time_col,
                      event_col=args.event_col, patient_col=args.patient_col, patch_size_level0=args.patch_size_level0)
     n_classes = 1 if args.task == "survival" else max(2, max(b.label for b in bags) + 1)
-    mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=args.dim, depth=args.depth, num_heads=args.heads,
+    auto = recipe_for(len(bags))
+    dim = args.dim or auto["dim"]
+    heads = args.heads or (auto["heads"] if args.dim is None else 4 if dim % 4 == 0 else 1)
+    mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=dim, depth=args.depth or auto["depth"],
+                         num_heads=heads, pool_hidden=min(dim, 128),
                          region_size=args.region_size, topk=args.topk, dropout=args.dropout, num_classes=n_classes,
                          task=args.task, pos_encoding=args.pos_encoding)
     tcfg = TrainConfig(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_slides=args.batch_slides,
                        max_patches=args.max_patches or None, standardize=not args.no_standardize,
                        class_weights=args.class_weights == "balanced", val_fraction=args.val_fraction,
-                       patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=args.device)
+                       patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=args.device,
+                       monitor=args.monitor, smooth=args.smooth, feature_dropout=args.feature_dropout)
     splits = read_splits(args.splits) if args.splits else None
     os.makedirs(args.out, exist_ok=True)
     res = cross_validate(args.model, mcfg, bags, tcfg, folds=args.folds, progress=not args.no_progress,

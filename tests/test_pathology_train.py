@@ -71,8 +71,13 @@ def test_default_schedule_with_early_stopping_trains_the_planted_cluster():
     assert va and not {bags[i].slide_id for i in tr} & {bags[i].slide_id for i in va}
     model, info = train_model("abmil", cfg, [bags[i] for i in tr], TrainConfig(), val_bags=[bags[i] for i in va])
     assert info["final_loss"] < 0.1 * LN2 and info["best_val_loss"] < 0.1 * LN2
-    assert info["epochs_run"] < 200 and info["stopped_early"]  # early stopping ended it
-    assert info["best_epoch"] == 1 + int(np.argmin([r["val_loss"] for r in info["history"]]))
+    assert info["epochs_run"] < TrainConfig().epochs and info["stopped_early"]  # early stopping ended it
+    # the default watches the validation AUC over `smooth` epochs, ties broken by the validation loss over the same
+    # epochs; an epoch is a candidate once its window is full
+    h, w = info["history"], TrainConfig().smooth
+    keys = {e: (np.mean([r["val_auc"] for r in h[e - w + 1: e + 1]]), -np.mean([r["val_loss"] for r in h[e - w + 1: e + 1]]))
+            for e in range(w - 1, len(h))}
+    assert info["best_epoch"] == 1 + max(keys, key=lambda e: (keys[e], -e)) >= w
     assert evaluate(model, bags[14:], "cls")["auc"] >= 0.95
 
 
@@ -80,7 +85,7 @@ def test_early_stopping_keeps_the_best_epoch():
     bags = planted_cohort(10, lo=40, hi=60, seed=3)
     cfg = QuerentConfig(in_dim=32, dim=16, num_classes=2)
     # a learning rate so large that the validation loss gets worse: stop after `patience` epochs, keep the best
-    tc = TrainConfig(epochs=60, lr=0.5, patience=3, min_epochs=1, min_delta=0.0, seed=1)
+    tc = TrainConfig(epochs=60, lr=0.5, patience=3, min_epochs=1, min_delta=0.0, seed=1, monitor="loss", smooth=1)
     model, info = train_model("mean", cfg, bags[:6], tc, val_bags=bags[6:])
     losses = [r["val_loss"] for r in info["history"]]
     best = int(np.argmin(losses))
@@ -269,3 +274,86 @@ def test_survival_cross_validation_reports_c_index_spread(tmp_path):
     res = cross_validate("abmil", cfg, bags, TrainConfig(epochs=3, min_epochs=1), folds=2)
     assert set(res["summary"]) == {"c_index"} and res["summary"]["c_index"]["n"] == 2 and "c_index" in res["pooled"]
     assert len(res["oof"]) == 16 and all("risk" in r and "time" in r for r in res["oof"])
+
+
+# ------------------------------------------------------------------------ warnings and the validation threshold
+
+
+def test_fit_warnings_name_a_first_best_epoch_and_a_single_predicted_class():
+    from pathology.training import fit_warnings
+
+    good = {"best_epoch": 7, "epochs_run": 17, "predicted_counts": [5, 4]}
+    assert fit_warnings("abmil", good, 0) == []
+    first = fit_warnings("querent", {**good, "best_epoch": 1}, 2)
+    assert len(first) == 1 and "querent fold 2" in first[0] and "first" in first[0] and "Try" in first[0]
+    # with a smoothed score the first epoch that can be kept is the window's length
+    assert fit_warnings("querent", {**good, "best_epoch": 1, "first_candidate": 5}, 2) == []
+    assert len(fit_warnings("querent", {**good, "best_epoch": 5, "first_candidate": 5}, 2)) == 1
+    one = fit_warnings("dense", {**good, "predicted_counts": [0, 9]}, 1)
+    assert len(one) == 1 and "one class" in one[0] and "Try" in one[0]
+    assert len(fit_warnings("dense", {"best_epoch": 1, "epochs_run": 11, "predicted_counts": [9, 0]}, 0)) == 2
+    assert fit_warnings("mean", {"best_epoch": 1, "epochs_run": 1, "predicted_counts": [1, 0]}, 0) == []  # nothing to tell
+
+
+class _Constant(torch.nn.Module):
+    """A model that gives every slide the same logits (what a fit that learnt nothing returns)."""
+
+    def forward(self, features, coords, *, patch_size_level0=None):
+        from pathology.querent import MILOutput
+
+        n = features.shape[0]
+        return MILOutput(torch.tensor([[0.3, -0.3]]), torch.full((n,), 1.0 / n), torch.zeros(1, 4))
+
+
+def test_cross_validate_warns_when_the_best_epoch_is_the_first_and_one_class_is_predicted(monkeypatch, caplog):
+    import pathology.training as tr
+
+    bags = planted_cohort(12, lo=10, hi=14, d=8)
+    fake = {"steps": 1, "epochs_run": 11, "best_epoch": 1, "stopped_early": True, "train_seconds": 0.0,
+            "final_loss": 0.1, "best_val_loss": 0.7, "monitor": "auc", "threshold": None, "history": []}
+    monkeypatch.setattr(tr, "train_model", lambda *a, **k: (_Constant(), dict(fake)))
+    cfg = QuerentConfig(in_dim=8, dim=8, num_heads=2, num_classes=2)
+    with caplog.at_level(logging.WARNING, logger="pathology.training"):
+        res = cross_validate("abmil", cfg, bags, TrainConfig(epochs=2), folds=2)
+    for k, f in enumerate(res["folds"]):
+        assert f["predicted_counts"] == [f["n_test"], 0]
+        assert len(f["warnings"]) == 2
+        assert any(f"abmil fold {k}: the best validation epoch is the first" in r.message for r in caplog.records)
+        assert any(f"abmil fold {k}: every test slide is predicted as one class" in r.message for r in caplog.records)
+    # a fit that improves after its first epoch and predicts both classes raises neither warning
+    caplog.clear()
+    monkeypatch.undo()
+    res = cross_validate("abmil", cfg, planted_cohort(20, lo=20, hi=30, d=8), TrainConfig(epochs=15, min_epochs=15), folds=2)
+    for f in res["folds"]:
+        if f["best_epoch"] > 1 and min(f["predicted_counts"]) > 0:
+            assert f["warnings"] == []
+
+
+def test_threshold_chosen_on_validation_gives_balanced_accuracy():
+    from pathology.training import choose_threshold, predicted_classes
+
+    # every probability under 0.5 (a model whose bias drifted): the 0.5 rule predicts one class, the chosen
+    # threshold separates the classes
+    prob = np.array([0.1, 0.12, 0.2, 0.3, 0.31, 0.4])
+    y = np.array([0, 0, 0, 1, 1, 1])
+    t = choose_threshold(prob, y)
+    assert 0.2 < t < 0.3
+    logits = torch.log(torch.tensor(np.stack([1 - prob, prob], 1), dtype=torch.float32))
+    assert predicted_classes(logits).tolist() == [0] * 6
+    assert predicted_classes(logits, t).tolist() == y.tolist()
+    assert choose_threshold(prob, np.zeros(6)) == 0.5  # one class: nothing to choose from
+
+
+def test_early_stopping_on_validation_auc_keeps_the_epoch_that_ranks_best():
+    bags = planted_cohort(20, lo=30, hi=60, d=16)
+    cfg = QuerentConfig(in_dim=16, dim=16, num_classes=2)
+    tc = TrainConfig(epochs=12, min_epochs=12, monitor="auc", smooth=1, seed=2)
+    model, info = train_model("abmil", cfg, bags[:12], tc, val_bags=bags[12:])
+    h = info["history"]
+    aucs = [r["val_auc"] for r in h]
+    best = info["best_epoch"]
+    assert aucs[best - 1] == max(aucs)  # the best AUC, the lowest validation loss among epochs with that AUC
+    assert h[best - 1]["val_loss"] == min(r["val_loss"] for r in h if r["val_auc"] == max(aucs))
+    assert info["threshold"] is not None and 0 <= info["threshold"] <= 1
+    with pytest.raises(ValueError, match="monitor"):
+        TrainConfig(monitor="accuracy")
