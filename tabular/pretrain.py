@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import random
 import shlex
 import signal
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from core.infra.cli import (fraction, nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
                             run_cli)
 from core.infra.distributed import agreed_stop, finish
+from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import check_writable, torch_load, torch_save_atomic
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
@@ -381,24 +381,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if device_arg:
-        device = torch.device(device_arg)
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if world > 1:
-        import torch.distributed as dist
-
-        if device.type == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device("cuda", local)
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
 #: Arguments that define the recipe; on --resume they are taken from the checkpoint.
 _RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", "seed", "curriculum_scale", "easy_steps")
 
@@ -417,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rank, world, device = _setup_distributed(args.device)
+    rank, world, device = distributed_setup(args.device)
     out: Path = args.out
     trainer = Trainer(args, rank=rank, world=world, device=device)
     last = out / "last.pt"

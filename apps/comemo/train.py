@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import random
 import re
 import shlex
@@ -47,6 +46,7 @@ from apps.comemo.tokenizer import IMAGE_LABELS, CoMemoTokenizer, train_tokenizer
 from core.infra.cli import (nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
                             run_cli)
 from core.infra.distributed import agreed_stop, finish
+from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import torch_load, torch_save_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -319,20 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = torch.device(device_arg) if device_arg else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if world > 1:
-        import torch.distributed as dist
-
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
 def _tokenizer(args) -> CoMemoTokenizer:
     if args.init_from is not None:
         path = args.init_from.parent / "tokenizer.json"
@@ -389,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, key, old)
     elif last.exists():
         raise SystemExit(f"{last} exists: pass --resume to continue that run or choose another --out")
-    rank, world, device = _setup_distributed(args.device)
+    rank, world, device = distributed_setup(args.device)
     tok = _tokenizer(args)
     trainer = Trainer(args, tok, rank=rank, world=world, device=device)
     if state is not None:

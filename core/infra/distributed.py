@@ -1,5 +1,7 @@
 """Small pieces every multi-process (``torchrun``) training CLI here needs.
 
+- :func:`setup`: rank, world size and device from ``torchrun``'s environment; initialises the process group
+  (NCCL on CUDA, gloo on CPU) when there is more than one rank.
 - :func:`agreed_stop`: a stop wanted by one rank (time limit, signal) becomes a stop on every rank, so no rank is
   left alone in the next all-reduce.
 - :func:`finish`: on a clean finish, wait for every rank, then tear the process group down. Without the barrier a
@@ -10,9 +12,27 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["agreed_stop", "finish"]
+__all__ = ["setup", "agreed_stop", "finish"]
+
+
+def setup(device_arg: str | None = None) -> tuple[int, int, torch.device]:
+    """``(rank, world, device)``: ``device_arg`` or CUDA when available; under ``torchrun`` each rank takes the
+    CUDA device of its ``LOCAL_RANK`` and the process group is initialised."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(device_arg) if device_arg else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
 
 
 def _dist():

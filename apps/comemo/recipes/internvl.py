@@ -33,7 +33,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import random
 import re
 import shutil
@@ -45,6 +44,7 @@ import torch
 
 from core.infra.cli import UsageError, nonempty_path_obj, nonnegative_float, positive_float, positive_int, run_cli
 from core.infra.distributed import agreed_stop, finish
+from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import torch_load, torch_save_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -177,20 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup(device_arg):
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = torch.device(device_arg) if device_arg else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if world > 1:
-        import torch.distributed as dist
-
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
 def _wrap(wrapped, *, world: int, fsdp: bool, device):
     """The module the loss runs through: the model itself, DDP, or FSDP2-sharded in place."""
     if fsdp:  # the scalar tanh gates cannot be sharded: they stay whole on every rank (gradients averaged by hand)
@@ -278,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rank, world, device = _setup(args.device)
+    rank, world, device = distributed_setup(args.device)
     torch.manual_seed(args.seed)
     wrapped = from_hf(args.model, every=args.every, queries=args.queries, positions=args.positions,
                       dtype=getattr(torch, args.dtype), device=device)
