@@ -47,6 +47,16 @@ def bundled_videos() -> dict[str, Path]:
     return out
 
 
+def _video_path(video: str, upload: str | None) -> Path:
+    """The uploaded file, else the bundled video of that name."""
+    if upload:
+        return Path(upload)
+    videos = bundled_videos()
+    if video not in videos:
+        raise ValueError(f"unknown bundled video {video!r}; choose one of {list(videos)}")
+    return videos[video]
+
+
 @functools.lru_cache(maxsize=4)
 def _reader(method: str):
     import torch
@@ -119,13 +129,7 @@ def run_question(video: str | None, upload: str | None, question: str, colour1: 
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}")
-    if upload:
-        path = Path(upload)
-    else:
-        videos = bundled_videos()
-        if video not in videos:
-            raise ValueError(f"unknown bundled video {video!r}; choose one of {list(videos)}")
-        path = videos[video]
+    path = _video_path(video, upload)
     c1 = COLOURS.index(colour1) if question in ONE_COLOUR + TWO_COLOURS else -1
     c2 = COLOURS.index(colour2) if question in TWO_COLOURS else -1
     if question in TWO_COLOURS and c1 == c2:
@@ -180,13 +184,7 @@ def run_free_text(video: str | None, upload: str | None, model: str, question: s
         raise ValueError("type a question")
     if method not in HF_METHODS:
         raise ValueError(f"method {method!r} is not available with a transformers model; choose one of {list(HF_METHODS)}")
-    if upload:
-        path = Path(upload)
-    else:
-        videos = bundled_videos()
-        if video not in videos:
-            raise ValueError(f"unknown bundled video {video!r}; choose one of {list(videos)}")
-        path = videos[video]
+    path = _video_path(video, upload)
     cfg_file = Path(folder) / "config.json"
     lm = _hf_reader(folder, os.path.getmtime(cfg_file) if cfg_file.exists() else 0.0)
     lm.config = replace(lm.config, method=method, alpha=float(alpha))
