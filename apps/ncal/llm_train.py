@@ -24,13 +24,11 @@ import logging
 import math
 import random
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from apps.ncal.data import longtail_bins
 from apps.ncal.losses import LongTailLoss, LossConfig
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
@@ -93,17 +91,14 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     from tqdm.auto import tqdm
 
     from apps.ncal.llm import pad
-    from apps.ncal.train import _batches, prepare_data
+    from apps.ncal.train import _batches, class_stats, prepare_data
 
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     use_amp = bool(cfg.fp16) and device.type == "cuda"
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     train_ex, valid_ex, test_ex, classes, ds_name, valid_split = prepare_data(cfg, examples)
-    label_idx = {c: k for k, c in enumerate(classes)}
-    bins = longtail_bins([e.label for e in train_ex], classes)
-    counts = Counter(e.label for e in train_ex)
-    counts_K = torch.tensor([counts.get(c, 0) for c in classes], dtype=torch.float64)
+    label_idx, bins, counts, counts_K = class_stats(train_ex, classes)
 
     random.seed(cfg.seed); np.random.seed(cfg.seed); torch.manual_seed(cfg.seed)
     spec = lm_spec(cfg, classes, ds_name)

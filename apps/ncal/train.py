@@ -181,6 +181,14 @@ def _batches(n: int, lengths: list[int], batch_size: int, rng: random.Random) ->
     return out
 
 
+def class_stats(train_ex, classes) -> tuple[dict, dict, Counter, torch.Tensor]:
+    """Class index, long-tail bins, train counts (Counter and a float64 (K,) tensor) of the training examples."""
+    label_idx = {c: k for k, c in enumerate(classes)}
+    counts = Counter(e.label for e in train_ex)
+    counts_K = torch.tensor([counts.get(c, 0) for c in classes], dtype=torch.float64)
+    return label_idx, longtail_bins([e.label for e in train_ex], classes), counts, counts_K
+
+
 def _evaluate(model, tok, examples, classes, bins, device, label_idx) -> tuple[dict, torch.Tensor]:
     probs, feats = infer(model, tok, [e.text for e in examples], device=device)
     y = [label_idx[e.label] for e in examples]
@@ -264,10 +272,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     train_ex, valid_ex, test_ex, classes, ds_name, valid_split = prepare_data(cfg, examples)
-    label_idx = {c: k for k, c in enumerate(classes)}
-    bins = longtail_bins([e.label for e in train_ex], classes)
-    counts = Counter(e.label for e in train_ex)
-    counts_K = torch.tensor([counts.get(c, 0) for c in classes], dtype=torch.float64)
+    label_idx, bins, counts, counts_K = class_stats(train_ex, classes)
 
     random.seed(cfg.seed); np.random.seed(cfg.seed); torch.manual_seed(cfg.seed)
     enc_spec, enc_weights, tok_path = _encoder_spec(cfg)
