@@ -139,6 +139,12 @@ class KVCache:
             tensors[f"layers.{i}.pos"] = l.pos.contiguous().cpu()
             if l.mask is not None:
                 tensors[f"layers.{i}.mask"] = l.mask.contiguous().cpu()
+        seen: set[int] = set()  # layers may share one tensor (the position ids of an unpruned prefill): one copy each
+        for name, t in tensors.items():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen and t.numel():
+                tensors[name] = t.clone()
+            seen.add(ptr)
         meta = {"format": CACHE_FORMAT, "num_layers": str(self.num_layers), **(metadata or {})}
         with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata=meta)

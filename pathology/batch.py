@@ -57,7 +57,7 @@ from core.infra.jobs import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchConfig", "list_slides", "run_batch", "build_parser", "main", "SLIDE_EXTENSIONS"]
+__all__ = ["BatchConfig", "list_slides", "check_weights", "run_batch", "build_parser", "main", "SLIDE_EXTENSIONS"]
 
 SLIDE_EXTENSIONS = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif",
                     ".dcm", ".czi", ".png", ".jpg", ".jpeg")
@@ -143,6 +143,25 @@ def _encoder_settings(cfg: BatchConfig) -> dict:
     if isinstance(s.get("weights"), dict) and s["weights"].get("path"):
         s = {**s, "weights": file_identity(s["weights"]["path"])}
     return s
+
+
+def check_weights(cfg: BatchConfig) -> None:
+    """Refuse ``cfg.weights`` before any work: a file that is not readable weights or, for the default encoder (small
+    enough to build here), weights of another model, is a ``ValueError`` naming it. Other encoders' weights are read
+    (safetensors: the header only); whether they fit the architecture shows when the encoder is built."""
+    if cfg.weights is None:
+        return
+    from core.infra.fileio import open_safetensors
+    from pathology.encoders import build_encoder, load_state_dict_file
+
+    if cfg.encoder in ("default", "longctx-small"):
+        build_encoder(cfg.encoder, weights=cfg.weights, device="cpu", encoder_kwargs=cfg.encoder_kwargs or None,
+                      strict=cfg.strict)
+    elif str(cfg.weights).endswith(".safetensors"):
+        with open_safetensors(cfg.weights, what=f"weights of the {cfg.encoder} patch encoder"):
+            pass
+    else:
+        load_state_dict_file(cfg.weights)
 
 
 def _build_encoder(cfg: BatchConfig):
@@ -361,8 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise FileNotFoundError(f"--weights {args.weights!r} is not a file; give the local weights of the --encoder")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     job = job_config_from_args(args, args.out)
-    # Bad options, a missing slides folder and outputs made with other settings are bad usage or input: one line,
-    # exit 2 (run_cli), before any work. A slide that fails stops the run (exit 1) unless --skip-errors.
+    # Bad options, a missing slides folder, unreadable --weights (or, for the default encoder, weights of another
+    # model) and outputs made with other settings are bad usage or input: one line, exit 2 (run_cli), before any work. A slide that fails stops the run (exit 1) unless --skip-errors.
     cfg = BatchConfig(slides=args.slides, out=args.out, task=args.task, mpp=args.mpp, patch_size=args.patch_size,
                       min_tissue=args.min_tissue, slide_mpp=args.slide_mpp, encoder=args.encoder,
                       weights=args.weights, encoder_kwargs=args.encoder_kwargs,
@@ -372,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       progress=not args.no_progress)
     list_slides(cfg.slides)
     check_writable(cfg.out, what="--out", folder=True)
+    check_weights(cfg)
     try:
         rows = run_batch(cfg)
     except SettingsMismatch:

@@ -15,12 +15,12 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from core.infra.fileio import load_safetensors
+from core.infra.fileio import load_safetensors_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlideAnalysis", "analyze_slide", "load_slide_model", "regions_overlay", "DEFAULT_SLIDE_MODEL",
-           "SAMPLES_DIR", "bundled_samples"]
+__all__ = ["SlideAnalysis", "analyze_slide", "load_slide_model", "slide_encoder", "regions_overlay",
+           "DEFAULT_SLIDE_MODEL", "SAMPLES_DIR", "bundled_samples"]
 
 WEIGHTS_DIR = os.path.join(os.path.dirname(__file__), "weights")
 DEFAULT_SLIDE_MODEL = os.path.join(WEIGHTS_DIR, "querent_lesion.safetensors")
@@ -74,10 +74,15 @@ def _load_slide_model(path: str):
             f"slide model not found ({path!r} with its {os.path.basename(meta_path)!r}); train it with "
             "`python -m pathology.train_demo`"
         )
-    with open(meta_path) as f:
-        meta = json.load(f)
-    model = Querent(QuerentConfig(**meta["model_config"]))
-    model.load_state_dict(load_safetensors(path, what="a Querent slide model written by pathology.train_demo"))
+    what = "a Querent slide model written by pathology.train_demo (with its .json)"
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        model = Querent(QuerentConfig(**meta["model_config"]))
+    except (UnicodeDecodeError, KeyError, TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{meta_path} is not a slide model's metadata ({type(err).__name__}: {err}); expected the "
+                         f"JSON beside {what}, with 'model_config'") from err
+    load_safetensors_model(model, path, what=what)
     return model.eval(), meta
 
 
@@ -110,7 +115,7 @@ def analyze_slide(path: str, *, model_path: str | None = None, encoder_name: str
     if len(grid.coords) == 0:
         return SlideAnalysis(sid, overview, overview, [], names, grid.coords, np.zeros(0), grid.patch_size_level0,
                              down, thumb, t)
-    enc = _encoder(encoder_name or meta.get("encoder", "default"), encoder_weights)
+    enc = slide_encoder(meta, encoder_weights, name=encoder_name)
     t0 = time.perf_counter()
     feats, pps = extract_features(path, grid, enc, workers=workers, mpp=slide_mpp)
     t["features_s"] = time.perf_counter() - t0
@@ -127,6 +132,18 @@ def analyze_slide(path: str, *, model_path: str | None = None, encoder_name: str
     return SlideAnalysis(sid, overview, heatmap, probs, names, grid.coords, att, grid.patch_size_level0, down, thumb, t,
                          region_of_patch=out.layout.region_of_patch().numpy(), chosen=last.numpy(),
                          region_xy=out.layout.region_xy.numpy(), region_size=out.layout.region_size)
+
+
+def slide_encoder(meta: dict, weights: str | None = None, *, name: str | None = None):
+    """The patch encoder (on CPU) of a slide model (``meta`` from :func:`load_slide_model`): ``name`` or the one it
+    was trained with, from ``weights`` (default: the shipped ones). Weights of another model, or features of another
+    size than the slide model reads, are a ``ValueError``."""
+    enc = _encoder(name or meta.get("encoder", "default"), weights)
+    want = meta.get("model_config", {}).get("in_dim")
+    if want is not None and enc.dim != want:
+        raise ValueError(f"the patch encoder {enc.name!r} ({weights or 'shipped weights'}) gives {enc.dim}-d features, "
+                         f"the slide model reads {want}-d ones; give the encoder weights it was trained with")
+    return enc
 
 
 @lru_cache(maxsize=2)

@@ -3,7 +3,8 @@
 ``python -m pathology.predict SLIDE [SLIDE ...] --out DIR [--model PATH] [--slide-mpp 0.25]``
 
 A slide that cannot be read (missing, corrupt, unsupported) is named on stderr and the others are still predicted
-and written; the exit code is then 1 (2 when no slide could be read). ``--out`` is checked before any slide is read.
+and written; the exit code is then 1 (2 when no slide could be read). ``--out``, ``--model`` and
+``--encoder-weights`` are checked before any slide is read.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from core.infra.fileio import check_writable, write_json_atomic
     from pathology.batch import SLIDE_EXTENSIONS
-    from pathology.inference import analyze_slide, load_slide_model
+    from pathology.inference import analyze_slide, load_slide_model, slide_encoder
     from pathology.patching import save_png
 
     check_writable(args.out, what="--out", folder=True)
@@ -44,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"--slide-mpp must be a positive number of micrometres per pixel, got {args.slide_mpp}")
     if args.workers < 0:
         raise UsageError(f"--workers must be >= 0, got {args.workers}")
-    load_slide_model(args.model)  # a missing or bad model is refused before any slide
+    _, meta = load_slide_model(args.model)  # a missing or bad model, or encoder weights, refused before any slide
+    slide_encoder(meta, args.encoder_weights)
     os.makedirs(args.out, exist_ok=True)
     tally = InputTally("slide")
     accepted = f"slide files OpenSlide or Pillow reads ({', '.join(SLIDE_EXTENSIONS)})"

@@ -4,9 +4,9 @@ The encoder learns to tell the synthetic tile classes apart (background, tissue,
 pattern B) from the slides' layout maps. It is a stand-in that makes the pipeline run out of the box;
 it knows nothing about real histology beyond the ``ihc.png`` texture the slides are made of.
 
-``python -m pathology.train_encoder --out pathology/weights [--steps 1500] [--threads 1]``; resumable
-from ``--out/patch_encoder_small.ckpt``; writes ``patch_encoder_small.safetensors`` and a model card
-``patch_encoder_small.json``.
+``python -m pathology.train_encoder --out DIR [--steps 1500] [--threads 1]``; resumable from
+``DIR/patch_encoder_small.ckpt``; writes ``patch_encoder_small.safetensors`` and a model card
+``patch_encoder_small.json``. ``--out`` has no default: ``--out pathology/weights`` replaces the shipped encoder.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def _augment(x_BCHW: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.train_encoder", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=nonempty_path, default=os.path.join(os.path.dirname(__file__), "weights"),
-                   help="output folder")
+    p.add_argument("--out", type=nonempty_path, required=True,
+                   help="output folder (pathology/weights replaces the shipped encoder)")
     p.add_argument("--steps", type=positive_int, default=400, help="optimizer steps")
     p.add_argument("--batch", type=positive_int, default=32, help="batch size")
     p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (cosine decay)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from core.infra.fileio import load_safetensors, open_safetensors, torch_load
+from core.infra.fileio import load_safetensors, load_state_dict_checked, open_safetensors, torch_load
 from tabular.model import TabICL, TabICLConfig
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ def save_model(model: TabICL, path: str | os.PathLike, *, extra: dict | None = N
     os.replace(tmp, path)
 
 
+def _config(read, path: Path, what: str) -> TabICLConfig:
+    """``TabICLConfig(**read())``; a config that is not JSON or not a TabICL one is a ``ValueError`` naming the file."""
+    try:
+        return TabICLConfig(**read())
+    except (TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} holds no TabICL config ({type(err).__name__}: {err}); expected {what}") from err
+
+
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> TabICL:
     """Load a model written by :func:`save_model`, a pretraining checkpoint ``.pt`` or an official TabICL checkpoint
     ``.ckpt`` (v1, v1.1, v2: :mod:`tabular.official`), in eval mode; its card (the metadata ``extra`` written with
@@ -72,14 +80,15 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -
             meta = f.metadata() or {}
         if meta.get("format") != "tabicl" or "config" not in meta:
             raise ValueError(f"{str(path)!r} is not a TabICL checkpoint (no 'tabicl' config in its metadata)")
-        config = TabICLConfig(**json.loads(meta["config"]))
+        config = _config(lambda: json.loads(meta["config"]), path, what)
         state = load_safetensors(path, what=what)
         card = json.loads(meta.get("extra") or "{}")
     elif path.suffix == ".pt":
-        ckpt = torch_load(path, what="a TabICL pretraining checkpoint (last.pt written by tabular.pretrain)")
+        what = "a TabICL pretraining checkpoint (last.pt written by tabular.pretrain)"
+        ckpt = torch_load(path, what=what)
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
             raise ValueError(f"{str(path)!r} is not a TabICL pretraining checkpoint (keys 'model', 'model_config')")
-        config = TabICLConfig(**ckpt["model_config"])
+        config = _config(lambda: ckpt["model_config"], path, what)
         state = ckpt["model"]
         card = {"step": ckpt.get("step"), "pretrained_max_features": ckpt.get("max_features_seen")}
     elif path.suffix == ".ckpt":
@@ -94,6 +103,6 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -
         raise ValueError(f"unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; use .safetensors, .pt "
                          "(tabular.pretrain) or .ckpt (official TabICL)")
     model = TabICL(config)
-    model.load_state_dict(state)
+    load_state_dict_checked(model, state, path, what=what)
     model.card = card  # the model card (pretraining facts such as ``pretrained_max_features``), may be empty
     return model.to(device).eval()

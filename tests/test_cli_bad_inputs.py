@@ -61,10 +61,7 @@ GOOD_NUMBER = {"positive_int": "1", "positive_float": "1", "nonnegative_int": "0
                "fraction": "0.5", "open_fraction": "0.5", "port": "7860", "int": "0", "float": "1"}
 
 # (module, argv) -> why it is expected to fail; each is a known defect that needs more than a small fix.
-XFAIL: dict[tuple[str, tuple[str, ...]], str] = {
-    ("pathology.batch", ("--weights", "fixtures/text.bin", "--slides", "fixtures/folder", "--out", "out")):
-        "--weights is only read when a slide is encoded: an unreadable weights file with no slides to process exits 0",
-}
+XFAIL: dict[tuple[str, tuple[str, ...]], str] = {}
 
 
 # -- discovery -------------------------------------------------------------------------------------------------------

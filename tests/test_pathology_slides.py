@@ -400,7 +400,8 @@ def test_batch_rerun_with_other_settings_refuses_or_redoes(dataset, tiny_weights
 
 
 def test_batch_partial_weights_need_the_flag(dataset, tiny_weights, tmp_path):
-    """Weights that fill only part of the encoder: refused by default, loaded with --allow-partial-weights."""
+    """Weights that fill only part of the encoder: refused by default before any slide, loaded with
+    --allow-partial-weights."""
     from safetensors.torch import load_file, save_file
 
     from pathology.batch import main as batch_main
@@ -417,9 +418,9 @@ def test_batch_partial_weights_need_the_flag(dataset, tiny_weights, tmp_path):
     out = tmp_path / "out"
     args = ["--slides", str(slides), "--out", str(out), "--mpp", "1.0", "--patch-size", "64", "--weights",
             str(partial), "--no-progress", "--device", "cpu"]
-    assert batch_main(args) == 1
-    row = _rows(out / "manifest.csv")[specs[1].name]
-    assert row["status"] == "failed" and dropped in row["error"]
+    with pytest.raises(ValueError, match=rf"partial\.safetensors.*{dropped}"):  # run_cli: one line, exit 2
+        batch_main(args)
+    assert not (out / "manifest.csv").exists()  # refused before any slide
     assert batch_main(args + ["--allow-partial-weights"]) == 0
     assert read_h5(out / "features" / "default" / (specs[1].name + ".h5"))["features"].shape[1] == 16
 

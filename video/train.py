@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
 from core.infra.cli import fraction, nonempty_path, nonnegative_float, positive_float, positive_int, run_cli
-from core.infra.fileio import check_writable, load_safetensors, open_safetensors, torch_load, torch_save_atomic
+from core.infra.fileio import check_writable, load_safetensors_model, open_safetensors, torch_load, torch_save_atomic
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
     COLOURS,
@@ -169,8 +169,11 @@ def load_model(path) -> VideoQAModel:
         meta = f.metadata() or {}
     if "config" not in meta:
         raise ValueError(f"{str(path)!r} has no 'config' metadata; expected a file written by video.train")
-    model = VideoQAModel(VideoQAConfig(**json.loads(meta["config"])))
-    model.load_state_dict(load_safetensors(path, what=what))
+    try:
+        model = VideoQAModel(VideoQAConfig(**json.loads(meta["config"])))
+    except (TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} holds no video QA model config ({type(err).__name__}: {err}); expected {what}") from err
+    load_safetensors_model(model, path, what=what)
     return model.eval()
 
 

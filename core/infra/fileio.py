@@ -4,7 +4,8 @@ before the work whose results they record.
 
 Readers of user files in the formats the project loads (:func:`load_safetensors`, :func:`open_safetensors`,
 :func:`load_safetensors_model`, :func:`torch_load`, :func:`open_hdf5`, :func:`open_image`): a missing path is a
-``FileNotFoundError``, and a file the library cannot read (text, truncated, another format) a ``ValueError``,
+``FileNotFoundError``, and a file the library cannot read (text, truncated, another format) or, for a model
+(:func:`load_safetensors_model`, :func:`load_state_dict_checked`), weights of another model a ``ValueError``,
 both naming the file, the format and what was expected there, e.g. ``runs/x/model.safetensors is not a readable
 safetensors file (header too large); expected the weights written by rl.train``. Videos and slides have their
 readers in ``video.io`` and ``pathology.slide``.
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable",
-           "load_safetensors", "open_safetensors", "load_safetensors_model", "torch_load", "open_hdf5", "open_image"]
+           "load_safetensors", "open_safetensors", "load_safetensors_model", "load_state_dict_checked", "torch_load",
+           "open_hdf5", "open_image"]
 
 
 @contextmanager
@@ -182,7 +184,7 @@ def load_safetensors_model(model: Any, path: str | os.PathLike, *, what: str = "
     """``safetensors.torch.load_model`` (weights stored once for tied parameters are restored to all of them):
     a file that is not safetensors, or (``strict``) whose tensors do not match ``model``'s, is a ``ValueError``
     naming the file. Returns ``(missing, unexpected)`` key lists (empty when ``strict``)."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_model
 
     p = _input_file(path, "safetensors", what)
@@ -195,8 +197,34 @@ def load_safetensors_model(model: Any, path: str | os.PathLike, *, what: str = "
     except RuntimeError as err:  # strict: keys or shapes that do not fit the model
         if "Error(s) in loading state_dict" not in str(err):
             raise
-        msg = " ".join(str(err).split())
-        raise ValueError(f"{p} does not fit the model ({msg[:300]}); expected {what}") from err
+        with safe_open(p, framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        raise _misfit(model, shapes, p, what) from err
+
+
+def load_state_dict_checked(model: Any, state: dict[str, Any], path: str | os.PathLike, *, what: str) -> None:
+    """``model.load_state_dict(state)`` (strict) for tensors read from ``path``; keys or shapes that do not fit
+    ``model`` are the ``ValueError`` of :func:`load_safetensors_model` naming ``path``."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        if "Error(s) in loading state_dict" not in str(err):
+            raise
+        raise _misfit(model, {k: tuple(v.shape) for k, v in state.items()}, os.fspath(path), what) from err
+
+
+def _misfit(model: Any, shapes: dict[str, tuple], path: str, what: str) -> ValueError:
+    """One line for a file whose tensors (name -> shape) do not fit ``model``: keys missing, unexpected, of another
+    shape (three of each named)."""
+    own = model.state_dict()
+    stored = {own[k].data_ptr() for k in shapes if k in own}  # a tied weight is stored under one of its names
+    groups = {"missing keys": [k for k in own if k not in shapes and own[k].data_ptr() not in stored],
+              "unexpected keys": [k for k in shapes if k not in own],
+              "other shapes": [f"{k} {list(shapes[k])} (model {list(own[k].shape)})" for k in shapes
+                               if k in own and tuple(own[k].shape) != tuple(shapes[k])]}
+    parts = [f"{name} ({len(keys)}) {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+             for name, keys in groups.items() if keys]
+    return ValueError(f"{path} does not fit the model (weights of another model: {'; '.join(parts)}); expected {what}")
 
 
 def torch_load(path: str | os.PathLike, *, what: str = "a checkpoint written by torch.save",
