@@ -13,7 +13,9 @@ with each seed and records its test metrics as ``--bench-out/runs/<dataset>_tc_l
 (the records :mod:`benchmarks.ncal_bench` reads, so its ``ce`` runs of the same seeds pair with them; λ = 0.1 from
 step 0 is the benchmark's own ``tc`` setting, whose records are used as they are). The
 summary ``--out/summary.{json,md}``: the λ curve per dataset and the paired test difference against ``ce``
-(95% t interval over seeds). Every run is resumable and a recorded run is skipped.
+(95% t interval over seeds). ``--with-ce`` also trains ``ce`` per seed into ``--bench-out`` (another encoder's
+pair, e.g. ``--encoder scratch --bench-out DIR --bench-runs DIR --summary-out DIR``). Every run is resumable and a
+recorded run is skipped.
 """
 
 from __future__ import annotations
@@ -131,18 +133,22 @@ def _test(args, sweep: dict[str, list[dict]]) -> None:
             continue
         lam, st = best["tc_lambda"], best["tc_start"]
         method = _test_method(lam, st)
+        jobs = [("tc", method)] + ([("ce", "ce")] if args.with_ce else [])
         for seed in args.seeds:
-            rec_path = Path(args.bench_out) / "runs" / f"{ds}_{method}_{seed}.json"
-            if rec_path.exists():
-                continue
-            cfg = TrainConfig(dataset=ds, loss="tc", seed=seed, epochs=args.epochs, encoder=args.encoder,
-                              context=args.context, tc_lambda=lam, tc_start=st,
-                              out=str(Path(args.bench_runs) / f"{ds}_{method}_{seed}"))
-            meta = train(cfg, progress=False)
-            write_json_atomic(rec_path, {"dataset": ds, "method": method, "seed": seed, "context": args.context,
-                                         "epochs": args.epochs, "encoder": args.encoder, "tc_lambda": lam,
-                                         "tc_start": st, "wall_s": meta["train_wall_s"], **meta["test"]})
-            logger.info("%s %s seed %d: test macro-F1 %.4f", ds, method, seed, meta["test"]["macro_f1"])
+            for loss, name in jobs:
+                rec_path = Path(args.bench_out) / "runs" / f"{ds}_{name}_{seed}.json"
+                if rec_path.exists():
+                    continue
+                cfg = TrainConfig(dataset=ds, loss=loss, seed=seed, epochs=args.epochs, encoder=args.encoder,
+                                  context=args.context, tc_lambda=lam, tc_start=st,
+                                  out=str(Path(args.bench_runs) / f"{ds}_{name}_{seed}"))
+                meta = train(cfg, progress=False)
+                write_json_atomic(rec_path, {"dataset": ds, "method": name, "seed": seed, "context": args.context,
+                                             "epochs": args.epochs, "encoder": args.encoder,
+                                             "tc_lambda": lam if loss == "tc" else None,
+                                             "tc_start": st if loss == "tc" else None,
+                                             "wall_s": meta["train_wall_s"], **meta["test"]})
+                logger.info("%s %s seed %d: test macro-F1 %.4f", ds, name, seed, meta["test"]["macro_f1"])
 
 
 def _paired(ds: str, method: str, bench_out: Path, epochs: int) -> dict:
@@ -184,7 +190,9 @@ def summary_markdown(summary: dict) -> str:
         tc_mean = sum(p["tc_macro_f1"]) / len(p["tc_macro_f1"])
         lines.append(f"- {ds} {p['method']}: tc {tc_mean:.1f}, ce {sum(p['ce_macro_f1']) / len(p['ce_macro_f1']):.1f}, "
                      f"tc − ce {p['mean']:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else " (one seed)")
-                     + f" over seeds {p['seeds']}; TF-IDF balanced {p['tfidf_balanced_macro_f1']:.1f}")
+                     + f" over seeds {p['seeds']}"
+                     + ("" if p["tfidf_balanced_macro_f1"] is None
+                        else f"; TF-IDF balanced {p['tfidf_balanced_macro_f1']:.1f}"))
     return "\n".join(lines)
 
 
@@ -204,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-runs", default="runs/ncal_bench", help="test run folders")
     p.add_argument("--out", default="benchmarks/results/ncal_lambda")
     p.add_argument("--bench-out", default="benchmarks/results/ncal", help="test records (beside the benchmark's)")
+    p.add_argument("--with-ce", action="store_true",
+                   help="test: also train ce with each seed into --bench-out (for an encoder the benchmark has no ce "
+                        "runs of, e.g. --encoder scratch)")
+    p.add_argument("--summary-out", default=None, help="where summary.{json,md} go (default: --out)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--log-level", default="INFO")
     return p
@@ -230,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if best:
             e["test"] = _paired(ds, _test_method(best["tc_lambda"], best["tc_start"]), Path(args.bench_out), args.epochs)
         summary["datasets"][ds] = e
-    out = Path(args.out)
+    out = Path(args.summary_out or args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "summary.json", summary)
     md = summary_markdown(summary)
