@@ -20,6 +20,16 @@ per seed and third of needle positions, the ``comemo - frozen`` difference at th
 the digit alone), its mean over seeds with a t-interval over seeds (95%, n - 1 degrees of freedom), and the issue's
 targets. Beyond the trained image count no arm can name the image (labels never seen in training), so retrieval
 is read from the digit alone.
+
+``--image-grid RxC`` (default 1x1): needles of R x C tiles (+ thumbnail) per image in training and evaluation; only
+then do ``lvlm-1d`` (each image token its own position) and ``lvlm-dhr`` (an image keeps one tile's ids) differ.
+Another grid gets other names (``<arm>_g<R>x<C>_s<seed>``, records and runs); a record made with other settings
+(stored in it) is refused, never reused. With both arms, the summary's ``dhr_vs_1d``: ``lvlm-dhr - lvlm-1d`` per
+seed and over seeds (``t_interval``), exact match and digit alone, at every count and by third at the longest, and
+the target *RoPE-DHR >= 1-D beyond the trained length*, read (fixed before any run) as: per seed the mean over the
+counts above ``--max-images`` of the digit-alone difference; **met when its mean over seeds is >= 0** (the interval
+says whether the sign is resolved; exact match is reported, not read: labels above ``--max-images`` are never
+trained). Records hold per count a prompt's image tokens and last position id (the arms' layouts).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from core.infra.cli import UsageError, nonempty_path_obj, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ARMS", "build_parser", "main", "summarise", "t_interval"]
+__all__ = ["ARMS", "build_parser", "dhr_vs_1d", "main", "summarise", "t_interval"]
 
 ARMS = ("comemo", "frozen", "lvlm-1d", "lvlm-dhr")
 DEFAULT_INIT = Path(__file__).resolve().parents[1] / "apps" / "comemo" / "weights" / "comemo.safetensors"
@@ -102,6 +112,45 @@ def summarise(results: dict[tuple[str, int], dict], *, longest: int, trained: in
         "ends_within_2_points_or_better": None if None in ends else bool(all(e[0] >= -0.02 for e in ends)),
         "note": f"read on the digit alone (retrieval); beyond {trained} images no arm names the image",
     }
+    if {"lvlm-dhr", "lvlm-1d"} <= {a for a, _ in results}:
+        out["dhr_vs_1d"] = dhr_vs_1d(results, trained=trained)
+    return out
+
+
+def dhr_vs_1d(results: dict[tuple[str, int], dict], *, trained: int) -> dict:
+    """``lvlm-dhr - lvlm-1d`` per seed and over seeds: exact match and digit alone at every count both arms were
+    evaluated at, by third at the longest, and the target read as the module docs say."""
+    seeds = sorted(s for (a, s) in results if a == "lvlm-dhr" and ("lvlm-1d", s) in results)
+    recs = {(a, s): results[(a, s)]["needle_records"] for a in ("lvlm-1d", "lvlm-dhr") for s in seeds}
+    counts = sorted(set.intersection(*(set(r) for r in recs.values())), key=int) if recs else []
+    rate = lambda rows, col: sum(r[col] for r in rows) / len(rows)  # noqa: E731
+    out: dict = {"seeds": seeds, "trained": trained, "by_count": {}, "by_third_at_longest": {}, "target": {}}
+    for key, col in (("exact", 1), ("digit", 2)):
+        for n in counts:
+            per = {str(s): {arm: rate(recs[(arm, s)][n], col) for arm in ("lvlm-1d", "lvlm-dhr")} for s in seeds}
+            for v in per.values():
+                v["difference"] = v["lvlm-dhr"] - v["lvlm-1d"]
+            out["by_count"].setdefault(key, {})[n] = {
+                "per_seed": per, "over_seeds": t_interval([v["difference"] for v in per.values()]),
+                **{f"mean_{arm}": _mean([v[arm] for v in per.values()]) for arm in ("lvlm-1d", "lvlm-dhr")}}
+        if counts:
+            n = counts[-1]
+            per = {str(s): [None if x is None or y is None else x - y for x, y in
+                            zip(_thirds(recs[("lvlm-dhr", s)][n], int(n), col), _thirds(recs[("lvlm-1d", s)][n], int(n), col))]
+                   for s in seeds}
+            out["by_third_at_longest"][key] = {
+                "count": n, "per_seed": per, "over_seeds": {
+                    part: t_interval([d[i] for d in per.values() if d[i] is not None]) for i, part in enumerate(THIRDS)}}
+    beyond = [n for n in counts if int(n) > trained]
+    for key in ("digit", "exact"):
+        per = {str(s): _mean([out["by_count"][key][n]["per_seed"][str(s)]["difference"] for n in beyond]) for s in seeds}
+        vals = [v for v in per.values() if v is not None]
+        out["target"][f"{key}_beyond_trained"] = {"counts": beyond, "per_seed": per, "mean": _mean(vals),
+                                                  "over_seeds": t_interval(vals)}
+    mean = out["target"]["digit_beyond_trained"]["mean"]
+    out["target"]["dhr_ge_1d_beyond_trained_length"] = None if mean is None else bool(mean >= 0)
+    out["target"]["reading"] = (f"mean over seeds of the per-seed mean over counts > {trained} of the digit-alone "
+                                "difference lvlm-dhr - lvlm-1d, met when >= 0")
     return out
 
 
@@ -125,14 +174,20 @@ def _stage_done(run: Path, steps: int) -> bool:
     return int(torch_load(last, what="a training state of apps.comemo.train")["step"]) >= steps
 
 
-def train_arm(arm: str, seed: int, runs: Path, *, steps: list[int], init_from: Path, extra: list[str]) -> Path:
+def tag(arm: str, grid: tuple[int, int]) -> str:
+    """The arm's name in record and run names: ``arm`` on one tile per image, else ``arm_g<R>x<C>``."""
+    return arm if tuple(grid) == (1, 1) else f"{arm}_g{grid[0]}x{grid[1]}"
+
+
+def train_arm(arm: str, seed: int, runs: Path, *, steps: list[int], init_from: Path, extra: list[str],
+              grid: tuple[int, int] = (1, 1)) -> Path:
     """The three stages of one arm (each resumable); returns the final weights."""
     from apps.comemo.train import main as train_main
 
     variant = {"comemo": "comemo", "frozen": "comemo"}.get(arm, arm)
     prev = init_from
     for stage, n in zip((1, 2, 3), steps):
-        run = runs / f"{arm}_s{seed}" / f"stage{stage}"
+        run = runs / f"{tag(arm, grid)}_s{seed}" / f"stage{stage}"
         if not _stage_done(run, n):
             argv = ["--variant", variant, "--stage", str(stage), "--out", str(run), "--steps", str(n), "--seed", str(seed),
                     *(["--freeze-gates"] if arm == "frozen" else []), *extra]
@@ -145,27 +200,51 @@ def train_arm(arm: str, seed: int, runs: Path, *, steps: list[int], init_from: P
     return prev
 
 
-def _all_results(out: Path) -> dict[tuple[str, int], dict]:
-    """Every ``<arm>_s<seed>.json`` in ``out`` (other invocations may fill the same folder with other seeds)."""
+def _load_record(path: Path, settings: dict) -> dict:
+    """An earlier run's record, refused if made with other settings (older records: none stored, one tile)."""
+    rec = json.loads(path.read_text())
+    had = rec.get("settings", {"image_grid": "1x1"})
+    diff = sorted(k for k in settings if k in had and had[k] != settings[k])
+    if diff:
+        raise UsageError(f"{path} was made with other settings ({', '.join(f'{k}={had[k]}' for k in diff)}); "
+                         "use another --out or the same settings")
+    return rec
+
+
+def _all_results(out: Path, settings: dict) -> dict[tuple[str, int], dict]:
+    """Every ``<arm>_s<seed>.json`` of this grid in ``out`` (other invocations may fill it with other seeds)."""
     found = {}
     for arm in ARMS:
-        for path in out.glob(f"{arm}_s*.json"):
-            tail = path.stem[len(arm) + 2:]
+        name = tag(arm, tuple(int(v) for v in settings["image_grid"].split("x")))
+        for path in out.glob(f"{name}_s*.json"):
+            tail = path.stem[len(name) + 2:]
             if tail.lstrip("-").isdigit():
-                found[(arm, int(tail))] = json.loads(path.read_text())
+                found[(arm, int(tail))] = _load_record(path, settings)
     return found
 
 
+def prompt_layout(model, tok, *, images: list[int], seed: int, grid: tuple[int, int]) -> dict:
+    """Per count, a needle prompt's tokens, image tokens and last position id (set by the count and grid alone)."""
+    from apps.comemo.batch import build_batch
+    from benchmarks.comemo_bench import evaluation_samples
+
+    out = {}
+    for _, n, group in evaluation_samples(tasks=["needle"], images=images, per_count=1, seed=seed,
+                                          tile=model.cfg.vision.tile, image_grid=grid):
+        b = build_batch([(group[0].images, group[0].question, None)], tok, model.cfg)
+        out[str(n)] = {"tokens": int(b.input_ids.shape[1]), "image_tokens": int((b.image_slot >= 0).sum()),
+                       "last_position": int(b.position_ids.max())}
+    return out
+
+
 def _write_summary(args) -> dict:
-    from benchmarks.common import write_json_atomic
-
     from benchmarks.comemo_bench import majority_baseline
-    from benchmarks.common import portable_args
+    from benchmarks.common import portable_args, write_json_atomic
 
-    summary = summarise(_all_results(args.out), longest=max(args.images), trained=args.max_images)
+    summary = summarise(_all_results(args.out, args.settings), longest=max(args.images), trained=args.max_images)
     # the trivial baseline: the most frequent answer / digit of the evaluation samples (answers do not depend on the tile)
     summary["majority_baseline"] = majority_baseline(images=args.images, tasks=["needle"], per_count=args.per_count,
-                                                     seed=args.eval_seed, tile=32)
+                                                     seed=args.eval_seed, tile=32, image_grid=args.grid)
     write_json_atomic(args.out / "summary.json", {"args": portable_args(args), **summary})
     return summary
 
@@ -187,12 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=positive_int, nargs="+", default=[16, 64], help="image counts evaluated")
     p.add_argument("--per-count", type=positive_int, default=60, help="evaluation samples per image count")
     p.add_argument("--eval-seed", type=int, default=777, help="stream seed of the evaluation samples")
+    p.add_argument("--image-grid", default="1x1", metavar="RxC",
+                   help="tiles per needle image in training and evaluation (1x2: two tiles + thumbnail)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from apps.comemo.api import CoMemo
+    from apps.comemo.train import parse_grid
     from benchmarks.comemo_bench import evaluate_variant
     from benchmarks.common import portable_args, write_json_atomic
 
@@ -211,34 +293,47 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.min_images > args.max_images:
         raise UsageError(f"--min-images ({args.min_images}) must be <= --max-images ({args.max_images})")
+    try:
+        args.grid = parse_grid(args.image_grid)
+    except ValueError as e:
+        raise UsageError(f"--image-grid: {e}") from None
+    args.image_grid = f"{args.grid[0]}x{args.grid[1]}"
+    args.settings = {"image_grid": args.image_grid, "steps": list(args.steps), "lr": lr, "batch_size": args.batch_size,
+                     "min_images": args.min_images, "max_images": args.max_images, "per_count": args.per_count,
+                     "eval_seed": args.eval_seed, "images": list(args.images), "init_from": portable_args(args)["init_from"]}
     extra = ["--min-images", str(args.min_images), "--max-images", str(args.max_images), "--batch-size", str(args.batch_size), "--lr", str(lr),
              "--warmup", "10", "--vision-lr-scale", "0.1", "--image-labels", "after", "--tasks", "needle",
              "--val-every", "1000000", "--val-samples", "4", "--ckpt-every", "20", "--threads", str(args.threads),
-             "--no-progress"]
+             "--image-grid", args.image_grid, "--no-progress"]
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[str, int], dict] = {}
     for seed in args.seeds:
         for arm in args.arms:
-            path = args.out / f"{arm}_s{seed}.json"
+            path = args.out / f"{tag(arm, args.grid)}_s{seed}.json"
             if path.is_file():
-                results[(arm, seed)] = json.loads(path.read_text())
+                results[(arm, seed)] = _load_record(path, args.settings)
                 continue
-            weights = train_arm(arm, seed, args.runs, steps=args.steps, init_from=args.init_from, extra=extra)
-            train_s = sum(_wall_time(args.runs / f"{arm}_s{seed}" / f"stage{k}") for k in (1, 2, 3))
+            weights = train_arm(arm, seed, args.runs, steps=args.steps, init_from=args.init_from, extra=extra,
+                                grid=args.grid)
+            train_s = sum(_wall_time(args.runs / f"{tag(arm, args.grid)}_s{seed}" / f"stage{k}") for k in (1, 2, 3))
             model = CoMemo.load(weights)
+            layout = prompt_layout(model.model, model.tokenizer, images=args.images, seed=args.eval_seed, grid=args.grid)
+            logger.info("%s prompt layout per count (tokens, image tokens, last position id): %s", arm, layout)
             res = evaluate_variant(model.model, model.tokenizer, images=args.images, tasks=["needle"],
                                    per_count=args.per_count, seed=args.eval_seed, tile=model.model.cfg.vision.tile,
-                                   max_new_tokens=16)
+                                   max_new_tokens=16, image_grid=args.grid)
             res.update({"arm": arm, "seed": seed, "train_seconds": round(train_s, 1), "steps": args.steps,
-                        "init_from": portable_args(args)["init_from"]})
+                        "init_from": portable_args(args)["init_from"], "settings": args.settings,
+                        "prompt_layout": layout})
             write_json_atomic(path, res)
             results[(arm, seed)] = res
             logger.info("%s seed %d: needle %s (train %.0f s)", arm, seed, res["accuracy"]["needle"], train_s)
             _write_summary(args)
     summary = _write_summary(args)
-    write_json_atomic(args.out / "summary.json", {"args": portable_args(args), **summary})
     print(json.dumps(summary["over_seeds"], indent=1))
     print(json.dumps(summary["targets"], indent=1))
+    if "dhr_vs_1d" in summary:
+        print(json.dumps(summary["dhr_vs_1d"]["target"], indent=1))
     return 0
 
 

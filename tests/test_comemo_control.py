@@ -45,3 +45,56 @@ def test_summary_pairs_arms_by_seed_and_reads_targets():
     assert first[0] == pytest.approx(-1 / 18)  # one seed loses one of six at the start
     assert s["targets"]["ends_within_2_points_or_better"] is False
     assert s["per_seed"]["digit"]["1"]["difference"] == pytest.approx([0.0, 2 / 6, 0.0])
+
+
+def _pair_records(n, exact, digit):
+    """``len(digit)`` records per count, evenly spread needles; the first ``exact`` / ``digit`` of them right."""
+    k = 6
+    return [[i * n // k, int(i < exact), int(i < digit)] for i in range(k)]
+
+
+def test_dhr_vs_1d_differences_by_count_and_target_reading():
+    from benchmarks.comemo_control import dhr_vs_1d
+
+    results = {}
+    # (exact, digit) hits of 6 per count: 8 is the trained count, 16 and 32 lie beyond it
+    plan = {1: {"lvlm-1d": {8: (6, 6), 16: (0, 4), 32: (0, 2)}, "lvlm-dhr": {8: (5, 6), 16: (0, 5), 32: (1, 2)}},
+            2: {"lvlm-1d": {8: (6, 6), 16: (0, 5), 32: (0, 3)}, "lvlm-dhr": {8: (6, 6), 16: (0, 3), 32: (0, 3)}},
+            3: {"lvlm-1d": {8: (6, 6), 16: (0, 3), 32: (0, 1)}, "lvlm-dhr": {8: (6, 6), 16: (0, 4), 32: (0, 4)}}}
+    for seed, arms in plan.items():
+        for arm, counts in arms.items():
+            results[(arm, seed)] = {"needle_records": {str(n): _pair_records(n, *h) for n, h in counts.items()},
+                                    "accuracy": {"needle": {}}}
+    results[("lvlm-dhr", 7)] = results[("lvlm-dhr", 1)]  # no lvlm-1d twin: not paired
+    d = dhr_vs_1d(results, trained=8)
+    assert d["seeds"] == [1, 2, 3]
+    assert d["by_count"]["digit"]["16"]["per_seed"]["2"]["difference"] == pytest.approx(-2 / 6)
+    assert d["by_count"]["exact"]["8"]["per_seed"]["1"]["difference"] == pytest.approx(-1 / 6)
+    assert d["by_count"]["digit"]["32"]["over_seeds"][0] == pytest.approx((0 + 0 + 3) / 3 / 6)
+    per = d["target"]["digit_beyond_trained"]["per_seed"]  # mean over 16 and 32 only, never over 8
+    assert per == pytest.approx({"1": 0.5 / 6, "2": -1 / 6, "3": 2 / 6})
+    assert d["target"]["digit_beyond_trained"]["counts"] == ["16", "32"]
+    assert d["target"]["dhr_ge_1d_beyond_trained_length"] is True  # mean (0.5 - 1 + 2) / 18 >= 0
+    assert d["by_third_at_longest"]["digit"]["count"] == "32"
+    # lvlm-1d reading every digit: lvlm-dhr is behind beyond 8 in every seed, the reading flips
+    for seed in plan:
+        results[("lvlm-1d", seed)] = {"needle_records": {str(n): _pair_records(n, 6, 6) for n in (8, 16, 32)}}
+    assert dhr_vs_1d(results, trained=8)["target"]["dhr_ge_1d_beyond_trained_length"] is False
+
+
+def test_records_of_other_settings_or_grids_are_never_reused(tmp_path):
+    import json
+
+    from benchmarks.comemo_control import _all_results, _load_record, tag
+    from core.infra.cli import UsageError
+
+    assert tag("lvlm-dhr", (1, 1)) == "lvlm-dhr" and tag("lvlm-dhr", (1, 2)) == "lvlm-dhr_g1x2"
+    settings = {"image_grid": "1x2", "steps": [20, 10, 100]}
+    rec = {"settings": settings, "needle_records": {}, "accuracy": {"needle": {}}}
+    (tmp_path / "lvlm-1d_g1x2_s1.json").write_text(json.dumps(rec))
+    (tmp_path / "lvlm-1d_s2.json").write_text(json.dumps({"needle_records": {}}))  # one-tile record: other name
+    assert list(_all_results(tmp_path, settings)) == [("lvlm-1d", 1)]
+    with pytest.raises(UsageError, match="steps"):
+        _load_record(tmp_path / "lvlm-1d_g1x2_s1.json", {**settings, "steps": [20, 10, 200]})
+    with pytest.raises(UsageError, match="image_grid"):  # an older record (no settings) holds one tile per image
+        _load_record(tmp_path / "lvlm-1d_s2.json", {"image_grid": "1x2"})
