@@ -19,7 +19,7 @@ from core.infra.fileio import load_safetensors_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlideAnalysis", "analyze_slide", "load_slide_model", "slide_encoder", "regions_overlay",
+__all__ = ["SlideAnalysis", "analyze_slide", "load_slide_model", "FoldEnsemble", "slide_encoder", "regions_overlay",
            "DEFAULT_SLIDE_MODEL", "SAMPLES_DIR", "bundled_samples"]
 
 WEIGHTS_DIR = os.path.join(os.path.dirname(__file__), "weights")
@@ -60,7 +60,9 @@ class SlideAnalysis:
 
 
 def load_slide_model(path: str | None = None):
-    """The Querent model and its metadata (config, class names) from ``path`` (default: the shipped one)."""
+    """The slide model and its metadata (config, class names) from ``path``: a Querent safetensors file with its
+    .json (default: the shipped one), or the output folder of ``pathology.train`` (or its ``<model>_config.json``),
+    whose fold models are averaged (:class:`FoldEnsemble`)."""
     return _load_slide_model(path or DEFAULT_SLIDE_MODEL)
 
 
@@ -68,6 +70,8 @@ def load_slide_model(path: str | None = None):
 def _load_slide_model(path: str):
     from pathology.querent import Querent, QuerentConfig
 
+    if os.path.isdir(path) or path.endswith("_config.json"):
+        return _load_fold_ensemble(path)
     meta_path = os.path.splitext(path)[0] + ".json"
     if not os.path.isfile(path) or not os.path.isfile(meta_path):
         raise FileNotFoundError(
@@ -84,6 +88,76 @@ def _load_slide_model(path: str):
                          f"JSON beside {what}, with 'model_config'") from err
     load_safetensors_model(model, path, what=what)
     return model.eval(), meta
+
+
+class FoldEnsemble(torch.nn.Module):
+    """The fold models of one cross-validation as one slide model: class probabilities averaged (``logits`` are the
+    log of the mean probabilities; survival: the mean risk) and attention averaged; Querent's chosen regions
+    (``block_index``, ``layout``) are the first fold model's. On development cohorts of 120 slides the average of the
+    5 fold models ranked an external cohort better than a fold model alone (docs/experiments/pathology.md)."""
+
+    def __init__(self, members: list[torch.nn.Module]):
+        super().__init__()
+        self.members = torch.nn.ModuleList(members)
+
+    def forward(self, features_ND, coords_N2=None, *, patch_size_level0=None, return_index=False):
+        import dataclasses
+
+        outs = [m(features_ND, coords_N2, patch_size_level0=patch_size_level0, return_index=return_index)
+                for m in self.members]
+        logits = torch.stack([o.logits.float() for o in outs])  # (K, 1, C)
+        logits = logits.mean(0) if logits.shape[-1] == 1 else torch.softmax(logits, -1).mean(0).log()
+        return dataclasses.replace(outs[0], logits=logits, attention=torch.stack([o.attention for o in outs]).mean(0),
+                                   embedding=torch.stack([o.embedding for o in outs]).mean(0))
+
+
+def _load_fold_ensemble(path: str):
+    """``<model>_fold<k>.safetensors`` beside ``<model>_config.json`` (``path`` is the folder or that file), as
+    ``pathology.train`` writes them. The patch settings (``patch_mpp``, ``patch_size``, ``min_tissue``, ``encoder``)
+    are read from the config when present, else ``pathology.batch``'s defaults are assumed (and logged)."""
+    import dataclasses
+    import re
+
+    from pathology.batch import BatchConfig
+    from pathology.mil import MODEL_NAMES, build_model
+    from pathology.querent import QuerentConfig
+
+    what = "a pathology.train output folder (<model>_config.json beside <model>_fold<k>.safetensors)"
+    folder, cfg_file = (path, None) if os.path.isdir(path) else os.path.split(path)
+    folder = folder or "."
+    found = [f for f in sorted(os.listdir(folder)) if f.endswith("_config.json") and f[:-12] in MODEL_NAMES]
+    if cfg_file is None and len(found) > 1:
+        raise ValueError(f"{path} holds the configs of several models ({', '.join(found)}); give one of them as "
+                         "the model path")
+    cfg_file = cfg_file or (found[0] if found else None)
+    name = cfg_file[:-12] if cfg_file else None
+    folds = sorted((int(m.group(1)), f) for f in os.listdir(folder)
+                   if name and (m := re.fullmatch(rf"{re.escape(name)}_fold(\d+)\.safetensors", f)))
+    if name is None or not os.path.isfile(os.path.join(folder, cfg_file)) or not folds:
+        raise FileNotFoundError(f"no fold models in {path!r}; expected {what}")
+    try:
+        with open(os.path.join(folder, cfg_file)) as f:
+            meta = json.load(f)
+        fields = {fl.name for fl in dataclasses.fields(QuerentConfig)}
+        cfg = QuerentConfig(**{k: v for k, v in meta.items() if k in fields})
+    except (UnicodeDecodeError, TypeError, ValueError, AttributeError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{os.path.join(folder, cfg_file)} is not a model config ({type(err).__name__}: {err}); "
+                         f"expected {what}") from err
+    members = []
+    for _, f in folds:
+        members.append(build_model(name, cfg))
+        load_safetensors_model(members[-1], os.path.join(folder, f), what=what)
+    d = {fl.name: fl.default for fl in dataclasses.fields(BatchConfig)}
+    patch = {k: meta.get(k, d[b]) for k, b in (("patch_mpp", "mpp"), ("patch_size", "patch_size"),
+                                                ("min_tissue", "min_tissue"), ("encoder", "encoder"))}
+    assumed = sorted(set(patch) - set(meta))
+    if assumed:
+        logger.info("%s does not say %s; assumed pathology.batch's defaults %s", cfg_file, ", ".join(assumed),
+                    {k: patch[k] for k in assumed})
+    classes = meta.get("classes") or [str(i) for i in range(cfg.num_classes)]
+    info = {"model_config": dataclasses.asdict(cfg), "model": name, "folds": [f for _, f in folds],
+            "class_names": classes, **patch}
+    return FoldEnsemble(members).eval(), info
 
 
 @torch.no_grad()
@@ -128,6 +202,9 @@ def analyze_slide(path: str, *, model_path: str | None = None, encoder_name: str
     att = out.attention.numpy()
     heat = (att - att.min()) / max(float(att.max() - att.min()), 1e-12)
     heatmap = overview_image(thumb, down, coords=grid.coords, patch_size_level0=grid.patch_size_level0, heat=heat)
+    if out.block_index is None or out.layout is None:  # a model without regions (ABMIL, mean pooling, ...)
+        return SlideAnalysis(sid, overview, heatmap, probs, names, grid.coords, att, grid.patch_size_level0, down,
+                             thumb, t)
     last = out.block_index[-1]  # (H, NR, K)
     return SlideAnalysis(sid, overview, heatmap, probs, names, grid.coords, att, grid.patch_size_level0, down, thumb, t,
                          region_of_patch=out.layout.region_of_patch().numpy(), chosen=last.numpy(),

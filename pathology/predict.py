@@ -2,6 +2,9 @@
 
 ``python -m pathology.predict SLIDE [SLIDE ...] --out DIR [--model PATH] [--slide-mpp 0.25]``
 
+``--model`` may be the output folder of ``pathology.train``: its fold models are averaged (class probabilities and
+attention; :class:`pathology.inference.FoldEnsemble`).
+
 A slide that cannot be read (missing, corrupt, unsupported) is named on stderr and the others are still predicted
 and written; the exit code is then 1 (2 when no slide could be read). ``--out``, ``--model`` and
 ``--encoder-weights`` are checked before any slide is read.
@@ -23,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.predict", description=__doc__.split("\n")[0])
     p.add_argument("slides", nargs="+", help="slide files")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--model", default=None, help="Querent safetensors (its .json beside it); default: shipped demo model")
+    p.add_argument("--model", default=None,
+                   help="Querent safetensors (its .json beside it), or a pathology.train output folder (its fold "
+                        "models averaged; several models there: give its <model>_config.json); default: the shipped "
+                        "demo model")
     p.add_argument("--slide-mpp", type=positive_float, default=None, help="µm/px of level 0 for files that lack it")
     p.add_argument("--encoder-weights", default=None, help="weights file for the model's patch encoder (default: shipped)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers reading tiles")
