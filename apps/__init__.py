@@ -77,7 +77,7 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Dual-path vision-language model (image context + gated cross-attention memory) with RoPE-DHR.",
         package="apps/comemo/",
         ui_module="apps.comemo.ui",
-        status="working, also on local InternVL models (CoMemo.from_hf); the shipped comemo model answers the needle question about 1-8 images (0.95-0.975); in the 5-seed control against the same network with its memory gates frozen at 0, middle-third retrieval at 64 images is -0.05 (95% t interval -0.30 to +0.20): the +10-point target is not met",
+        status="working, also on local InternVL models (CoMemo.from_hf); the shipped comemo model (reference memory layout) answers the needle question about 1-8 images (0.925-0.975); RoPE-DHR beats 1-D positions beyond the trained length on tiled images (5 seeds, from a single-tile start); in the 5-seed control against the same network with its memory gates frozen at 0, middle-third retrieval at 64 images is -0.05 (95% t interval -0.30 to +0.20): the +10-point target is not met",
     ),
     AppSpec(
         key="emloc",

@@ -50,8 +50,10 @@ def test_files_without_the_layout_keys_load_with_the_old_layout(tok, tmp_path):
     assert CoMemoConfig.from_json(json.dumps(cfg)).cross_placement == "first"
     from apps.comemo.api import CoMemo
 
-    shipped = CoMemo.load()  # written before the options: the old layout, unchanged weights
-    assert shipped.model.cfg.cross_placement == "first" and shipped.model.cfg.memory_queries == "text"
+    shipped = CoMemo.load()  # retrained in the reference layout, which its file names
+    assert (shipped.model.cfg.cross_placement, shipped.model.cfg.memory_queries, shipped.model.cfg.memory_norm) == (
+        "reference", "all", "shared")
+    assert shipped.model.cfg.cross_layers == [1, 3]
 
 
 def test_every_token_queries_the_memory(tok):
