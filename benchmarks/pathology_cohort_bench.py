@@ -55,6 +55,9 @@ RECIPES = {
     "auto_lr3": dict(lr=3e-3),
     "auto_lr3_long": dict(lr=3e-3, min_epochs=30, patience=15),
     "auto_long": dict(min_epochs=30, patience=15),
+    "auto_lr1e-3": dict(lr=1e-3),
+    "auto_lr3e-4": dict(lr=3e-4),
+    "auto_lm256": dict(landmarks=256),  # TransMIL: 256 Nyström landmarks (dim // 2 at TransMIL's width 512)
 }
 
 #: The development family: (name, bags, cohort settings). Cohort seeds 100, 101, ... (never the curve's 0-2).
@@ -65,6 +68,7 @@ DEV = (
     ("d3", 200, dict(bag_size=1000, strength=2.0, decoys=3, negatives="mixed")),
     ("d4", 300, dict(bag_size=500, strength=2.5, decoys=1, negatives="mixed", site_patches=12)),
     ("d5", 120, dict(bag_size=1000, strength=4.0, decoys=1, negatives="single")),
+    ("d6", 120, dict(bag_size=500, site_patches=10, strength=4.0, decoys=2, negatives="single")),  # the curve's shape
 )
 #: The curve's cohorts (besides their number of bags): the issue's shape, bag size shrunk for compute.
 CURVE = dict(bag_size=500, site_patches=10, strength=4.0, decoys=2, negatives="single")
@@ -95,7 +99,8 @@ def run_unit(stage: str, cohort: dict, n_bags: int, cseed: int, rname: str, mode
     bags = make_cohort(n_bags, cseed, CohortConfig(**cohort))
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=r["dim"], depth=r["depth"], num_heads=r["heads"],
                          pool_hidden=r["pool_hidden"], dropout=r["dropout"], num_classes=2,
-                         region_size=REGION_SIZE.get(cohort["bag_size"], 8), topk=8)
+                         region_size=REGION_SIZE.get(cohort["bag_size"], 8), topk=8,
+                         nystrom_landmarks=r.get("landmarks", 0))
     tc = TrainConfig(epochs=min(r["epochs"], epochs_cap or r["epochs"]), lr=r["lr"], weight_decay=r["weight_decay"],
                      batch_slides=r["batch_slides"], max_patches=r["max_patches"], feature_dropout=r["feature_dropout"],
                      monitor=r["monitor"], smooth=r["smooth"], patience=r["patience"], min_epochs=r["min_epochs"], seed=0)

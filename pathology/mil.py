@@ -114,10 +114,10 @@ class NystromAttention(nn.Module):
 
 
 class _TransLayer(nn.Module):
-    def __init__(self, dim: int, num_heads: int, dropout: float):
+    def __init__(self, dim: int, num_heads: int, dropout: float, landmarks: int = 0):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.attn = NystromAttention(dim, num_heads, landmarks=dim // 2, dropout=dropout)
+        self.attn = NystromAttention(dim, num_heads, landmarks=landmarks or dim // 2, dropout=dropout)
 
     def forward(self, x):
         return x + self.attn(self.norm(x))
@@ -146,9 +146,9 @@ class TransMIL(nn.Module):
         self.cfg = cfg
         self.embed = nn.Sequential(nn.Linear(cfg.in_dim, cfg.dim), nn.GELU(), nn.Dropout(cfg.dropout))
         self.cls = nn.Parameter(torch.randn(1, 1, cfg.dim) * 0.02)
-        self.layer1 = _TransLayer(cfg.dim, cfg.num_heads, cfg.dropout)
+        self.layer1 = _TransLayer(cfg.dim, cfg.num_heads, cfg.dropout, cfg.nystrom_landmarks)
         self.ppeg = _PPEG(cfg.dim)
-        self.layer2 = _TransLayer(cfg.dim, cfg.num_heads, cfg.dropout)
+        self.layer2 = _TransLayer(cfg.dim, cfg.num_heads, cfg.dropout, cfg.nystrom_landmarks)
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
 

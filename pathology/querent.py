@@ -81,6 +81,7 @@ class QuerentConfig:
     pos_encoding: str = "sincos"  # "sincos": 2-D sine-cosine embedding added to the input; "rope2d": 2-D rotary
     # embedding of queries and keys in every layer (scores depend on the patches' offset); "both"; "none"
     rope_scale: float = 0.25  # rope2d: rotary position units per grid cell (sincos uses the same scale)
+    nystrom_landmarks: int = 0  # TransMIL only: Nyström landmarks (0: dim // 2, TransMIL's rule)
 
     def __post_init__(self) -> None:
         if self.in_dim < 1 or self.dim < 1:

@@ -222,19 +222,40 @@ def test_training_learns_a_local_task():
     assert set(evaluate(q, test[:4], "cls")) == {"auc", "balanced_accuracy"}
 
 
-def test_train_cli_writes_metrics_and_models(tmp_path):
+def _toy_feature_folder(tmp_path, n: int = 8):
     from pathology.patching import PatchGrid, write_h5
-    from pathology.train import main
 
     rng = np.random.default_rng()
     feats_dir = tmp_path / "feats"
     feats_dir.mkdir()
     lines = ["slide_id,label,time,event"]
-    for b in _toy_bags(8, rng):
+    for b in _toy_bags(n, rng):
         grid = PatchGrid(b.coords.numpy(), 128, 256, 0, 0.5, 0.25, np.ones(len(b.coords), np.float32))
         write_h5(feats_dir / f"{b.slide_id}.h5", grid, b.features.numpy())
         lines.append(f"{b.slide_id},{b.label},{b.time},{b.event}")
     (tmp_path / "labels.csv").write_text("\n".join(lines) + "\n")
+    return feats_dir
+
+
+def test_train_cli_warns_against_transmil_on_a_small_cohort(tmp_path, caplog):
+    from pathology.train import main
+
+    feats_dir = _toy_feature_folder(tmp_path)
+    args = ["--features", str(feats_dir), "--labels", str(tmp_path / "labels.csv"), "--folds", "2", "--epochs", "1",
+            "--dim", "16", "--heads", "2", "--out", str(tmp_path / "out"), "--no-progress", "--device", "cpu"]
+    with caplog.at_level("WARNING", logger="pathology.train"):
+        assert main([*args, "--model", "transmil"]) == 0
+    assert any("transmil on 8 slides" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pathology.train"):
+        assert main([*args, "--model", "abmil"]) == 0
+    assert not any("transmil on" in r.getMessage() for r in caplog.records)
+
+
+def test_train_cli_writes_metrics_and_models(tmp_path):
+    from pathology.train import main
+
+    feats_dir = _toy_feature_folder(tmp_path)
     out = tmp_path / "out"
     rc = main(["--features", str(feats_dir), "--labels", str(tmp_path / "labels.csv"), "--model", "querent",
                "--folds", "2", "--epochs", "1", "--dim", "16", "--heads", "2", "--region-size", "2", "--out", str(out),
