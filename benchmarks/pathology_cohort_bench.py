@@ -122,16 +122,18 @@ def key_of(rec: dict) -> str:
                        rec["model"], rec["epochs_cap"]], sort_keys=True)
 
 
-def read_records(path: str | os.PathLike) -> dict[str, dict]:
+def read_records(path: str | os.PathLike, key=None) -> dict[str, dict]:
+    """The JSON-lines records of ``path`` by ``key(record)`` (default :func:`key_of`); unreadable lines and records
+    without the key's fields (an interrupted write) are skipped."""
     out = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
+                    out[(key or key_of)(rec)] = rec
+                except (json.JSONDecodeError, KeyError):
                     continue
-                out[key_of(rec)] = rec
     return out
 
 
@@ -206,6 +208,12 @@ def summary(records: dict[str, dict], out: str) -> dict:
         if m != "mean" and diffs:
             d, dlo, dhi = t_interval(diffs)
             table["curve"][str(n)][m].update(minus_mean=d, minus_mean_lo=dlo, minus_mean_hi=dhi)
+        # the issue's second comparison: Querent minus ABMIL on the same cohorts
+        abmil = {r["cohort_seed"]: r["pooled_auc"] for r in groups.get((n, "abmil"), [])}
+        diffs = [r["pooled_auc"] - abmil[r["cohort_seed"]] for r in rs if r["cohort_seed"] in abmil]
+        if m == "querent" and diffs:
+            d, dlo, dhi = t_interval(diffs)
+            table["curve"][str(n)][m].update(minus_abmil=d, minus_abmil_lo=dlo, minus_abmil_hi=dhi)
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(table, f, indent=1)

@@ -127,16 +127,9 @@ def run_unit(s: dict) -> dict:
 
 
 def read_records(path: str | os.PathLike) -> dict[str, dict]:
-    out = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    out[key_of({k: rec[k] for k in UNIT_KEYS})] = rec
-                except (json.JSONDecodeError, KeyError):
-                    continue
-    return out
+    from benchmarks.pathology_cohort_bench import read_records as read_jsonl
+
+    return read_jsonl(path, key=lambda rec: key_of({k: rec[k] for k in UNIT_KEYS}))
 
 
 
