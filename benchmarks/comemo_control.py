@@ -24,7 +24,10 @@ is read from the digit alone.
 ``--image-grid RxC`` (default 1x1): needles of R x C tiles (+ thumbnail) per image in training and evaluation; only
 then do ``lvlm-1d`` (each image token its own position) and ``lvlm-dhr`` (an image keeps one tile's ids) differ.
 Another grid gets other names (``<arm>_g<R>x<C>_s<seed>``, records and runs); a record made with other settings
-(stored in it) is refused, never reused. With both arms, the summary's ``dhr_vs_1d``: ``lvlm-dhr - lvlm-1d`` per
+(stored in it, with the SHA-256 of the start weights: the shipped file changes under the same path) is refused, never
+reused, and training runs live under ``RUNS/settings_<hash of the settings>``. The records in
+``benchmarks/results/comemo_control`` and ``comemo_dhr`` started from the shipped file of before 2026-12-05 (the
+first memory layout; ``git show 2f64433:apps/comemo/weights/comemo.safetensors``). With both arms, the summary's ``dhr_vs_1d``: ``lvlm-dhr - lvlm-1d`` per
 seed and over seeds (``t_interval``), exact match and digit alone, at every count and by third at the longest, and
 the target *RoPE-DHR >= 1-D beyond the trained length*, read (fixed before any run) as: per seed the mean over the
 counts above ``--max-images`` of the digit-alone difference; **met when its mean over seeds is >= 0** (the interval
@@ -35,6 +38,7 @@ trained). Records hold per count a prompt's image tokens and last position id (t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -200,6 +204,15 @@ def train_arm(arm: str, seed: int, runs: Path, *, steps: list[int], init_from: P
     return prev
 
 
+def _sha256(path: Path) -> str:
+    """The start weights' checksum, stored with each record (the shipped file behind a path can change)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _load_record(path: Path, settings: dict) -> dict:
     """An earlier run's record, refused if made with other settings (older records: none stored, one tile)."""
     rec = json.loads(path.read_text())
@@ -300,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     args.image_grid = f"{args.grid[0]}x{args.grid[1]}"
     args.settings = {"image_grid": args.image_grid, "steps": list(args.steps), "lr": lr, "batch_size": args.batch_size,
                      "min_images": args.min_images, "max_images": args.max_images, "per_count": args.per_count,
-                     "eval_seed": args.eval_seed, "images": list(args.images), "init_from": portable_args(args)["init_from"]}
+                     "eval_seed": args.eval_seed, "images": list(args.images), "init_from": portable_args(args)["init_from"],
+                     "init_sha256": _sha256(args.init_from)}
+    # training runs of other settings (another start, lr, ...) live in another folder: never resumed from
+    run_root = args.runs / ("settings_" + hashlib.sha256(json.dumps(args.settings, sort_keys=True).encode()).hexdigest()[:10])
     extra = ["--min-images", str(args.min_images), "--max-images", str(args.max_images), "--batch-size", str(args.batch_size), "--lr", str(lr),
              "--warmup", "10", "--vision-lr-scale", "0.1", "--image-labels", "after", "--tasks", "needle",
              "--val-every", "1000000", "--val-samples", "4", "--ckpt-every", "20", "--threads", str(args.threads),
@@ -313,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             if path.is_file():
                 results[(arm, seed)] = _load_record(path, args.settings)
                 continue
-            weights = train_arm(arm, seed, args.runs, steps=args.steps, init_from=args.init_from, extra=extra,
+            weights = train_arm(arm, seed, run_root, steps=args.steps, init_from=args.init_from, extra=extra,
                                 grid=args.grid)
-            train_s = sum(_wall_time(args.runs / f"{tag(arm, args.grid)}_s{seed}" / f"stage{k}") for k in (1, 2, 3))
+            train_s = sum(_wall_time(run_root / f"{tag(arm, args.grid)}_s{seed}" / f"stage{k}") for k in (1, 2, 3))
             model = CoMemo.load(weights)
             layout = prompt_layout(model.model, model.tokenizer, images=args.images, seed=args.eval_seed, grid=args.grid)
             logger.info("%s prompt layout per count (tokens, image tokens, last position id): %s", arm, layout)

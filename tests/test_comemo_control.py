@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,22 @@ def test_records_of_other_settings_or_grids_are_never_reused(tmp_path):
         _load_record(tmp_path / "lvlm-1d_g1x2_s1.json", {**settings, "steps": [20, 10, 200]})
     with pytest.raises(UsageError, match="image_grid"):  # an older record (no settings) holds one tile per image
         _load_record(tmp_path / "lvlm-1d_s2.json", {"image_grid": "1x2"})
+
+
+def test_records_made_from_other_start_weights_are_refused(tmp_path):
+    """The default start is the shipped file, whose content can change under the same path: the checksum decides."""
+    import json
+
+    from benchmarks.comemo_control import _load_record, _sha256
+    from core.infra.cli import UsageError
+
+    w = tmp_path / "w.safetensors"
+    w.write_bytes(b"first weights")
+    settings = {"image_grid": "1x1", "init_from": str(w), "init_sha256": _sha256(w)}
+    (tmp_path / "comemo_s1.json").write_text(json.dumps({"settings": settings}))
+    assert _load_record(tmp_path / "comemo_s1.json", settings)["settings"] == settings
+    w.write_bytes(b"retrained weights")
+    with pytest.raises(UsageError, match="init_sha256"):
+        _load_record(tmp_path / "comemo_s1.json", {**settings, "init_sha256": _sha256(w)})
+    for f in (Path(__file__).parents[1] / "benchmarks" / "results").glob("comemo_*/*_s*.json"):  # the shipped records
+        assert len(json.loads(f.read_text())["settings"]["init_sha256"]) == 64, f
