@@ -10,7 +10,7 @@ import socket
 from collections.abc import Sequence
 
 from apps import REGISTRY, AppSpec, get_app
-from core.infra.cli import port as port_arg
+from core.infra.cli import configure_run, port as port_arg
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,6 @@ def main(argv: Sequence[str] | None = None, *, app: str | None = None) -> None:
     prog = "python -m apps" if app is None else f"python -m apps.{app}"
     args = build_parser(prog=prog).parse_args(argv)
     check_address(args.host, args.port)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_run(args)
     demo = build_hub() if app is None else build_single(app)
     serve(demo, host=args.host, port=args.port)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, read_json, write_json_atomic
+from core.infra.cli import configure_run
 
 logger = logging.getLogger(__name__)
 
@@ -171,11 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_run(args)
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     t_start = time.time()

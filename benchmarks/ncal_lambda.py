@@ -29,6 +29,7 @@ from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, read_json, write_json_atomic
 from benchmarks.ncal_bench import paired_t
+from core.infra.cli import configure_run
 from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -223,11 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_run(args)
     if args.phase == "sweep":
         _sweep(args)
     sweep = _sweep_records(args)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, write_json_atomic
+from core.infra.cli import configure_run
 from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -99,14 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import torch
-
+    configure_run(args)
     from apps.ncal.data import VALID_SEED, load_split
     from apps.ncal.train import TrainConfig, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     out = Path(args.out)
     result = {"rule": RULE, "seed": args.seed, "valid_frac": args.valid_frac, "valid_seed": VALID_SEED,
               "epochs": args.epochs, "encoder": args.encoder, "context": args.context, "datasets": {},

@@ -14,7 +14,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from core.infra.cli import positive_int, run_cli
+from core.infra.cli import configure_run, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_run(args)
     from core.infra.fileio import check_writable, write_json_atomic
 
     if args.out is not None:

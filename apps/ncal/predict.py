@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from core.infra.cli import InputTally, run_cli
+from core.infra.cli import InputTally, configure_run, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_run(args)
     from apps.ncal.data import format_turn
     from apps.ncal.inputs import row_layout
 

@@ -31,7 +31,8 @@ from apps.ncal.data import load_split
 from apps.ncal.encoder import EncoderConfig, MLMHead, TextEncoder
 from apps.ncal.tokenizer import CharTokenizer
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
-from core.infra.cli import nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.cli import (configure_run, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                            run_cli)
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +141,9 @@ def _val_loss(enc, head, tok, texts, device, gen) -> float:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_run(args)
     from tqdm.auto import tqdm
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from core.infra.cli import nonempty_path, run_cli
+from core.infra.cli import configure_run, nonempty_path, run_cli
 from core.infra.ship import (Staging, check_finite, check_name, loading_check, read_json_file, read_jsonl_file,
                              require_files)
 
@@ -459,7 +459,7 @@ def _check_args(args) -> None:
 
 def _main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_run(args)
     out = Path(args.out) if args.out else None
     _check_args(args)
     if args.encoder:

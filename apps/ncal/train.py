@@ -58,8 +58,8 @@ from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.weights_io import load_state, save_state
-from core.infra.cli import (fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
-                            run_cli)
+from core.infra.cli import (configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float,
+                            positive_int, run_cli)
 from core.infra.distributed import finish
 
 logger = logging.getLogger(__name__)
@@ -466,9 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_run(args)
     cfg = TrainConfig(dataset=args.dataset, out=args.out, test=args.test, loss=args.loss, seed=args.seed,
                       tc_lambda=args.tc_lambda, bank_size=args.bank_size, tc_start=args.tc_start,
                       grad_share_every=args.grad_share_every, encoder=args.encoder,

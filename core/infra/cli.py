@@ -38,7 +38,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "DEBUG_ENV", "INPUT_ERRORS",
+__all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "configure_run", "DEBUG_ENV", "INPUT_ERRORS",
            "positive_int", "nonnegative_int", "finite_float", "positive_float", "nonnegative_float", "fraction",
            "open_fraction", "port", "nonempty_path", "nonempty_path_obj"]
 
@@ -139,6 +139,16 @@ class InputTally:
             return 2
         print_error(f"{len(self.failed)} of {n} {self.noun}s failed (see above), {self.done} answered")
         return 1
+
+
+def configure_run(args: argparse.Namespace) -> None:
+    """The usual start of a CLI run: logging at ``args.log_level`` (with times and logger names) and, when
+    ``args.threads`` is given, ``torch.set_num_threads``."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def print_error(line: str) -> None:

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from apps.ncal.data import CONTEXTS
-from core.infra.cli import fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.cli import (configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float,
+                            positive_int, run_cli)
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_run(args)
     import torch
 
     from apps.ncal.data import load_split
     from apps.ncal.train import TrainConfig, train
     from core.hf import check_model_folder
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model_dir, _ = check_model_folder(args.model)  # a bad folder is refused before anything is written
     if args.valid_frac >= 1:
         raise ValueError(f"--valid-frac must be below 1, got {args.valid_frac}")
