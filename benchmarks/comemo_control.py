@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from core.infra.cli import UsageError, nonempty_path_obj, positive_int, run_cli
+from core.infra.fileio import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -204,15 +205,6 @@ def train_arm(arm: str, seed: int, runs: Path, *, steps: list[int], init_from: P
     return prev
 
 
-def _sha256(path: Path) -> str:
-    """The start weights' checksum, stored with each record (the shipped file behind a path can change)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _load_record(path: Path, settings: dict) -> dict:
     """An earlier run's record, refused if made with other settings (older records: none stored, one tile)."""
     rec = json.loads(path.read_text())
@@ -314,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = {"image_grid": args.image_grid, "steps": list(args.steps), "lr": lr, "batch_size": args.batch_size,
                      "min_images": args.min_images, "max_images": args.max_images, "per_count": args.per_count,
                      "eval_seed": args.eval_seed, "images": list(args.images), "init_from": portable_args(args)["init_from"],
-                     "init_sha256": _sha256(args.init_from)}
+                     "init_sha256": file_sha256(args.init_from)}
     # training runs of other settings (another start, lr, ...) live in another folder: never resumed from
     run_root = args.runs / ("settings_" + hashlib.sha256(json.dumps(args.settings, sort_keys=True).encode()).hexdigest()[:10])
     extra = ["--min-images", str(args.min_images), "--max-images", str(args.max_images), "--batch-size", str(args.batch_size), "--lr", str(lr),

@@ -11,21 +11,13 @@ and gives the same logits as the ``.ckpt`` (the conversion is checked before any
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
 from core.infra.cli import UsageError, run_cli
+from core.infra.fileio import file_sha256
 
 __all__ = ["main", "convert"]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _card_md(out: Path, card: dict, n_params: int) -> str:
@@ -60,7 +52,7 @@ def convert(src: Path, out: Path, *, command: str) -> dict:
     g = torch.Generator().manual_seed(0)
     X = torch.randn(1, 48, 5, generator=g)
     y = torch.arange(32).remainder(3)[None]
-    card = dict(model.card, source_sha256=_sha256(src), command=command, config=model.config.to_dict())
+    card = dict(model.card, source_sha256=file_sha256(src), command=command, config=model.config.to_dict())
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.check.safetensors")
     try:

@@ -105,8 +105,9 @@ def test_records_made_from_other_start_weights_are_refused(tmp_path):
     """The default start is the shipped file, whose content can change under the same path: the checksum decides."""
     import json
 
-    from benchmarks.comemo_control import _load_record, _sha256
+    from benchmarks.comemo_control import _load_record
     from core.infra.cli import UsageError
+    from core.infra.fileio import file_sha256 as _sha256
 
     w = tmp_path / "w.safetensors"
     w.write_bytes(b"first weights")

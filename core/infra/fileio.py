@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable",
            "load_safetensors", "open_safetensors", "load_safetensors_model", "load_state_dict_checked", "torch_load",
-           "open_hdf5", "open_image"]
+           "open_hdf5", "open_image", "file_sha256"]
 
 
 @contextmanager
@@ -284,3 +284,14 @@ def open_image(path: str | os.PathLike, *, what: str = "an image (PNG, JPEG, TIF
         im.close()
         raise _unreadable(p, "image", what, err) from err
     return im
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 hex digest of a file's bytes, read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
