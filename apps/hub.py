@@ -10,7 +10,7 @@ import socket
 from collections.abc import Sequence
 
 from apps import REGISTRY, AppSpec, get_app
-from core.infra.cli import configure_run, port as port_arg
+from core.infra.cli import add_run_options, configure_run, port as port_arg
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def build_parser(prog: str = "python -m apps", description: str = "Serve the lon
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=port_arg, default=7860, help="port, 1..65535 (default 7860)")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_run_options(p, threads=False)
     return p
 
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, read_json, write_json_atomic
-from core.infra.cli import configure_run
+from core.infra.cli import add_run_options, configure_run
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", action="store_true", help="skip the TF-IDF peer")
     p.add_argument("--summary-only", action="store_true", help="only rebuild the summary from the records")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p)
     return p
 
 

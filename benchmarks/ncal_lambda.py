@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, read_json, write_json_atomic
 from benchmarks.ncal_bench import paired_t
-from core.infra.cli import configure_run
+from core.infra.cli import add_run_options, configure_run
 from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -217,8 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test: also train ce with each seed into --bench-out (for an encoder the benchmark has no ce "
                         "runs of, e.g. --encoder scratch)")
     p.add_argument("--summary-out", default=None, help="where summary.{json,md} go (default: --out)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p)
     return p
 
 

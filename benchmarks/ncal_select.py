@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import env_info, portable_args, write_json_atomic
-from core.infra.cli import configure_run
+from core.infra.cli import add_run_options, configure_run
 from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", default="runs/ncal_select", help="run folders (checkpoints)")
     p.add_argument("--bench-runs", default="runs/ncal_bench", help="where the full-train benchmark runs live")
     p.add_argument("--out", default="benchmarks/results/ncal/selection.json")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p)
     return p
 
 

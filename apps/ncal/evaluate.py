@@ -14,7 +14,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from core.infra.cli import configure_run, positive_int, run_cli
+from core.infra.cli import add_run_options, configure_run, positive_int, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="labelled JSONL or shipped name (its test split)")
     p.add_argument("--out", default=None, help="write the metrics as JSON here")
     p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p, threads=False)
     return p
 
 

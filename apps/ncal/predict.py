@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from core.infra.cli import InputTally, configure_run, run_cli
+from core.infra.cli import InputTally, add_run_options, configure_run, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--previous", default=None, help="the previous dialogue turn (PMTD context)")
     p.add_argument("--previous-speaker", default=None, choices=("teacher", "student"))
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--log-level", default="WARNING")
+    add_run_options(p, threads=False, log_level="WARNING")
     return p
 
 

@@ -31,8 +31,8 @@ from apps.ncal.data import load_split
 from apps.ncal.encoder import EncoderConfig, MLMHead, TextEncoder
 from apps.ncal.tokenizer import CharTokenizer
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
-from core.infra.cli import (configure_run, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
-                            run_cli)
+from core.infra.cli import (add_run_options, configure_run, nonempty_path, nonnegative_float, nonnegative_int,
+                            positive_float, positive_int, run_cli)
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (after a checkpoint) past this wall time in this call")
     p.add_argument("--ckpt-every", type=positive_int, default=200, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--limit-texts", type=positive_int, default=None, help="use only the first N texts (tests)")
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p)
     return p
 
 

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from core.infra.cli import configure_run, nonempty_path, run_cli
+from core.infra.cli import add_run_options, configure_run, nonempty_path, run_cli
 from core.infra.ship import (Staging, check_finite, check_name, loading_check, read_json_file, read_jsonl_file,
                              require_files)
 
@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(tmwpl, pmtd, {ENCODER_NAME})")
     p.add_argument("--out", type=nonempty_path, default=None,
                    help="the weights folder to write into (default: apps/ncal/weights)")
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p, threads=False)
     return p
 
 

@@ -58,8 +58,8 @@ from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.weights_io import load_state, save_state
-from core.infra.cli import (configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float,
-                            positive_int, run_cli)
+from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int,
+                            positive_float, positive_int, run_cli)
 from core.infra.distributed import finish
 
 logger = logging.getLogger(__name__)
@@ -459,8 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stratified share of train held out for validation (0 = none; same split for every seed)")
     p.add_argument("--ckpt-every", type=positive_int, default=d.ckpt_every)
     p.add_argument("--device", default=None)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p)
     return p
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "configure_run", "DEBUG_ENV", "INPUT_ERRORS",
+__all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "add_run_options", "configure_run",
+           "LOG_LEVELS", "DEBUG_ENV", "INPUT_ERRORS",
            "positive_int", "nonnegative_int", "finite_float", "positive_float", "nonnegative_float", "fraction",
            "open_fraction", "port", "nonempty_path", "nonempty_path_obj"]
 
@@ -139,6 +140,17 @@ class InputTally:
             return 2
         print_error(f"{len(self.failed)} of {n} {self.noun}s failed (see above), {self.done} answered")
         return 1
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_run_options(p: argparse.ArgumentParser, *, threads: bool = True, log_level: str = "INFO") -> None:
+    """``--threads`` (torch CPU threads, a positive int) and ``--log-level``, which :func:`configure_run` applies."""
+    if threads:
+        p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=log_level,
+                   help=f"logging level (default {log_level})")
 
 
 def configure_run(args: argparse.Namespace) -> None:

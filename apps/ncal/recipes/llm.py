@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from apps.ncal.data import CONTEXTS
-from core.infra.cli import (configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float,
-                            positive_int, run_cli)
+from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int,
+                            positive_float, positive_int, run_cli)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on a fixed sample of N test items")
     p.add_argument("--ckpt-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--device", default=None)
-    p.add_argument("--threads", type=positive_int, default=None)
-    p.add_argument("--log-level", default="INFO")
+    add_run_options(p)
     return p
 
 
