@@ -16,6 +16,7 @@ column coordinate; its ``cos``/``sin`` use the same layout, so :func:`apply_rope
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,6 +27,8 @@ __all__ = [
     "rotate_half",
     "grid_position_ids",
     "rope_dhr_position_ids",
+    "DHR_CELLS",
+    "DHR_TILE_ORDERS",
 ]
 
 
@@ -191,6 +194,8 @@ def rope_dhr_position_ids(
     tile_grid_tokens: int = 16,
     start: int = 0,
     *,
+    cells: str = "centre",
+    tile_order: str = "row",
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE-DHR 1D position ids for an image cut into high-resolution tiles plus a thumbnail (CoMemo).
@@ -209,11 +214,23 @@ def rope_dhr_position_ids(
     transposes the 2-D positions on every grid with more than one row and column; here tiles are numbered in
     the order they are cropped, so a tile token's id is the thumbnail cell it lies in.
 
+    The released code (and its checkpoints) differs in two ways, each a switch here:
+
+    - ``cells="linspace"``: the released cell boundaries. Along an axis cut into ``n`` tiles, token ``k`` of tile
+      ``i`` takes cell ``int(linspace(i * w, (i + 1) * w, T)[k])`` with ``w = G / n - 1e-6`` (``T`` points from the
+      tile's first to its last cell, both ends included) instead of the cell holding its centre. The two rules
+      agree on most tokens (16 of 512 ids differ on a 1x2 grid, 63 of 1,024 on 2x2).
+    - ``tile_order="column"``: the released tile numbering, column-first (sequence tile ``t`` is taken to lie at
+      column ``t // rows``, row ``t % rows``), although tiles are cropped row-major: on grids with more than one
+      row and column every tile but the first and last gets another tile's ids. Only to reproduce the release.
+
     Args:
         tile_grid: ``(rows, cols)`` tiles of the high-resolution view.
         thumb_grid: thumbnail tokens per side (16 for InternVL's 448-px tiles: 256 tokens).
         tile_grid_tokens: tokens per side of one tile.
         start: id of the first thumbnail token (the text position where the image begins).
+        cells: ``"centre"`` (the cell holding the token's centre) or ``"linspace"`` (the release's rule).
+        tile_order: ``"row"`` (the crop order) or ``"column"`` (the release's numbering).
         device: device of the returned tensors.
 
     Returns:
@@ -233,12 +250,30 @@ def rope_dhr_position_ids(
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be a non-negative int, got {start!r}")
+    if cells not in DHR_CELLS:
+        raise ValueError(f"cells must be one of {DHR_CELLS}, got {cells!r}")
+    if tile_order not in DHR_TILE_ORDERS:
+        raise ValueError(f"tile_order must be one of {DHR_TILE_ORDERS}, got {tile_order!r}")
     G, T = thumb_grid, tile_grid_tokens
     thumb_ids = start + torch.arange(G * G, device=device)
-    H, W = rows * T, cols * T  # high-resolution token grid
-    cell_r = ((2 * torch.arange(H, device=device) + 1) * G) // (2 * H)  # (H,) thumbnail row of each token row
-    cell_c = ((2 * torch.arange(W, device=device) + 1) * G) // (2 * W)  # (W,) thumbnail col of each token col
-    ids_HW = start + cell_r[:, None] * G + cell_c[None, :]  # (H, W)
+    cell_r = _dhr_cells(rows, T, G, cells).to(device)  # (rows*T,) thumbnail row of each token row
+    cell_c = _dhr_cells(cols, T, G, cells).to(device)  # (cols*T,) thumbnail col of each token col
+    ids_HW = start + cell_r[:, None] * G + cell_c[None, :]  # (H, W) = (rows*T, cols*T)
     # (rows*T, cols*T) -> (rows, T, cols, T) -> (rows, cols, T, T) -> (rows*cols, T*T), tiles row-major
     tile_ids = ids_HW.reshape(rows, T, cols, T).permute(0, 2, 1, 3).reshape(rows * cols, T * T)
+    if tile_order == "column":  # sequence tile t holds the ids of the tile at column t // rows, row t % rows
+        t = torch.arange(rows * cols, device=device)
+        tile_ids = tile_ids[(t % rows) * cols + t // rows]
     return tile_ids, thumb_ids
+
+
+DHR_CELLS = ("centre", "linspace")
+DHR_TILE_ORDERS = ("row", "column")
+
+
+def _dhr_cells(n: int, T: int, G: int, cells: str) -> torch.Tensor:
+    """``(n * T,)`` int64 thumbnail cell (0 .. G-1) of each token along an axis of ``n`` tiles of ``T`` tokens."""
+    if cells == "centre":
+        return ((2 * torch.arange(n * T) + 1) * G) // (2 * n * T)
+    w = G / n - 1e-6  # the release's cell span of one tile, shrunk so the last point stays inside the grid
+    return torch.from_numpy(np.concatenate([np.linspace(i * w, (i + 1) * w, T) for i in range(n)]).astype(np.int64))

@@ -9,14 +9,21 @@ language model with :func:`core.hf.insert_before`, without editing transformers'
 - the memory: every image token of the prompt (each image's tiles, then its thumbnail), as the projector gives
   them, with keys rotated at their RoPE-DHR ids;
 - queries: every token (``queries="all"``, the reference) or the text tokens only (``"text"``);
-- positions: RoPE-DHR ids (:func:`dhr_position_ids`) are fed to the language model (its own rotary embedding
-  rotates queries and keys of self-attention and memory alike); ``positions="1d"`` keeps ``0, 1, 2, ...``;
+- positions: RoPE-DHR ids (:func:`dhr_position_ids`) are fed to the language model; ``positions="1d"`` keeps
+  ``0, 1, 2, ...``;
 - the memory's keys/values are computed once per prompt and kept through decoding (:meth:`HFCoMemo.generate`).
+
+The blocks' architecture is a :class:`apps.comemo.hf_config.MemoryConfig`: the project's layout by default (K/V
+on the language model's grouped heads, SiLU FFN, the language model's rotary embedding and norm eps), the
+released checkpoints' layout (full-head K/V, SwiGLU FFN, RoPE base 1e6, eps 1e-5, the release's RoPE-DHR cells)
+when the folder was converted from a release by ``python -m apps.comemo.convert`` (recorded in its
+``comemo_memory.safetensors``).
 
 Tile order: InternVL crops tiles row-major (tile ``t`` at row ``t // cols``, column ``t % cols``), and RoPE-DHR ids
 are assigned in that order here (:func:`core.rope.rope_dhr_position_ids`), so a tile token's id is the thumbnail
-cell it lies in. The grid ``(rows, cols)`` of each image is given (``image_grids``), or read from the image
-sizes with InternVL's rule (:func:`apps.comemo.tiling.closest_grid`).
+cell it lies in (``reference=True``: the release's column-first numbering). The grid ``(rows, cols)`` of each
+image is given (``image_grids``); :meth:`HFCoMemo.prompt` and :meth:`HFCoMemo.answer` derive it from the images
+with the folder's processor. A tiled image without its grid is refused, not silently given 1-D-like ids.
 
 With every gate at 0 the wrapped model computes exactly what the unmodified model computes at the same position
 ids (tests/test_comemo_hf.py).
@@ -32,80 +39,50 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from apps.comemo.hf_config import (
+    POSITIONS,
+    QUERIES,
+    MemoryConfig,
+    dhr_position_ids,
+    grids_without_sizes,
+    memory_layers,
+)
 from core.layers import GatedCrossAttentionBlock
-from core.rope import rope_dhr_position_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFCoMemo", "from_hf", "dhr_position_ids", "memory_layers", "MEMORY_FILE", "QUERIES", "POSITIONS"]
+__all__ = ["HFCoMemo", "from_hf", "dhr_position_ids", "memory_layers", "MemoryConfig", "MEMORY_FILE", "QUERIES",
+           "POSITIONS", "read_memory_config"]
 
 MEMORY_FILE = "comemo_memory.safetensors"
 MEMORY_FORMAT = "longctx.comemo.hf-memory.v1"
-QUERIES = ("all", "text")
-POSITIONS = ("dhr", "1d")
 
 
-def memory_layers(num_layers: int, every: int) -> list[int]:
-    """Decoder layers preceded by a memory block: ``i`` with ``(i + 1) % every == 0`` (the reference)."""
-    if not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"every must be a positive int, got {every!r}")
-    layers = [i for i in range(num_layers) if (i + 1) % every == 0]
-    if not layers:
-        raise ValueError(f"every={every} places no memory block in a model with {num_layers} decoder layers")
-    return layers
-
-
-def _image_lengths(grids: list[tuple[int, int]], tokens_per_tile: int) -> list[int]:
-    return [(r * c + (1 if r * c > 1 else 0)) * tokens_per_tile for r, c in grids]
-
-
-def dhr_position_ids(input_ids: torch.Tensor, image_token_id: int, grids: list[list[tuple[int, int]]],
-                     tokens_per_side: int, *, mode: str = "dhr") -> torch.Tensor:
-    """``(B, S)`` position ids: text tokens count up; each image (its run of image tokens: ``rows * cols`` tiles of
-    ``T * T`` tokens, row-major, then a ``T * T`` thumbnail when there is more than one tile) takes RoPE-DHR ids
-    starting at the next free position and uses ``T * T`` of them whatever its tile count.
+class PlainRope(nn.Module):
+    """RoPE ``(cos, sin)`` tables with a fixed base and no scaling, computed as transformers' Llama-family rotary
+    embeddings and the release's memory block compute them (inverse frequencies ``1 / base ** (2i / d)`` in fp32,
+    angles ``position * inv_freq`` in fp32), so the tables agree bit for bit.
 
     Args:
-        input_ids: ``(B, S)`` ids, image tokens as ``image_token_id``.
-        image_token_id: the image placeholder id.
-        grids: per row, the ``(rows, cols)`` of each of its images, in order.
-        tokens_per_side: ``T`` (image tokens per tile side after pixel shuffle).
-        mode: ``"dhr"`` or ``"1d"`` (``0 .. S-1``).
+        head_dim: rotated size (even).
+        base: frequency base.
     """
-    B, S = input_ids.shape
-    if mode == "1d":
-        return torch.arange(S, device=input_ids.device)[None].expand(B, -1).clone()
-    if mode != "dhr":
-        raise ValueError(f"positions must be one of {POSITIONS}, got {mode!r}")
-    if len(grids) != B:
-        raise ValueError(f"image_grids has {len(grids)} rows for a batch of {B}")
-    T = tokens_per_side
-    out = torch.empty(B, S, dtype=torch.long)
-    ids = input_ids.cpu()
-    for b in range(B):
-        is_img = (ids[b] == image_token_id).tolist()
-        lengths = _image_lengths([tuple(g) for g in grids[b]], T * T)
-        if sum(is_img) != sum(lengths):
-            raise ValueError(f"row {b}: {sum(is_img)} image tokens, but its grids {grids[b]} need {sum(lengths)} "
-                             f"({T * T} per tile, plus a thumbnail for more than one tile)")
-        p, i, k = 0, 0, 0
-        while i < S:
-            if not is_img[i]:
-                out[b, i] = p
-                p, i = p + 1, i + 1
-                continue
-            rows, cols = grids[b][k]
-            n = lengths[k]
-            if not all(is_img[i:i + n]):
-                raise ValueError(f"row {b}: image {k} ({rows}x{cols} tiles) needs {n} consecutive image tokens")
-            if rows * cols == 1:
-                ids_k = p + torch.arange(T * T)
-            else:
-                tile_ids, thumb_ids = rope_dhr_position_ids((rows, cols), T, T, start=p)
-                ids_k = torch.cat([tile_ids.flatten(), thumb_ids])
-            out[b, i:i + n] = ids_k
-            p, i, k = p + T * T, i + n, k + 1
-    return out.to(input_ids.device)
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, base: float, *, device=None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        self.base = float(base)
+        inv = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids (B, S)`` -> ``(cos, sin)`` each ``(B, S, head_dim)`` in ``x.dtype``."""
+        freqs = position_ids.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # (B, S, head_dim/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 class _MemoryState:
@@ -161,40 +138,54 @@ class HFCoMemo(nn.Module):
 
     Args:
         model: an ``InternVLForConditionalGeneration``.
-        processor: its processor (optional; used by the recipe and :meth:`prompt`).
-        every: a memory block before layer ``i`` when ``(i + 1) % every == 0``.
-        queries: ``"all"`` or ``"text"``.
-        positions: ``"dhr"`` or ``"1d"``.
-        mlp_hidden_dim: the memory block FFN width (default: the language model's ``intermediate_size``).
+        processor: its processor (optional; used by :meth:`prompt`, :meth:`answer` and the recipe).
+        config: the memory blocks' architecture (:class:`apps.comemo.hf_config.MemoryConfig`); default the
+            project's layout. ``every``, ``queries``, ``positions`` and ``mlp_hidden_dim`` (``ffn_hidden``) override
+            its fields, for the calls written before it existed.
     """
 
-    def __init__(self, model, processor=None, *, every: int = 4, queries: str = "all", positions: str = "dhr",
-                 mlp_hidden_dim: int | None = None) -> None:
+    def __init__(self, model, processor=None, *, config: MemoryConfig | None = None, every: int | None = None,
+                 queries: str | None = None, positions: str | None = None, mlp_hidden_dim: int | None = None) -> None:
         super().__init__()
+        import dataclasses
+
         from core.hf import decoder_layers, insert_before
 
         _check_internvl(model)
-        if queries not in QUERIES:
-            raise ValueError(f"queries must be one of {QUERIES}, got {queries!r}")
-        if positions not in POSITIONS:
-            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        cfg = config or MemoryConfig()
+        over = {k: v for k, v in (("every", every), ("queries", queries), ("positions", positions),
+                                  ("ffn_hidden", mlp_hidden_dim)) if v is not None}
+        self.config = dataclasses.replace(cfg, **over) if over else cfg
         self.model = model
         self.processor = processor
-        self.queries, self.positions, self.every = queries, positions, every
         tc = model.config.text_config
-        self.layers = memory_layers(len(decoder_layers(model)), every)
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        self.block_kwargs = dict(
-            dim=tc.hidden_size, num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads,
-            head_dim=head_dim, mlp_hidden_dim=mlp_hidden_dim or tc.intermediate_size, norm_eps=tc.rms_norm_eps)
-        self.state = _MemoryState()
+        self.layers = memory_layers(len(decoder_layers(model)), self.config.every)
+        lm_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        c = self.config
+        num_heads = c.num_heads or tc.num_attention_heads
+        head_dim = c.head_dim or (lm_head_dim if c.num_heads is None else tc.hidden_size // num_heads)
+        num_kv = num_heads if c.kv_heads == "full" else tc.num_key_value_heads
+        if num_heads % num_kv:
+            raise ValueError(f"memory num_heads ({num_heads}) is not a multiple of the language model's KV heads "
+                             f"({num_kv}); use kv_heads='full'")
+        self.block_kwargs = dict(dim=tc.hidden_size, num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
+                                 mlp_hidden_dim=c.ffn_hidden or tc.intermediate_size,
+                                 norm_eps=c.norm_eps if c.norm_eps is not None else tc.rms_norm_eps)
         ref = next(model.parameters())
+        if c.rope_base is None:
+            if head_dim != lm_head_dim:
+                raise ValueError(f"memory head_dim {head_dim} differs from the language model's {lm_head_dim}: its "
+                                 "rotary embedding cannot serve the memory; set rope_base")
+            self.memory_rope = None
+        else:
+            self.memory_rope = PlainRope(head_dim, c.rope_base, device=ref.device)
+        self.state = _MemoryState()
         blocks = {}
         for i in self.layers:
             kw = dict(self.block_kwargs)
             blk = GatedCrossAttentionBlock(kw.pop("dim"), kw.pop("num_heads"), norm="rms", norm_context="shared",
-                                           gate_init=0.0, activation="silu", bias=False, **kw)
-            blocks[i] = MemoryBlock(blk.to(dtype=ref.dtype), self.state, i)
+                                           gate_init=0.0, activation=c.ffn, bias=False, **kw)
+            blocks[i] = MemoryBlock(blk.to(device=ref.device, dtype=ref.dtype), self.state, i)
         # the blocks live in the model (registered once, under the decoder layers); this is a plain index of them
         object.__setattr__(self, "memory", {str(i): m for i, m in insert_before(model, blocks).items()})
         side = (model.config.vision_config.image_size[0] // model.config.vision_config.patch_size[0]
@@ -203,6 +194,31 @@ class HFCoMemo(nn.Module):
         self.tokens_per_side = int(round(side * model.config.downsample_ratio))
         if self.tokens_per_side ** 2 != model.config.image_seq_length:
             raise ValueError(f"image_seq_length {model.config.image_seq_length} is not {self.tokens_per_side}**2")
+
+    # the settings that callers read and switch directly
+    @property
+    def every(self) -> int:
+        return self.config.every
+
+    @property
+    def queries(self) -> str:
+        return self.config.queries
+
+    @queries.setter
+    def queries(self, value: str) -> None:
+        if value not in QUERIES:
+            raise ValueError(f"queries must be one of {QUERIES}, got {value!r}")
+        self.config.queries = value
+
+    @property
+    def positions(self) -> str:
+        return self.config.positions
+
+    @positions.setter
+    def positions(self, value: str) -> None:
+        if value not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {value!r}")
+        self.config.positions = value
 
     # -- pieces -------------------------------------------------------------------------------------------------
     @property
@@ -219,20 +235,17 @@ class HFCoMemo(nn.Module):
                 for i, m in self.memory.items() for g in ("attn", "ff")}
 
     def position_ids(self, input_ids: torch.Tensor, image_grids=None) -> torch.Tensor:
+        """``(B, S)`` position ids of a prompt (RoPE-DHR with the configured cells and tile order, or 1-D)."""
+        if self.positions == "1d":
+            return dhr_position_ids(input_ids, self.image_token_id, [], self.tokens_per_side, mode="1d")
         grids = self._grids(input_ids, image_grids)
-        return dhr_position_ids(input_ids, self.image_token_id, grids, self.tokens_per_side, mode=self.positions)
+        return dhr_position_ids(input_ids, self.image_token_id, grids, self.tokens_per_side, mode="dhr",
+                                cells=self.config.dhr_cells, tile_order=self.config.tile_order)
 
     def _grids(self, input_ids, image_grids):
         if image_grids is not None:
             return [[tuple(g) for g in row] for row in image_grids]
-        T2 = self.tokens_per_side ** 2
-        out = []  # no grids given: every image a single tile (runs of exactly T*T tokens)
-        for row in (input_ids == self.image_token_id).cpu():
-            n = int(row.sum())
-            if n % T2:
-                raise ValueError(f"{n} image tokens are not whole tiles of {T2}; pass image_grids")
-            out.append([(1, 1)] * (n // T2))
-        return out
+        return grids_without_sizes(input_ids, self.image_token_id, self.tokens_per_side)
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``(tiles, 3, H, W)`` -> ``(tiles, T*T, hidden)`` projected image tokens."""
@@ -270,13 +283,19 @@ class HFCoMemo(nn.Module):
         if memory is None:
             return
         st.memory, st.padding = memory, padding
-        st.k_rope = self.language_model.rotary_emb(memory, mem_pos)
+        st.k_rope = self._rope(memory, mem_pos)
         if self.queries == "text":
             st.q_bias = torch.zeros(image_mask.shape, dtype=memory.dtype, device=memory.device).masked_fill(
                 image_mask, float("-inf"))[:, None, :, None]
 
+    def _rope(self, x, pos):
+        """``(cos, sin)`` of the memory's RoPE at ``pos`` (the language model's, or its own base)."""
+        if self.memory_rope is not None:
+            return self.memory_rope(x, pos)
+        return self.language_model.rotary_emb(x, pos)
+
     def _set_queries(self, x, pos) -> None:
-        self.state.q_rope = self.language_model.rotary_emb(x, pos)
+        self.state.q_rope = self._rope(x, pos)
 
     # -- forward / generate -------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, *, image_grids=None,
@@ -295,10 +314,12 @@ class HFCoMemo(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, *, image_grids=None,
-                 max_new_tokens: int = 32, stop_token_ids=(), cache_memory: bool = True) -> torch.Tensor:
+                 max_new_tokens: int = 32, stop_token_ids=(), cache_memory: bool = True, output_logits: bool = False):
         """Greedy tokens ``(B, T)`` after the prompt (a KV cache for self-attention; each new token at the next
-        position after the prompt's largest id). ``cache_memory``: the memory's keys/values are computed once
-        at the prompt and reused at every step (False: recomputed at every step)."""
+        position after the prompt's largest id, and it queries the memory there, or at the raw sequence count with
+        ``decode_query_positions="count"``, the release). ``cache_memory``: the memory's keys/values are computed
+        once at the prompt and reused at every step (False: recomputed at every step). ``output_logits``: also return
+        the ``(B, T, vocab)`` logits each token was chosen from."""
         from transformers import DynamicCache
 
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
@@ -316,8 +337,10 @@ class HFCoMemo(nn.Module):
             done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
             stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=input_ids.device)
             self.state.q_bias = None  # new tokens are text
-            toks = []
+            toks, logits = [], []
             for step in range(max_new_tokens):
+                if output_logits:
+                    logits.append(out.logits[:, -1].float())
                 tok = out.logits[:, -1].argmax(-1)
                 if len(stops):
                     tok = torch.where(done, toks[-1] if toks else tok, tok)
@@ -327,13 +350,42 @@ class HFCoMemo(nn.Module):
                     break
                 att = torch.cat([att, torch.ones(B, 1, dtype=att.dtype, device=att.device)], dim=1)
                 emb = self.model.get_input_embeddings()(tok[:, None])
-                self._set_queries(emb, nxt_pos)
+                if self.config.decode_query_positions == "count":  # the release: the sequence length so far
+                    self._set_queries(emb, torch.full_like(nxt_pos, input_ids.shape[1] + step))
+                else:
+                    self._set_queries(emb, nxt_pos)
                 out = self.model(inputs_embeds=emb, position_ids=nxt_pos, attention_mask=att, past_key_values=cache,
                                  use_cache=True)
                 nxt_pos = nxt_pos + 1
+            if output_logits:
+                return torch.stack(toks, dim=1), torch.stack(logits, dim=1)
             return torch.stack(toks, dim=1)
         finally:
             self.state.clear()
+
+    # -- answering ----------------------------------------------------------------------------------------------
+    def prompt(self, images, question: str, *, answer: str | None = None, **kwargs):
+        """The model's inputs for ``images`` and ``question`` built with this folder's chat template and processor,
+        tile grids included (:func:`apps.comemo.hf_prompt.build_inputs`)."""
+        from apps.comemo.hf_prompt import build_inputs
+
+        return build_inputs(self, images, question, answer=answer, **kwargs)
+
+    @torch.no_grad()
+    def answer(self, images, question: str, *, max_new_tokens: int = 64) -> str:
+        """Greedy answer to ``question`` about ``images`` (paths, PIL images or arrays, in prompt order)."""
+        from apps.comemo.hf_prompt import stop_token_ids
+
+        enc = self.prompt(images, question)
+        ref = next(self.model.parameters())
+        pv = None if enc.pixel_values is None else enc.pixel_values.to(device=ref.device, dtype=ref.dtype)
+        stops = stop_token_ids(self)
+        toks = self.generate(enc.input_ids.to(ref.device), pv, image_grids=enc.image_grids,
+                             max_new_tokens=max_new_tokens, stop_token_ids=stops)[0].tolist()
+        if stops and any(t in stops for t in toks):
+            toks = toks[:min(toks.index(t) for t in stops if t in toks)]
+        tok = getattr(self.processor, "tokenizer", self.processor)
+        return tok.decode(toks, skip_special_tokens=True).strip()
 
     # -- training helpers, files --------------------------------------------------------------------------------
     def parameter_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -354,8 +406,8 @@ class HFCoMemo(nn.Module):
         return {f"{i}.{k}": v for i, m in self.memory.items() for k, v in m.block.state_dict().items()}
 
     def memory_config(self) -> dict:
-        return {"every": self.every, "queries": self.queries, "positions": self.positions, "layers": self.layers,
-                "mlp_hidden_dim": self.block_kwargs["mlp_hidden_dim"]}
+        """The settings recorded beside the memory weights: :class:`MemoryConfig` and the layers it places."""
+        return {**self.config.to_dict(), "layers": self.layers, "mlp_hidden_dim": self.block_kwargs["mlp_hidden_dim"]}
 
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """The base model (memory blocks taken out), its processor, and ``comemo_memory.safetensors``."""
@@ -397,32 +449,57 @@ class HFCoMemo(nn.Module):
             m.block.load_state_dict(own, strict=True)
 
 
+def read_memory_config(folder: str | os.PathLike) -> dict | None:
+    """The settings recorded in ``folder/comemo_memory.safetensors`` (None when the folder has no memory file)."""
+    from safetensors import safe_open
+
+    mem_file = Path(folder) / MEMORY_FILE
+    if not mem_file.is_file():
+        return None
+    with safe_open(str(mem_file), "pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != MEMORY_FORMAT:
+        raise ValueError(f"{mem_file} is not a CoMemo memory file (format {meta.get('format')!r}, "
+                         f"expected {MEMORY_FORMAT!r})")
+    return json.loads(meta.get("config", "{}"))
+
+
 def from_hf(path: str | os.PathLike, *, every: int | None = None, queries: str | None = None,
-            positions: str | None = None, dtype=None, device=None, attn: str = "eager") -> HFCoMemo:
+            positions: str | None = None, reference: bool | None = None, dtype=None, device=None,
+            attn: str = "longctx") -> HFCoMemo:
     """Load a local InternVL-family folder and add the memory path (see module docs).
 
-    A folder written by :meth:`HFCoMemo.save_pretrained` (with ``comemo_memory.safetensors``) gets its trained
-    memory blocks back, and its recorded ``every``/``queries``/``positions`` unless given here.
+    A folder with ``comemo_memory.safetensors`` (written by :meth:`HFCoMemo.save_pretrained`, the recipe, or
+    ``python -m apps.comemo.convert`` from a released checkpoint) gets its memory blocks back with the architecture
+    recorded there (a converted release: full-head K/V, SwiGLU, RoPE base 1e6, ...); ``every``/``queries``/
+    ``positions`` given here override the recorded ones, ``reference=True`` switches tile order and decode query
+    positions to the release's (:class:`MemoryConfig`).
+
+    Args:
+        device: None/``"auto"``: CUDA when present, else the CPU; a device this machine lacks is a one-line
+            :class:`~core.infra.cli.UsageError`.
+        dtype: None/``"auto"``: bf16 on CUDA, fp32 on the CPU.
+        attn: the attention implementation of the transformers model (``"longctx"``: :mod:`core.attention`).
     """
     from core.hf import check_model_folder, load
+    from core.infra.device import resolve_device, resolve_dtype
 
     p, config = check_model_folder(path)
+    if config.get("model_type") == "comemo_chat" or "CoMemoChatModel" in (config.get("architectures") or []):
+        raise ValueError(f"{path} is a released CoMemo checkpoint (CoMemoChatModel); convert it first: "
+                         f"python -m apps.comemo.convert {path} OUT_DIR, then CoMemo.from_hf(OUT_DIR)")
     if config.get("model_type") != "internvl":
         archs = config.get("architectures") or []
         raise ValueError(f"{path} holds a {config.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}); "
                          "CoMemo.from_hf needs an InternVL-family model (InternVLForConditionalGeneration, "
                          "model_type 'internvl')")
-    saved = {}
-    mem_file = p / MEMORY_FILE
-    if mem_file.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(mem_file), "pt") as f:
-            saved = json.loads((f.metadata() or {}).get("config", "{}"))
-    loaded = load(p, dtype=dtype if dtype is not None else torch.float32, device=device or "cpu", attn=attn)
-    wrapped = HFCoMemo(loaded.model, loaded.processor, every=every or saved.get("every", 4),
-                       queries=queries or saved.get("queries", "all"), positions=positions or saved.get("positions", "dhr"),
-                       mlp_hidden_dim=saved.get("mlp_hidden_dim"))
-    if mem_file.is_file():
-        wrapped.load_memory(mem_file)
+    saved = read_memory_config(p)
+    dev = resolve_device(device)
+    loaded = load(p, dtype=resolve_dtype(dtype, dev), device=dev, attn=attn)
+    cfg = MemoryConfig.from_dict(saved) if saved else MemoryConfig()
+    if reference is not None:
+        cfg = cfg.with_reference(reference)
+    wrapped = HFCoMemo(loaded.model, loaded.processor, config=cfg, every=every, queries=queries, positions=positions)
+    if saved is not None:
+        wrapped.load_memory(p / MEMORY_FILE)
     return wrapped.eval()
