@@ -123,6 +123,8 @@ def _views(grid) -> int:
 
 
 def _with_processor(processor, wrapped, text: str, images: list) -> tuple[torch.Tensor, torch.Tensor, list]:
+    # the processor expands its own image token (InternVL: <IMG_CONTEXT>) into <img> + tokens + </img>
+    text = text.replace(IMAGE_PLACEHOLDER, processor.image_token)
     out = processor(text=[text], images=images or None, return_tensors="pt")
     rule = _grid_rule(processor.image_processor)
     grids = [rule(im.width, im.height) if rule else (1, 1) for im in images]

@@ -23,10 +23,10 @@ Work-arounds, all here and none in the project (the release does not run on a CP
 - ``comemo/model/comemo_chat/helpers.py`` line 16 imports ``flash_attn.flash_attn_interface`` unconditionally
   (``ModuleNotFoundError: No module named 'flash_attn'``): a stub module is put in ``sys.modules`` (the release
   only calls it when ``cu_seqlens`` are set, which inference never does).
-- ``CoMemoChatModel.chat`` (``modeling_comemo_chat.py`` lines 388-389) moves the prompt with ``.cuda()``
-  (``AssertionError: Torch not compiled with CUDA enabled`` / no device): ``torch.Tensor.cuda`` is replaced by the
+- ``CoMemoChatModel.chat`` (``modeling_comemo_chat.py`` lines 397-398) moves the prompt with ``.cuda()``
+  (``RuntimeError: Found no NVIDIA driver on your system``): ``torch.Tensor.cuda`` is replaced by the
   identity while ``chat`` runs.
-- ``CoMemoChatModel.__init__`` (``modeling_comemo_chat.py`` line 96) reads ``config.use_temporal``, which
+- ``CoMemoChatModel.__init__`` (``modeling_comemo_chat.py`` line 102) reads ``config.use_temporal``, which
   ``CoMemoChatConfig`` does not define (``AttributeError``): the config is given ``use_temporal=False``.
 """
 
@@ -239,7 +239,7 @@ def main() -> int:
             "new_tokens": NEW_TOKENS, "transformers": transformers.__version__, "torch": torch.__version__,
             "cases": {}}
     cuda = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self  # chat() moves its prompt with .cuda() (lines 388-389)
+    torch.Tensor.cuda = lambda self, *a, **k: self  # chat() moves its prompt with .cuda() (lines 397-398)
     try:
         for name, imgs, question, mode in cases:
             rec.reset()
