@@ -25,6 +25,10 @@ every case it had finished:
    ``tabicl`` package on the same random v1-size model, 10K-100K train rows x 100 features, fp32: wall time and
    peak CUDA memory ratios (cases past a third of the box are recorded as timeouts).
 
+9. ``comemo_2b``: ``benchmarks.comemo_real_size --device cuda``: a random CoMemo-2B-shaped released checkpoint
+   written, converted (``apps.comemo.convert``), loaded (``CoMemo.from_hf``, bf16), one forward and 16 generated
+   tokens on two images of 2x2 tiles: seconds and peak CUDA/host memory per step.
+
 Steps 2, 3, 4 and 6 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
 GPU work there is small); steps 5, 7 and 8 time and run alone after them, one after the other.
 ``summary.md`` in OUT holds the tables for the README. On a machine without CUDA, steps 1 and 6 run, the others
@@ -51,13 +55,13 @@ from benchmarks.common import format_table, read_json, write_json_atomic
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench", "tabular_bench")
-GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench", "tabular_bench")
-TIMING_STEPS = ("bench", "hf_bench", "tabular_bench")
+STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench", "tabular_bench", "comemo_2b")
+GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench", "tabular_bench", "comemo_2b")
+TIMING_STEPS = ("bench", "hf_bench", "tabular_bench", "comemo_2b")
 #: Seconds each step may take (``--box STEP=S`` overrides); steps 2-4 and 6 overlap, so the total stays
 #: under ``--budget-s`` (default 560 s: 9.5 minutes less process start-up).
 DEFAULT_BOXES = {"env": 30.0, "pytest": 200.0, "numerics": 200.0, "int64": 150.0, "bench": 230.0, "dispatch": 120.0,
-                 "hf_bench": 100.0, "tabular_bench": 60.0}  # fmt: skip
+                 "hf_bench": 100.0, "tabular_bench": 60.0, "comemo_2b": 150.0}  # fmt: skip
 #: Train rows of the tabular_bench step (100 features, 1,000 test rows, the published v1 sizes, fp32).
 TABULAR_ROWS = "10000,50000,100000"
 NUMERICS_SHARDS = 4
@@ -203,6 +207,12 @@ def _tabular_bench_job(out: Path, box: float) -> Job:
     return Job(step="tabular_bench", argv=argv, box_s=box, log=out / "logs" / "tabular_bench.log", extra={"json": path})
 
 
+def _comemo_2b_job(out: Path, box: float) -> Job:
+    path = out / "comemo_real_size_gpu.json"
+    argv = [sys.executable, "-m", "benchmarks.comemo_real_size", "--size", "2b", "--device", "cuda", "--out", str(path)]
+    return Job(step="comemo_2b", argv=argv, box_s=box, log=out / "logs" / "comemo_2b.log", extra={"json": path})
+
+
 def _junit_summary(xml: Path) -> dict[str, Any]:
     """Counts and failing test ids from pytest's JUnit XML."""
     import xml.etree.ElementTree as ET
@@ -245,6 +255,11 @@ def _finish(job: Job, out: Path) -> dict[str, Any]:
         data = read_json(job.extra["json"]) or {}
         rec["rows"] = data.get("ratios", [])
         ok = rc == 0 and any("time_ratio" in r for r in rec["rows"])
+    elif job.step == "comemo_2b":
+        data = read_json(job.extra["json"]) or {}
+        rec["steps"] = data.get("steps")
+        rec.update({k: data.get(k) for k in ("dtype", "parameters", "prompt_tokens", "peak_rss_gb")})
+        ok = rc == 0 and bool(data.get("last_logits_finite")) and len(data.get("generated") or []) == 16
     elif job.step == "bench":
         data = read_json(job.extra["json"]) or {}
         rec["targets"] = data.get("targets")
@@ -305,6 +320,8 @@ def summarize(report: dict[str, Any]) -> str:
         elif name == "tabular_bench" and rec.get("rows"):
             what = "; ".join(f"{r['rows']} rows: time x{r.get('time_ratio')}, CUDA memory x{r.get('peak_cuda_ratio')}"
                              for r in rec["rows"])
+        elif name == "comemo_2b" and rec.get("steps"):
+            what = "; ".join(f"{k} {v['seconds']} s, CUDA {v.get('peak_cuda_gb')} GB" for k, v in rec["steps"].items())
         lines.append({"step": name, "status": status, "seconds": rec.get("seconds"), "result": what})
     text = format_table(lines, ["step", "status", "seconds", "result"])
     targets = report["steps"].get("bench", {}).get("targets") or {}
@@ -404,9 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     cuda = bool(env.get("cuda_available"))
     if not cuda:
-        print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64, bench, hf_bench and "
-              "tabular_bench "
-              "need one "
+        print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64, bench, hf_bench, "
+              "tabular_bench and comemo_2b need one "
               "(recorded as skipped); running env and dispatch only.")  # fmt: skip
         for name in GPU_STEPS:
             if name in steps:
@@ -455,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
 
     # Phase B: timings, alone on the GPU, one after the other.
-    for name, make in (("bench", _bench_job), ("hf_bench", _hf_bench_job), ("tabular_bench", _tabular_bench_job)):
+    for name, make in (("bench", _bench_job), ("hf_bench", _hf_bench_job), ("tabular_bench", _tabular_bench_job),
+                       ("comemo_2b", _comemo_2b_job)):
         if not (cuda and name in steps):
             continue
         box = min(boxes[name], deadline - time.monotonic())

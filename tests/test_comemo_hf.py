@@ -233,3 +233,54 @@ def test_recipe_under_torchrun_ddp_and_fsdp_agree(tmp_path):
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     base, trained = load_file(model_dir / "model.safetensors"), load_file(tmp_path / "ddp" / "model.safetensors")
     assert any(not torch.equal(base[k], trained[k]) for k in base if "language_model" in k)
+
+
+# -- the memory block's architecture switches and the grids a tiled image needs ------------------------------------
+
+def test_a_tiled_image_without_grids_is_refused_not_made_1d():
+    w, _ = _wrapped(every=2)
+    tiled = _ids(2, 5 * 4, 3)  # 2x2 tiles + thumbnail of 4 tokens each, in one run
+    with pytest.raises(ValueError, match="image_grids"):
+        w.position_ids(tiled)
+    assert w.position_ids(tiled, [[(2, 2)]])[0, 2:22].tolist() == [2 + v for v in HAND[(2, 2)]]
+    two_single = torch.tensor([[5, IMG, IMG, IMG, IMG, 6, IMG, IMG, IMG, IMG, 7]])  # separated single tiles: fine
+    assert w.position_ids(two_single)[0].tolist() == list(range(11))
+    w.positions = "1d"  # 1-D positions need no grid
+    assert w.position_ids(tiled)[0].tolist() == list(range(tiled.shape[1]))
+
+
+def test_memory_config_switches_build_the_release_layout():
+    from apps.comemo.hf_config import MemoryConfig
+
+    torch.manual_seed(0)
+    model, inp = internvl()
+    rel = MemoryConfig.release(every=2, num_heads=4, head_dim=8, ffn_hidden=48)
+    w = HFCoMemo(model, config=rel)
+    blk = w.memory["1"].block
+    assert blk.attn.num_kv_heads == 4 and blk.attn.head_dim == 8 and tuple(blk.attn.k_proj.weight.shape) == (32, 64)
+    assert blk.mlp.activation == "swiglu" and tuple(blk.mlp.fc1.weight.shape) == (96, 64)
+    assert blk.norm1.eps == 1e-5 and w.memory_rope is not None and w.memory_rope.base == 1e6
+    assert not rel.reference and rel.with_reference(True).reference
+    assert w.memory_config()["kv_heads"] == "full"
+    with pytest.raises(ValueError, match="kv_heads"):
+        MemoryConfig(kv_heads="half")
+    with pytest.raises(ValueError, match="every"):
+        MemoryConfig(every=0)
+    # a memory file written before these switches existed reads as the project's layout
+    old = MemoryConfig.from_dict({"every": 2, "queries": "text", "positions": "1d", "layers": [1], "mlp_hidden_dim": 32})
+    assert (old.every, old.queries, old.ffn_hidden, old.kv_heads, old.ffn, old.rope_base) == (2, "text", 32, "grouped",
+                                                                                            "silu", None)
+
+
+def test_plain_rope_equals_the_language_models_at_its_base():
+    """The memory's own RoPE (the release's fixed base) computes the tables the language model's rotary embedding
+    computes at that base: bit for bit, so the two paths cannot drift."""
+    from apps.comemo.hf import PlainRope
+
+    w, inp = _wrapped(every=2)
+    lm_rope = w.language_model.rotary_emb
+    base = float(w.model.config.text_config.rope_parameters["rope_theta"])
+    pos = torch.tensor([[0, 5, 17, 400, 3999]])
+    x = torch.zeros(1, 5, 64)
+    mine, theirs = PlainRope(16, base)(x, pos), lm_rope(x, pos)
+    assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])

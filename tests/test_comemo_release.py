@@ -175,3 +175,87 @@ def test_answer_in_a_few_lines(converted):
     enc = model.prompt([_image((2, 2))], "Describe", answer="a red square")
     n_ans = int((enc.labels[0] != -100).sum())
     assert n_ans >= 2 and enc.labels[0, -1] == META["tokens"]["<|im_end|>"]  # answer + the template's end of turn
+
+
+# -- the converter: files, checks, refusals --------------------------------------------------------------------------
+
+def _bad_release(tmp_path, name, *, config=None, extra_tensor=False):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / name
+    shutil.copytree(FIX / "release", folder)
+    if config is not None:
+        cfg = json.loads((folder / "config.json").read_text())
+        config(cfg)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    if extra_tensor:
+        t = load_file(str(folder / "model.safetensors"))
+        t["language_model.model.layers.0.decoder_layer.attention.rotary_emb.inv_freq"] = torch.ones(8)
+        save_file(t, str(folder / "model.safetensors"))
+    return folder
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    from apps.comemo.convert import main
+    from core.infra.cli import run_cli
+
+    code = run_cli(main, [str(a) for a in argv])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_convert_cli_writes_a_checked_folder_and_refuses_in_one_line(tmp_path, capsys):
+    from apps.comemo.hf import from_hf
+
+    out = tmp_path / "out"
+    code, err = _cli([FIX / "release", out, "--no-hash"], capsys)
+    assert code == 0, err
+    prov = json.loads((out / "comemo_conversion.json").read_text(encoding="utf-8"))
+    assert prov["round_trip"] == "every tensor equal" and prov["memory"]["layers"] == [3, 7]
+    assert prov["memory"]["kv_heads"] == "full" and prov["memory"]["dhr_cells"] == "linspace"
+    assert (out / "README.md").read_text(encoding="utf-8").startswith("---")
+    assert not (tmp_path / "out.partial").exists()
+    cases = {
+        "exists": ([FIX / "release", out], "exists"),
+        "same": ([FIX / "release", FIX / "release"], "also an input"),
+        "internvl": ([_bad_release(tmp_path, "a", config=lambda c: c.update(model_type="internvl")), tmp_path / "o1"],
+                     "found model_type 'internvl'"),
+        "llama": ([_bad_release(tmp_path, "b", config=lambda c: c["llm_config"].update(architectures=["LlamaForCausalLM"])),
+                   tmp_path / "o2"], "found a LlamaForCausalLM language model"),
+        "v1": ([_bad_release(tmp_path, "c", config=lambda c: c.update(ps_version="v1")), tmp_path / "o3"],
+               "ps_version 'v1'"),
+        "extra": ([_bad_release(tmp_path, "d", extra_tensor=True), tmp_path / "o4"], "unexpected tensors"),
+    }
+    for name, (argv, needle) in cases.items():
+        code, err = _cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 0 and needle in err and err.startswith("error:"), (name, err)
+        if name not in ("exists", "same"):
+            assert "accepted" in err and not argv[1].exists()
+    with pytest.raises(ValueError, match="convert it first"):
+        from_hf(FIX / "release")
+
+
+def test_predict_answers_from_a_converted_folder(converted, tmp_path, capsys):
+    from apps.comemo.predict import main
+    from core.infra.cli import run_cli
+
+    img = tmp_path / "a.png"
+    _image((1, 2)).save(img)
+    code = run_cli(main, ["--model", str(converted), "--images", str(img), "--question", "Describe the image.",
+                          "--max-new-tokens", "3", "--device", "cpu"])
+    out = capsys.readouterr()
+    assert code == 0 and out.out.strip(), out.err
+    code = run_cli(main, ["--model", str(tmp_path), "--images", str(img), "--question", "q", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "not a model folder" in err and err.count("\n") == 0
+
+
+def test_real_size_benchmark_runs_at_toy_widths(tmp_path):
+    """benchmarks/comemo_real_size.py end to end (write, convert, load, forward, 16 tokens) at toy widths."""
+    from benchmarks.comemo_real_size import run
+
+    res = run("tiny", tmp_path, device="cpu", dtype="float32", threads=1)
+    assert res["grids"] == [[(2, 2), (2, 2)]] and res["image_tokens"] == 2 * 5 * 256
+    assert len(res["generated"]) == 16 and res["last_logits_finite"]
+    assert set(res["steps"]) == {"write", "convert", "load", "forward", "generate"}

@@ -193,3 +193,43 @@ def test_dhr_rejects_bad_input():
         rope_dhr_position_ids(tile_grid=3)
     with pytest.raises(ValueError, match="thumb_grid"):
         rope_dhr_position_ids(thumb_grid=0)
+
+
+# -- the released code's RoPE-DHR rules, as switches (cells="linspace", tile_order="column") -------------------------
+
+def _linspace_cell(n: int, i: int, k: int, G: int = 16, T: int = 16) -> int:
+    """Token ``k`` of tile ``i`` along an axis of ``n`` tiles: ``int`` of the k-th of T evenly spaced points from
+    ``i * w`` to ``(i + 1) * w``, ``w = G / n - 1e-6`` (the released rule, restated)."""
+    w = G / n - 1e-6
+    start, stop = i * w, (i + 1) * w
+    x = stop if k == T - 1 else start + k * (stop - start) / (T - 1)
+    return int(x)
+
+
+@pytest.mark.parametrize("grid,n_diff", [((1, 2), 16), ((2, 2), 63), ((2, 4), 157)])
+def test_dhr_linspace_cells_are_the_released_rule(grid, n_diff):
+    rows, cols = grid
+    tiles, thumb = rope_dhr_position_ids(grid, 16, 16, start=3, cells="linspace")
+    centre, _ = rope_dhr_position_ids(grid, 16, 16, start=3)
+    for t in range(rows * cols):
+        tr, tc = divmod(t, cols)
+        for a in range(16):
+            for b in range(16):
+                want = 3 + _linspace_cell(rows, tr, a) * 16 + _linspace_cell(cols, tc, b)
+                assert tiles[t, a * 16 + b].item() == want
+    assert torch.equal(thumb, 3 + torch.arange(256))
+    assert int((tiles != centre).sum()) == n_diff  # the counts the two rules differ by (1x2: 16 of 512 ids, ...)
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (2, 3), (3, 2), (1, 3), (3, 1)])
+def test_dhr_column_order_numbers_tiles_column_first(grid):
+    rows, cols = grid
+    row_major, _ = rope_dhr_position_ids(grid, 16, 16)
+    col_first, _ = rope_dhr_position_ids(grid, 16, 16, tile_order="column")
+    for t in range(rows * cols):  # sequence tile t carries the ids of the tile at column t // rows, row t % rows
+        assert torch.equal(col_first[t], row_major[(t % rows) * cols + t // rows])
+    assert torch.equal(col_first, row_major) == (rows == 1 or cols == 1)
+    with pytest.raises(ValueError, match="tile_order"):
+        rope_dhr_position_ids(grid, tile_order="diagonal")
+    with pytest.raises(ValueError, match="cells"):
+        rope_dhr_position_ids(grid, cells="corner")

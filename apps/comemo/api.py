@@ -57,9 +57,11 @@ class CoMemo:
 
     @staticmethod
     def from_hf(path: str | os.PathLike, **kwargs):
-        """A local InternVL-family model folder (transformers ``InternVLForConditionalGeneration``) with the CoMemo
-        memory path added: :func:`apps.comemo.hf.from_hf` (``every``, ``queries``, ``positions``, ``dtype``,
-        ``device``); returns an :class:`apps.comemo.hf.HFCoMemo`."""
+        """A local InternVL-family model folder (transformers ``InternVLForConditionalGeneration``: a plain InternVL
+        model, a stage folder of the recipe, or a released CoMemo checkpoint converted by ``python -m
+        apps.comemo.convert``) with the CoMemo memory path: :func:`apps.comemo.hf.from_hf` (``every``, ``queries``,
+        ``positions``, ``reference``, ``dtype``, ``device``, ``attn``; CUDA and bf16 when present, the ``longctx``
+        attention). Returns an :class:`apps.comemo.hf.HFCoMemo`: ``.answer(images, question)``."""
         from apps.comemo.hf import from_hf
 
         return from_hf(path, **kwargs)

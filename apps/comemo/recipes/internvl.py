@@ -13,12 +13,21 @@ Stages (as the paper and its released scripts):
  3   full fine-tuning                          everything
 ==== ========================================= =================================================
 
+Learning rate (``--lr``, default the release's scripts: 1e-4 in stages 1 and 2, 4e-5 in stage 3), AdamW weight decay
+0.01 (the release's), linear warm-up then cosine to a tenth.
+
+Architecture: a ``--model`` folder with ``comemo_memory.safetensors`` (the previous stage, or a converted release)
+gives every memory setting (``every``, heads, FFN, RoPE, ``queries``, ``positions``, ...): ``--every`` that differs is
+refused, ``--queries``/``--positions`` override with a warning. A plain InternVL folder gets the project's layout
+(``--every`` default 4).
+
 Data (``--data DIR``): ``DIR/data.jsonl``, one sample a line: ``{"images": ["a.png", ...], "question": "...",
-"answer": "..."}`` (image paths relative to ``DIR``). The prompt is, per image, ``<img>`` + its image tokens +
-``</img>`` (the markers when the tokenizer has them), then the question; the loss is on the answer and the end
-token. Images are tiled with InternVL's rule (:mod:`apps.comemo.tiling`: aspect-ratio grid of ``--max-tiles`` at
-most, tiles row-major, a thumbnail after more than one tile) at the vision tower's input size, and normalised with
-the folder's ``preprocessor_config.json`` mean/std (ImageNet's without one).
+"answer": "..."}`` (image paths relative to ``DIR``). Each sample is built by :func:`apps.comemo.hf_prompt.build_inputs`,
+the builder ``HFCoMemo.answer`` uses: the folder's chat template (the user turn, the generation prompt, then the
+answer and the template's end of turn, on which the loss is), its processor's tiling and normalisation, and each
+image's tile grid. A folder with a tokenizer only is tiled with InternVL's rule (:mod:`apps.comemo.tiling`, at most
+``--max-tiles``) and normalised with its ``preprocessor_config.json`` mean/std (ImageNet's without one); without a
+chat template the prompt is the images then the question, and the loss is on the answer and the end token.
 
 Sample ``i`` of the run (counted over steps, ranks and the batch) is entry ``perm_e[i mod N]`` of epoch
 ``e = i // N`` (``perm_e`` a permutation drawn from ``--seed`` and ``e``), so ``--resume`` continues exactly.
@@ -39,10 +48,10 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from core.infra.cli import UsageError, nonempty_path_obj, nonnegative_float, positive_float, positive_int, run_cli
+from core.infra.device import add_device_options, resolve_dtype
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import torch_load, torch_save_atomic, write_text_atomic
@@ -52,7 +61,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["STAGES", "set_stage", "load_data", "encode_sample", "sample_index", "build_parser", "main"]
 
 STAGES = (1, 2, 3)
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+#: peak learning rate of each stage in the release's scripts (shell/comemo/*pretrain.sh, *pretrain_phase2.sh, *finetune.sh)
+STAGE_LR = {1: 1e-4, 2: 1e-4, 3: 4e-5}
 _RECIPE_KEYS = ("stage", "lr", "warmup", "batch_size", "seed", "every", "queries", "positions", "max_tiles", "clip",
                 "weight_decay")
 
@@ -105,48 +115,16 @@ def sample_index(seed: int, i: int, n: int) -> int:
     return perm[k]
 
 
-def _vision_size(model) -> int:
-    size = model.config.vision_config.image_size
-    return int(size[0] if isinstance(size, (list, tuple)) else size)
+def encode_sample(sample: dict, folder: Path, wrapped, *, max_tiles: int | None, model_folder: Path | None = None) -> dict:
+    """Token ids, labels (answer + end of turn), pixel values ``(tiles, 3, H, W)`` and grids of one sample, built as
+    inference builds prompts (:func:`apps.comemo.hf_prompt.build_inputs`)."""
+    from apps.comemo.hf_prompt import build_inputs
 
-
-def _norm_stats(folder: Path) -> tuple[tuple, tuple]:
-    path = folder / "preprocessor_config.json"
-    if path.is_file():
-        cfg = json.loads(path.read_text())
-        return tuple(cfg.get("image_mean", IMAGENET_MEAN)), tuple(cfg.get("image_std", IMAGENET_STD))
-    return IMAGENET_MEAN, IMAGENET_STD
-
-
-def encode_sample(sample: dict, folder: Path, wrapped, tokenizer, *, max_tiles: int, mean, std) -> dict:
-    """Token ids, labels (answer + end token), pixel values ``(tiles, 3, H, W)`` and grids of one sample."""
-    from PIL import Image
-
-    from apps.comemo.tiling import tile_image
-
-    size = _vision_size(wrapped.model)
-    T2 = wrapped.tokens_per_side ** 2
-    vocab = tokenizer.get_vocab()
-    start, end = vocab.get("<img>"), vocab.get("</img>")
-    ids: list[int] = []
-    tiles, grids = [], []
-    for im in sample["images"]:
-        with Image.open(folder / im) as img:
-            lay = tile_image(img.convert("RGB"), size, min_tiles=1, max_tiles=max_tiles)
-        grids.append(lay.grid)
-        views = lay.tiles + ([lay.thumbnail] if lay.thumbnail is not None else [])
-        tiles.extend(views)
-        ids += ([start] if start is not None else []) + [wrapped.image_token_id] * (len(views) * T2)
-        ids += [end] if end is not None else []
-    ids += tokenizer(sample["question"], add_special_tokens=False)["input_ids"]
-    answer = tokenizer(sample["answer"], add_special_tokens=False)["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        answer = answer + [tokenizer.eos_token_id]
-    labels = [-100] * len(ids) + answer
-    arr = np.stack(tiles).astype(np.float32) / 255.0  # (N, H, W, 3)
-    arr = (arr - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
-    return {"input_ids": torch.tensor([ids + answer]), "labels": torch.tensor([labels]),
-            "pixel_values": torch.from_numpy(arr).permute(0, 3, 1, 2).contiguous(), "image_grids": [grids]}
+    images = [folder / im for im in sample["images"]]
+    enc = build_inputs(wrapped, images, sample["question"], answer=sample["answer"], max_tiles=max_tiles or 12,
+                       folder=model_folder)
+    return {"input_ids": enc.input_ids, "labels": enc.labels, "pixel_values": enc.pixel_values,
+            "image_grids": enc.image_grids}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,24 +135,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, choices=STAGES, default=1, help="1 memory + projector, 2 gates frozen too, 3 all")
     p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
     p.add_argument("--batch-size", type=positive_int, default=1, help="samples per step and rank (accumulated)")
-    p.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help="peak learning rate (AdamW; default the release's: 1e-4 in stages 1-2, 4e-5 in stage 3)")
     p.add_argument("--warmup", type=positive_int, default=10, help="linear warm-up steps")
-    p.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay (the release's)")
     p.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clip")
     p.add_argument("--seed", type=int, default=0, help="seed of the new weights and of the sample order")
-    p.add_argument("--every", type=positive_int, default=4, help="a memory block before layer i when (i+1) %% N == 0")
-    p.add_argument("--queries", choices=("all", "text"), default="all", help="tokens that query the memory")
-    p.add_argument("--positions", choices=("dhr", "1d"), default="dhr", help="RoPE-DHR or 1-D position ids")
-    p.add_argument("--max-tiles", type=positive_int, default=12, help="most tiles per image (InternVL: 12)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="model dtype")
+    p.add_argument("--every", type=positive_int, default=None,
+                   help="a memory block before layer i when (i+1) %% N == 0 (default: the folder's, else 4)")
+    p.add_argument("--queries", choices=("all", "text"), default=None, help="tokens that query the memory (default: "
+                   "the folder's, else all)")
+    p.add_argument("--positions", choices=("dhr", "1d"), default=None, help="RoPE-DHR or 1-D position ids (default: "
+                   "the folder's, else dhr)")
+    p.add_argument("--max-tiles", type=positive_int, default=None,
+                   help="most tiles per image (default: the processor's; 12 for a folder without one)")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     p.add_argument("--ckpt-every", type=positive_int, default=50, help="write last.pt every N steps")
     p.add_argument("--max-minutes", type=positive_float, help="stop (and checkpoint) after this many minutes")
     p.add_argument("--stop-at", type=positive_int, help="stop (and checkpoint) after this step; --resume continues")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    add_device_options(p)
+    p.add_argument("--attn", choices=("longctx", "sdpa", "eager"), default="longctx",
+                   help="attention implementation of the model (default longctx: core.attention)")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the log and metrics.jsonl remain)")
     return p
+
+
+def _architecture(args) -> None:
+    """Settings from the ``--model`` folder's memory file (the previous stage, or a converted release)."""
+    from apps.comemo.hf import read_memory_config
+
+    try:
+        saved = read_memory_config(args.model)
+    except ValueError as err:
+        raise UsageError(f"--model {args.model}: {err}") from None
+    if saved is None:
+        args.every = args.every or 4
+        return
+    if args.every is not None and args.every != saved.get("every"):
+        raise UsageError(f"--every {args.every}: the memory blocks of --model {args.model} sit before layers "
+                         f"{saved.get('layers')} (every={saved.get('every')}); leave --every out to keep them")
+    args.every = saved.get("every")
+    for key in ("queries", "positions"):
+        given = getattr(args, key)
+        if given is not None and given != saved.get(key):
+            logger.warning("--%s %s overrides the %s recorded in %s", key, given, saved.get(key), args.model)
 
 
 def _wrap(wrapped, *, world: int, fsdp: bool, device):
@@ -246,8 +252,13 @@ def _save_model_folder(wrapped, state: dict, src: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from apps.comemo.hf import from_hf
 
+    from core.infra.guard import check_output
+
     args = build_parser().parse_args(argv)
+    check_output(args.out, inputs=[args.model, args.data])
     samples = load_data(args.data)
+    if args.lr is None:
+        args.lr = STAGE_LR[args.stage]
     last = args.out / "last.pt"
     state = None
     if args.resume:
@@ -264,14 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rank, world, device = distributed_setup(args.device)
+    if not args.resume:
+        _architecture(args)
+    from core.infra.device import resolve_device
+
+    rank, world, device = distributed_setup(str(resolve_device(args.device)))
+    dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
-    wrapped = from_hf(args.model, every=args.every, queries=args.queries, positions=args.positions,
-                      dtype=getattr(torch, args.dtype), device=device)
-    tokenizer = getattr(wrapped.processor, "tokenizer", wrapped.processor)
-    if tokenizer is None:
+    wrapped = from_hf(args.model, every=args.every, queries=args.queries, positions=args.positions, dtype=dtype,
+                      device=device, attn=args.attn)
+    if wrapped.processor is None:
         raise UsageError(f"--model {args.model}: no tokenizer in the folder")
-    mean, std = _norm_stats(args.model)
+    image_processor = getattr(wrapped.processor, "image_processor", None)
+    if args.max_tiles is not None and image_processor is not None and hasattr(image_processor, "max_patches"):
+        image_processor.max_patches = args.max_tiles
     wrapped.train()
     trained = set_stage(wrapped, args.stage)
     runner = _wrap(wrapped, world=world, fsdp=args.fsdp, device=device)
@@ -304,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             write_text_atomic(metrics, "".join(ln + "\n" for ln in keep))
     logger.info("stage %d: %d trained tensors; memory before layers %s", args.stage, len(trained), wrapped.layers)
     t_start = t_last = time.time()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=args.steps, initial=step, desc=f"stage {args.stage}", unit="step",
+               disable=args.no_progress or rank != 0)
     while step < args.steps:
         want = args.max_minutes is not None and time.time() - t_start >= 60 * args.max_minutes
         if agreed_stop(want or (args.stop_at is not None and step >= args.stop_at), device):
@@ -312,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         total = 0.0
         for j in range(args.batch_size):
             i = (step * world + rank) * args.batch_size + j
-            enc = encode_sample(samples[sample_index(args.seed, i, len(samples))], args.data, wrapped, tokenizer,
-                                max_tiles=args.max_tiles, mean=mean, std=std)
-            pv = enc["pixel_values"].to(device=device, dtype=getattr(torch, args.dtype))
+            enc = encode_sample(samples[sample_index(args.seed, i, len(samples))], args.data, wrapped,
+                                max_tiles=args.max_tiles, model_folder=args.model)
+            pv = enc["pixel_values"].to(device=device, dtype=dtype)
             out = runner(enc["input_ids"].to(device), pv, image_grids=enc["image_grids"],
                          labels=enc["labels"].to(device))
             (out.loss / args.batch_size).backward()
@@ -323,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         sched.step()
         step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{total:.4f}")
         now = time.time()
         wall, t_last = wall + now - t_last, now
         if rank == 0:
@@ -331,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "wall_time_s": round(wall, 2), "gates": wrapped.gates()}) + "\n")
         if step % args.ckpt_every == 0 or step == args.steps:
             _checkpoint(wrapped, named, opt, sched, step, wall, args, last, rank, fsdp=args.fsdp)
+    bar.close()
     _checkpoint(wrapped, named, opt, sched, step, wall, args, last, rank, fsdp=args.fsdp)
     full = _full_state(wrapped, args.fsdp)
     if rank == 0:
