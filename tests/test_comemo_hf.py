@@ -204,7 +204,7 @@ def test_recipe_runs_three_stages_and_resumes(tmp_path):
     a, b = load_file(s3 / "model.safetensors"), load_file(part / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(base2[k], a[k]) for k in llm)  # stage 3 trains the LLM
-    back = CoMemo.from_hf(s3)  # the trained memory comes back with the model
+    back = CoMemo.from_hf(s3, device="cpu")  # the trained memory comes back with the model
     assert back.every == 2 and back.gates() and any(v != 0 for v in back.gates().values())
     rows = [json.loads(x) for x in (s3 / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in rows)
@@ -284,3 +284,51 @@ def test_plain_rope_equals_the_language_models_at_its_base():
     x = torch.zeros(1, 5, 64)
     mine, theirs = PlainRope(16, base)(x, pos), lm_rope(x, pos)
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+
+
+def test_recipe_reads_the_architecture_from_the_previous_stage_and_uses_the_release_lr(tmp_path, capsys):
+    from apps.comemo.recipes.internvl import STAGE_LR, main
+    from core.infra.cli import run_cli
+
+    model_dir, data = _tiny_folders(tmp_path)
+    common = ["--data", str(data), "--max-tiles", "4", "--device", "cpu", "--warmup", "1", "--threads", "1",
+              "--no-progress"]
+    s1 = tmp_path / "s1"
+    assert main(["--model", str(model_dir), "--out", str(s1), "--stage", "1", "--steps", "1", "--every", "2",
+                 *common]) == 0
+    capsys.readouterr()
+    code = run_cli(main, ["--model", str(s1), "--out", str(tmp_path / "bad"), "--stage", "3", "--steps", "1",
+                          "--every", "4", *common])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--every 4" in err and err.count("\n") == 0
+    s3 = tmp_path / "s3"
+    assert main(["--model", str(s1), "--out", str(s3), "--stage", "3", "--steps", "1", *common]) == 0  # no --every
+    row = json.loads((s3 / "metrics.jsonl").read_text().splitlines()[0])
+    assert STAGE_LR == {1: 1e-4, 2: 1e-4, 3: 4e-5} and row["lr"] == pytest.approx(STAGE_LR[3])
+    assert CoMemo.from_hf(s3, device="cpu").every == 2
+    capsys.readouterr()
+    code = run_cli(main, ["--model", str(s1), "--out", str(tmp_path / "gpu"), "--stage", "3", "--steps", "1",
+                          "--data", str(data), "--device", "cuda"])
+    err = capsys.readouterr().err.strip()
+    if not torch.cuda.is_available():
+        assert code == 2 and "no CUDA GPU" in err and err.count("\n") == 0
+
+
+def test_recipe_trains_on_the_prompt_inference_builds(tmp_path):
+    """A folder with a chat template: the recipe's sample is the answer prompt + the answer and end of turn."""
+    from apps.comemo.recipes.internvl import encode_sample
+
+    model_dir, data = _tiny_folders(tmp_path)
+    tok = _tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ' ' + m['content'] + ' </s> ' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant ' }}{% endif %}")
+    tok.save_pretrained(model_dir)
+    w = CoMemo.from_hf(model_dir, device="cpu", every=2)
+    sample = json.loads((data / "data.jsonl").read_text().splitlines()[0])
+    enc = encode_sample(sample, data, w, max_tiles=4, model_folder=model_dir)
+    prompt = w.prompt([data / im for im in sample["images"]], sample["question"], max_tiles=4)
+    n = prompt.input_ids.shape[1]
+    assert torch.equal(enc["input_ids"][:, :n], prompt.input_ids) and enc["image_grids"] == prompt.image_grids
+    answer_ids = enc["input_ids"][0, n:].tolist()
+    assert (enc["labels"][0, :n] == -100).all() and enc["labels"][0, n:].tolist() == answer_ids
+    assert answer_ids == tok(sample["answer"] + " </s> ", add_special_tokens=False)["input_ids"]
