@@ -6,7 +6,9 @@ Modules: :mod:`apps.comemo.tiling` (InternVL's dynamic tiling), :mod:`apps.comem
 :mod:`apps.comemo.model` (vision encoder, pixel shuffle, projector, the four variants),
 :mod:`apps.comemo.train` (staged training CLI), :mod:`apps.comemo.api` (``CoMemo``),
 :mod:`apps.comemo.predict` (CLI); :mod:`apps.comemo.hf` (``CoMemo.from_hf``: the memory path on a transformers
-InternVL model) and :mod:`apps.comemo.recipes.internvl` (its staged training). Importing this package does no work.
+InternVL model; :mod:`apps.comemo.hf_config` its architecture switches, :mod:`apps.comemo.hf_prompt` its prompts),
+:mod:`apps.comemo.recipes.internvl` (its staged training), :mod:`apps.comemo.release` and :mod:`apps.comemo.convert`
+(the authors' released checkpoints, converted). Importing this package does no work.
 """
 
 from __future__ import annotations
