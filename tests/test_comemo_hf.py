@@ -306,6 +306,12 @@ def test_recipe_reads_the_architecture_from_the_previous_stage_and_uses_the_rele
     row = json.loads((s3 / "metrics.jsonl").read_text().splitlines()[0])
     assert STAGE_LR == {1: 1e-4, 2: 1e-4, 3: 4e-5} and row["lr"] == pytest.approx(STAGE_LR[3])
     assert CoMemo.from_hf(s3, device="cpu").every == 2
+    from apps.comemo.predict import main as predict  # a trained stage folder answers through the predict CLI
+
+    capsys.readouterr()
+    code = run_cli(predict, ["--model", str(s3), "--images", str(data / "im1.png"), "--question", "which image ?",
+                             "--max-new-tokens", "2", "--device", "cpu"])
+    assert code == 0, capsys.readouterr().err
     capsys.readouterr()
     code = run_cli(main, ["--model", str(s1), "--out", str(tmp_path / "gpu"), "--stage", "3", "--steps", "1",
                           "--data", str(data), "--device", "cuda"])
