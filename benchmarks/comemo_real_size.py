@@ -226,8 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.infra.cli import run_cli  # noqa: F401 - the CLI contract (one-line errors) is run_cli's
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     work = args.work or Path(tempfile.mkdtemp(prefix="comemo_real_size_"))

@@ -43,6 +43,7 @@ from apps.comemo.hf_config import (
     POSITIONS,
     QUERIES,
     MemoryConfig,
+    PlainRope,
     dhr_position_ids,
     grids_without_sizes,
     memory_layers,
@@ -51,38 +52,11 @@ from core.layers import GatedCrossAttentionBlock
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFCoMemo", "from_hf", "dhr_position_ids", "memory_layers", "MemoryConfig", "MEMORY_FILE", "QUERIES",
-           "POSITIONS", "read_memory_config"]
+__all__ = ["HFCoMemo", "from_hf", "dhr_position_ids", "memory_layers", "MemoryConfig", "PlainRope", "MEMORY_FILE",
+           "QUERIES", "POSITIONS", "read_memory_config"]
 
 MEMORY_FILE = "comemo_memory.safetensors"
 MEMORY_FORMAT = "longctx.comemo.hf-memory.v1"
-
-
-class PlainRope(nn.Module):
-    """RoPE ``(cos, sin)`` tables with a fixed base and no scaling, computed as transformers' Llama-family rotary
-    embeddings and the release's memory block compute them (inverse frequencies ``1 / base ** (2i / d)`` in fp32,
-    angles ``position * inv_freq`` in fp32), so the tables agree bit for bit.
-
-    Args:
-        head_dim: rotated size (even).
-        base: frequency base.
-    """
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, head_dim: int, base: float, *, device=None) -> None:
-        super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-        self.base = float(base)
-        inv = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``position_ids (B, S)`` -> ``(cos, sin)`` each ``(B, S, head_dim)`` in ``x.dtype``."""
-        freqs = position_ids.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # (B, S, head_dim/2)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 class _MemoryState:

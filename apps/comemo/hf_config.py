@@ -1,4 +1,5 @@
-"""The CoMemo memory path's settings on a transformers model, and the position ids it reads.
+"""The CoMemo memory path's settings on a transformers model, and the positions it reads (position ids, and the
+memory's own fixed-base RoPE tables, :class:`PlainRope`).
 
 :class:`MemoryConfig` holds every architecture choice of the memory blocks that :class:`apps.comemo.hf.HFCoMemo`
 inserts. Its defaults are the project's layout (what ``CoMemo.from_hf`` adds to a plain InternVL folder and what the
@@ -20,10 +21,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from core.rope import DHR_CELLS, DHR_TILE_ORDERS, rope_dhr_position_ids
 
-__all__ = ["MemoryConfig", "memory_layers", "dhr_position_ids", "image_runs", "QUERIES", "POSITIONS", "KV_HEADS", "FFNS",
+__all__ = ["MemoryConfig", "PlainRope", "memory_layers", "dhr_position_ids", "image_runs", "QUERIES", "POSITIONS", "KV_HEADS", "FFNS",
            "DECODE_QUERY_POSITIONS"]
 
 QUERIES = ("all", "text")
@@ -110,6 +112,33 @@ class MemoryConfig:
             d["ffn_hidden"] = d.pop("mlp_hidden_dim")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class PlainRope(nn.Module):
+    """RoPE ``(cos, sin)`` tables with a fixed base and no scaling, computed as transformers' Llama-family rotary
+    embeddings and the release's memory block compute them (inverse frequencies ``1 / base ** (2i / d)`` in fp32,
+    angles ``position * inv_freq`` in fp32), so the tables agree bit for bit.
+
+    Args:
+        head_dim: rotated size (even).
+        base: frequency base.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, base: float, *, device=None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        self.base = float(base)
+        inv = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids (B, S)`` -> ``(cos, sin)`` each ``(B, S, head_dim)`` in ``x.dtype``."""
+        freqs = position_ids.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # (B, S, head_dim/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 def memory_layers(num_layers: int, every: int) -> list[int]:
