@@ -249,6 +249,10 @@ def test_predict_answers_from_a_converted_folder(converted, tmp_path, capsys):
     code = run_cli(main, ["--model", str(tmp_path), "--images", str(img), "--question", "q", "--device", "cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "not a model folder" in err and err.count("\n") == 0
+    if not torch.cuda.is_available():  # a GPU asked for by name on a machine without one: one line, exit 2
+        code = run_cli(main, ["--model", str(converted), "--images", str(img), "--question", "q", "--device", "cuda"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "no CUDA GPU" in err and err.count("\n") == 0
 
 
 def test_real_size_benchmark_runs_at_toy_widths(tmp_path):
