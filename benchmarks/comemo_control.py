@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from core.infra.cli import UsageError, nonempty_path_obj, positive_int, run_cli
+from core.infra.cli import UsageError, nonempty_path_obj, positive_int, run_cli, thread_count
 from core.infra.fileio import file_sha256
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-seed", type=int, default=777, help="stream seed of the evaluation samples")
     p.add_argument("--image-grid", default="1x1", metavar="RxC",
                    help="tiles per needle image in training and evaluation (1x2: two tiles + thumbnail)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads")
     return p
 
 

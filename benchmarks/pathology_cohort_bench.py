@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.infra.cli import positive_int, run_cli
+from core.infra.cli import positive_int, run_cli, thread_count
 
 logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--epochs-cap", type=positive_int, default=None, help="at most this many epochs (any recipe)")
     p.add_argument("--records", default=str(RECORDS))
     p.add_argument("--out", default=str(RESULTS / "pathology_cohort.json"))
-    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--threads", type=thread_count, default=1)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.stage == "summary":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.infra.cli import UsageError, nonempty_path, positive_int, run_cli
+from core.infra.cli import UsageError, nonempty_path, positive_int, run_cli, thread_count
 
 logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs-cap", type=positive_int, default=None, help="at most this many epochs (tests)")
     p.add_argument("--records", type=nonempty_path, default=str(RECORDS), help="resumable JSON lines, one per unit")
     p.add_argument("--out", type=nonempty_path, default=str(OUT), help="summary JSON")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads")
     p.add_argument("--summary-only", action="store_true", help="summarize --records without running anything")
     return p
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.infra.cli import UsageError, positive_int, run_cli
+from core.infra.cli import UsageError, positive_int, run_cli, thread_count
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = {
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--features", type=positive_int, default=100)
     p.add_argument("--test-rows", type=positive_int, default=1000)
     p.add_argument("--classes", type=positive_int, default=2)
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads for both packages")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch threads for both packages")
     p.add_argument("--device", default="cpu")
     p.add_argument("--chunk", type=positive_int, default=2048, help="rows per chunk here")
     p.add_argument("--budget-mb", type=positive_int, default=2048, help="memory_budget_mb here")

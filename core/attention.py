@@ -235,6 +235,8 @@ def _reference(a: AttentionInputs) -> torch.Tensor:
     k = _expand_kv(a.k.to(cdtype), a.groups)
     v = _expand_kv(a.v.to(cdtype), a.groups)
     Sq, Sk = q.shape[2], k.shape[2]
+    if Sk == 0:  # no keys: every query reads nothing, zeros (as the other backends give)
+        return torch.zeros(*q.shape[:3], v.shape[-1], dtype=out_dtype, device=q.device)
     scores_BHQK = torch.matmul(q, k.transpose(-1, -2)) * a.scale
     if a.softcap is not None:
         scores_BHQK = torch.tanh(scores_BHQK / a.softcap) * a.softcap

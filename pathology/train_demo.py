@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from core.infra.cli import nonempty_path, open_fraction, positive_int, run_cli
+from core.infra.cli import nonempty_path, open_fraction, positive_int, run_cli, thread_count
 from core.infra.fileio import check_writable
 from pathology.batch import BatchConfig, run_batch
 from pathology.inference import DEFAULT_SLIDE_MODEL, SAMPLES_DIR
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--epochs", type=positive_int, default=30)
     p.add_argument("--test-fraction", type=open_fraction, default=0.25)
-    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--threads", type=thread_count, default=1)
     p.add_argument("--out", type=nonempty_path, default=DEFAULT_SLIDE_MODEL, help="output safetensors path")
     p.add_argument("--samples", type=nonempty_path, default=SAMPLES_DIR, help="folder receiving two held-out sample slides")
     return p

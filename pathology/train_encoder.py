@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
+from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli, thread_count
 from core.infra.fileio import torch_load
 from pathology.encoders import IMAGENET_MEAN, IMAGENET_STD, SmallPatchCNN
 from pathology.synthetic import CLASSES, LAYOUT_SCALE, TILE, _pad, _Renderer, render_layout, sample_spec
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-size", type=positive_int, default=64, help="encoder input side (tiles are resized)")
     p.add_argument("--dim", type=positive_int, default=128, help="feature dimension")
     p.add_argument("--widths", default="16,32,48,64,96", help="channels of the five conv stages")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=positive_int, default=100, help="checkpoint every this many steps")
     return p

@@ -22,12 +22,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.infra.cli import InputTally, UsageError, finite_float, positive_int, print_error, run_cli
+from core.infra.cli import (InputTally, UsageError, capped_int, finite_float, positive_int, print_error, run_cli,
+                            thread_count)
 from core.infra.fileio import load_safetensors_model
+from core.infra.guard import check_outputs
 from rl.envs import make_env, make_vector_env
 from rl.references import normalized_score
 
 logger = logging.getLogger(__name__)
+
+#: caps of --episodes and --batch (environments held in memory together)
+MAX_EPISODES = 100_000
+MAX_BATCH_ENVS = 1_000
 
 __all__ = ["EpisodeResult", "rollout", "evaluate_returns", "heldout_action_mse", "load_policy", "write_video", "shipped_policies",
            "build_parser", "main"]
@@ -194,10 +200,7 @@ def load_policy(checkpoint: str | os.PathLike):
     from rl.models import build_model, config_from_dict
 
     d = Path(checkpoint)
-    if d.suffix in (".safetensors", ".json"):  # a shipped policy: NAME.safetensors + NAME.json
-        cfg_path, w_path = d.with_suffix(".json"), d.with_suffix(".safetensors")
-    else:
-        cfg_path, w_path = d / "config.json", d / "model.safetensors"
+    cfg_path, w_path = policy_files(d)
     if not cfg_path.exists() or not w_path.exists():
         raise FileNotFoundError(f"{str(d)!r} holds no trained policy (needs {cfg_path.name} and {w_path.name}; "
                                 f"train one with `python -m rl.train`)")
@@ -213,6 +216,15 @@ def load_policy(checkpoint: str | os.PathLike):
                          f"(state_dim, act_dim, ...)") from err
     load_safetensors_model(model, w_path, what="policy weights written by rl.train or rl.ship for this config")
     return model.eval(), info
+
+
+def policy_files(checkpoint: str | os.PathLike) -> tuple[Path, Path]:
+    """The config and weights files :func:`load_policy` reads for ``checkpoint``: ``NAME.json`` +
+    ``NAME.safetensors`` for a shipped policy (either file given), else ``config.json`` + ``model.safetensors``."""
+    d = Path(checkpoint)
+    if d.suffix in (".safetensors", ".json"):
+        return d.with_suffix(".json"), d.with_suffix(".safetensors")
+    return d / "config.json", d / "model.safetensors"
 
 
 def shipped_policies() -> dict[str, Path]:
@@ -255,16 +267,17 @@ def write_video(frames: list[np.ndarray], path: str | os.PathLike, *, fps: int =
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.evaluate", description="Evaluate a trained policy (normalized score).")
     p.add_argument("--checkpoint", required=True, help="training output directory (config.json + model.safetensors)")
-    p.add_argument("--episodes", type=positive_int, default=10)
+    p.add_argument("--episodes", type=capped_int(MAX_EPISODES, why="episodes per target return"), default=10)
     p.add_argument("--target-return", type=finite_float, action="append", default=None,
                    help="return to condition on (repeatable; default: the ones used in training)")
     p.add_argument("--seed", type=int, default=1000)
-    p.add_argument("--batch", type=positive_int, default=10, help="environments stepped together")
+    p.add_argument("--batch", type=capped_int(MAX_BATCH_ENVS, why="environments held in memory together"), default=10,
+                   help="environments stepped together")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--video", default=None, help="also run one rendered episode (first target) and write it here (.mp4)")
     p.add_argument("--routing", choices=("aux", "prefix"), default="aux",
                    help="DM routing when acting: the auxiliary predictor (default) or causal prefix top-k")
-    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--threads", type=thread_count, default=1)
     return p
 
 
@@ -279,6 +292,8 @@ def main(argv=None) -> int:
     if args.target_return is not None and not all(np.isfinite(args.target_return)):
         raise UsageError(f"--target-return must be finite numbers, got {args.target_return}")
     # the outputs are checked before the rollouts whose results they record
+    check_outputs([("--json", args.json), ("--video", args.video)],
+                  inputs=[args.checkpoint, *policy_files(args.checkpoint)])
     if args.json is not None:
         check_writable(args.json, what="--json")
     if args.video is not None:
@@ -294,6 +309,9 @@ def main(argv=None) -> int:
             rets = evaluate_returns(model, env_id, target_return=tr, episodes=args.episodes, seed=args.seed,
                                     batch=args.batch, routing=args.routing)
             scores = normalized_score(env_id, rets)
+            if not (np.isfinite(rets).all() and np.isfinite(scores).all()):
+                raise ValueError(f"the returns are not finite ({rets.tolist()[:3]}...): the policy "
+                                 f"{args.checkpoint} gives non-finite actions")
         except Exception as err:  # noqa: BLE001 - a failed target is reported; the others are still evaluated
             tally.fail(f"target {tr:g}", err)
             failed.append({"target_return": tr, "error": " ".join(str(err).split()) or type(err).__name__})

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.infra.cli import nonempty_path, positive_int, run_cli
+from core.infra.cli import memory_capped_int, nonempty_path, run_cli
+from core.infra.guard import check_outputs
 from rl.data import OfflineDataset, check_save_path, save_dataset
 from rl.envs import SUPPORTED_ENVS, make_env
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["QUALITIES", "generate", "build_parser", "main"]
 
 QUALITIES = ("random", "medium", "expert", "medium-replay", "medium-expert")
+#: memory of one collected transition while collecting (numpy rows in Python lists, then the stacked arrays)
+BYTES_PER_TRANSITION = 600
 
 
 def _plan(quality: str, steps: int, behaviour) -> list[tuple[str | None, int]]:
@@ -116,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--env", required=True, choices=SUPPORTED_ENVS)
     p.add_argument("--quality", required=True, choices=QUALITIES)
-    p.add_argument("--steps", type=positive_int, required=True, help="transitions to collect")
+    p.add_argument("--steps", type=memory_capped_int(BYTES_PER_TRANSITION, what="a collected transition"), required=True,
+                   help="transitions to collect (capped so that the dataset fits in half of this machine's memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=nonempty_path, required=True,
                    help="output file, written atomically: .npz, or .hdf5/.h5 (D4RL layout)")
@@ -126,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.policy])
     try:  # before any step is collected: an unwritable name is refused in one line
         check_save_path(args.out)
     except ValueError as e:

@@ -25,6 +25,7 @@ import torch
 
 from core.infra.cli import nonempty_path, run_cli
 from core.infra.fileio import load_safetensors
+from core.infra.guard import check_output, check_ship_run
 from rl.envs import env_family
 from rl.sac import Actor
 
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    # it makes rl's shipped behaviour policies: rl/weights is its own destination; never the run it reads
+    check_output(args.out, inputs=[args.run], ship="rl")
+    check_ship_run(args.run, args.out)
     logging.basicConfig(level=logging.INFO)
     path = export_run(args.run, args.env, args.out, command=args.command, name=args.name)
     logging.getLogger(__name__).info("wrote %s", path)

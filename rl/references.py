@@ -26,7 +26,8 @@ import statistics
 import time
 from pathlib import Path
 
-from core.infra.cli import nonempty_path_obj, positive_int, run_cli
+from core.infra.cli import capped_int, nonempty_path_obj, positive_int, run_cli
+from core.infra.guard import check_output
 from rl.envs import SUPPORTED_ENVS, env_family
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def measure_references(env_id: str, *, episodes: int, seed: int, policy: str | P
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.references", description="Measure -v5 random and expert reference returns.")
     p.add_argument("--env", required=True, choices=SUPPORTED_ENVS)
-    p.add_argument("--episodes", type=positive_int, default=100)
+    p.add_argument("--episodes", type=capped_int(100_000, why="episodes per policy"), default=100)
     p.add_argument("--seed", type=int, default=50_000, help="first environment seed (the expert's start 1,000,000 later)")
     p.add_argument("--policy", default=None, help="behaviour .safetensors with its .json card (default: the shipped one)")
     p.add_argument("--snapshot", default=None, help="expert snapshot name (default: the card's expert)")
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     from core.infra.fileio import check_writable, write_json_atomic
 
     args = build_parser().parse_args(argv)
+    # the reference scores ship in rl/weights (its default --out); the behaviour file it reads is never replaced
+    check_output(args.out, inputs=[args.policy, args.policy and Path(args.policy).with_suffix(".json")], ship="rl")
     check_writable(args.out, what="--out")  # before the episodes whose returns it records
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)

@@ -15,7 +15,8 @@ import logging
 
 import torch
 
-from core.infra.cli import positive_int, run_cli
+from core.infra.cli import capped_int, positive_int, run_cli, thread_count
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="DM training directory or shipped DM policy")
     p.add_argument("--dataset", required=True,
                    help=".npz from `python -m rl.generate`, D4RL-style .hdf5/.h5, or minari:/path/to/dataset")
-    p.add_argument("--segments", type=positive_int, default=256, help="random training segments")
+    p.add_argument("--segments", type=capped_int(100_000, why="segments held in one batch"), default=256,
+                   help="random training segments")
     p.add_argument("--seed", type=int, default=123, help="seed of the segment sampler")
     p.add_argument("--json", default=None, help="also write the fractions to this JSON file")
-    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--threads", type=thread_count, default=1)
     return p
 
 
@@ -67,6 +69,9 @@ def main(argv=None) -> int:
     from rl.train import SegmentSampler
 
     args = build_parser().parse_args(argv)
+    from rl.evaluate import policy_files
+
+    check_outputs([("--json", args.json)], inputs=[args.checkpoint, args.dataset, *policy_files(args.checkpoint)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.segments <= 0:
         raise SystemExit(f"--segments must be positive, got {args.segments}")

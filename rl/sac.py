@@ -31,8 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.infra.cli import nonempty_path, positive_int, run_cli
+from core.infra.cli import check_memory, nonempty_path, positive_int, run_cli, thread_count
 from core.infra.fileio import torch_load, torch_save_atomic
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -288,12 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actor-hidden", type=positive_int, default=64, help="actor width (shipped)")
     p.add_argument("--critic-hidden", type=positive_int, default=128, help="critic width (not shipped)")
     p.add_argument("--batch-size", type=positive_int, default=128)
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch threads")
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
+    # the replay buffer holds every step: (obs + next obs + action + reward + done) floats of the largest env
+    check_memory(args.steps * 4 * (2 * 27 + 8 + 2), what="the replay buffer", options="--steps")
+    check_memory(4 * (args.actor_hidden + 2 * args.critic_hidden) ** 2 * 8, what="the networks and their optimizer",
+                 options="--actor-hidden/--critic-hidden")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     cfg = SACConfig(env=args.env, steps=args.steps, seed=args.seed, snapshot_every=args.snapshot_every,

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from core.infra.cli import nonempty_path, run_cli
+from core.infra.guard import check_output, check_ship_run
 from core.infra.ship import (Staging, check_finite, check_name, loading_check, read_json_file, read_jsonl_file,
                              require_files)
 from rl.policies import WEIGHTS_DIR
@@ -118,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
+    check_output(args.out, inputs=[args.eval_json], ship="rl")  # rl's ship writes rl/weights, no other package's
+    check_ship_run(args.run, args.out)  # shipping replaces the destination's files: never ship from inside it
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(ship(args.run, args.name, command=args.command, eval_json=args.eval_json, note=args.note, out_dir=args.out))
     return 0

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.infra.cli import (finite_float, fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float,
-                            positive_int, run_cli)
+from core.infra.cli import (capped_int, check_memory, finite_float, fraction, nonempty_path, nonnegative_float,
+                            nonnegative_int, positive_float, positive_int, run_cli, thread_count)
 from core.infra.fileio import torch_load
+from core.infra.guard import check_outputs
 from rl.data import OfflineDataset, check_env_compat, load_dataset, returns_to_go
 from rl.models import DMConfig, DTConfig, build_model, config_from_dict, config_to_dict
 
@@ -327,6 +328,20 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
     return records
 
 
+#: the longest segment: gymnasium's MuJoCo episodes (Hopper, HalfCheetah, Walker2d v5) end at 1000 steps
+MAX_CONTEXT = 1000
+
+
+def check_train_memory(args: argparse.Namespace) -> None:
+    """Refuse (``UsageError``) model and batch options whose training batch would not fit in memory: per layer,
+    activations ``B·3K·E`` (about 64 bytes each with the backward pass) and attention scores ``B·H·(3K)²``."""
+    K, E = args.context or 20, args.embed_dim or 128
+    L, H = args.layers or (6 if args.algo == "dm" else 3), args.heads or 1
+    T = 3 * K
+    check_memory(L * args.batch_size * (T * E * 64 + H * T * T * 12) + 16 * 12 * L * E * E * 4,
+                 what="one training batch with its model", options="--batch-size/--context/--embed-dim/--layers/--heads")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rl.train", description="Train a Decision Transformer / Mixer offline.")
     p.add_argument("--algo", choices=("dm", "dt"), required=True)
@@ -350,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment-anchor", choices=SEGMENT_ANCHORS, default="start",
                    help="training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     g = p.add_argument_group("model")
-    g.add_argument("--context", type=positive_int, default=None, help="timesteps per segment K (default 20)")
+    g.add_argument("--context", type=capped_int(MAX_CONTEXT, why="the longest episode of the supported environments"),
+                   default=None, help=f"timesteps per segment K (default 20, at most {MAX_CONTEXT})")
     g.add_argument("--embed-dim", type=positive_int, default=None, help="token width (default 128)")
     g.add_argument("--layers", type=positive_int, default=None, help="blocks (default: dt 3, dm 6)")
     g.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 1)")
@@ -365,12 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 4; 0: gradient through selected tokens only)")
     g.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
                    help="dm: routing in training: top-k over the whole segment (default) or causal prefix top-k")
-    g.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    g.add_argument("--threads", type=thread_count, default=1, help="torch threads")
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.dataset.removeprefix("minari:")])
+    check_train_memory(args)
     if args.resume and not (Path(args.out) / "checkpoint.pt").is_file():
         raise SystemExit(f"--resume given but {Path(args.out) / 'checkpoint.pt'} does not exist")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -26,11 +26,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.infra.cli import (fraction, nonempty_path, nonnegative_int, open_fraction, positive_float, positive_int,
-                            run_cli)
+from core.infra.cli import (capped_int, fraction, nonempty_path, nonnegative_int, open_fraction, positive_float,
+                            positive_int, run_cli, thread_count)
+from core.infra.guard import check_outputs
 from rl.data import OfflineDataset, load_dataset
 from rl.models import build_model, config_to_dict
-from rl.train import SegmentSampler, TrainConfig, Trainer, _model_config
+from rl.train import MAX_CONTEXT, SegmentSampler, TrainConfig, Trainer, _model_config, check_train_memory
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup-steps", type=nonnegative_int, default=100)
-    p.add_argument("--context", type=positive_int, default=10)
+    p.add_argument("--context", type=capped_int(MAX_CONTEXT, why="the longest episode of the supported environments"),
+                   default=10)
     p.add_argument("--embed-dim", type=positive_int, default=64)
     p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--heads", type=positive_int, default=1)
@@ -177,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-tokens", type=nonnegative_int, default=None, help="DM probe_tokens (default: DMConfig's)")
     p.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
                    help="routing in training (default: DMConfig's, top-k)")
-    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--threads", type=thread_count, default=1)
     return p
 
 
@@ -185,6 +187,9 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
 
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.dataset.removeprefix("minari:")])
+    args.algo = "dm"
+    check_train_memory(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     try:

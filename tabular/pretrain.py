@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.infra.cli import (fraction, nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
-                            run_cli)
+from core.infra.cli import (fraction, nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float,
+                            positive_int, run_cli, thread_count)
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import check_writable, torch_load, torch_save_atomic
@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", type=Path, default=None,
                    help="start a new run folder from exported weights (.safetensors written by this script): model, "
                         "step and tables seen from its card; fresh optimizer state")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per process")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads per process")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p

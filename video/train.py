@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
-from core.infra.cli import fraction, nonempty_path, nonnegative_float, positive_float, positive_int, run_cli
+from core.infra.cli import (fraction, nonempty_path, nonnegative_float, positive_float, positive_int, run_cli,
+                            thread_count)
 from core.infra.fileio import check_writable, load_safetensors_model, open_safetensors, torch_load, torch_save_atomic
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
@@ -301,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-basis", type=positive_int, default=64, help="basis functions of the memory with --memory-in-loop")
     p.add_argument("--mem-samples", type=positive_int, default=512, help="old-signal samples per consolidation")
     p.add_argument("--mem-points", type=positive_int, default=1000, help="integration points of the continuous attention")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 

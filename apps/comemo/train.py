@@ -44,7 +44,7 @@ from apps.comemo.model import (CROSS_PLACEMENTS, LEGACY_MEMORY, MEMORY_NORMS, ME
 from apps.comemo.synthetic import TASKS, corpus_texts, make_sample, sample_seed
 from apps.comemo.tokenizer import IMAGE_LABELS, CoMemoTokenizer, train_tokenizer
 from core.infra.cli import (nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int,
-                            run_cli)
+                            run_cli, thread_count)
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import torch_load, torch_save_atomic, write_text_atomic
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-samples", type=positive_int, default=32, help="fixed validation samples (seed stream 10**6 + seed)")
     p.add_argument("--ckpt-every", type=int, default=50, help="write last.pt every N steps")
     p.add_argument("--max-minutes", type=nonnegative_float, help="stop (and checkpoint) after this many minutes")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, help="torch CPU threads")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p

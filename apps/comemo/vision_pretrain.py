@@ -48,7 +48,7 @@ from apps.comemo.synthetic import (
     sample_seed,
 )
 from apps.comemo.train import add_size_args
-from core.infra.cli import nonempty_path_obj, positive_float, positive_int, run_cli
+from core.infra.cli import nonempty_path_obj, positive_float, positive_int, run_cli, thread_count
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (AdamW; warm-up 5%%, linear decay)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tile stream")
     add_size_args(p)  # the saved file's sizes, as apps.comemo.train names them
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 

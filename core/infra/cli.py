@@ -24,6 +24,14 @@ Options are checked when they are parsed, before any work: the argparse types be
 :func:`open_fraction`, :func:`port`, :func:`nonempty_path`, :func:`nonempty_path_obj`) raise
 ``argparse.ArgumentTypeError``, so a value out of range is argparse's usage error (exit 2), e.g.
 ``argument --batch: must be >= 1, got 0``.
+
+Every count has an upper bound, checked when parsed: :func:`positive_int` and :func:`nonnegative_int` refuse more
+than :data:`MAX_COUNT` (10^9: no option of the project means that many steps, rows, files or patches, and a typo
+such as ``--steps 100000000000000`` would otherwise run for days or end in ``MemoryError``). Options whose value
+sizes memory or output have their own, tighter caps: :func:`capped_int` (a documented cap, e.g. an episode's
+length), :func:`memory_capped_int` (the largest value whose estimated memory fits in half of this machine's RAM) and
+:func:`worker_count` (at most 4 processes per CPU core). A run that still exhausts memory is one line, exit 2
+(``error: out of memory ...``), not a traceback.
 """
 
 from __future__ import annotations
@@ -39,8 +47,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 __all__ = ["UsageError", "PartialFailure", "InputTally", "print_error", "run_cli", "add_run_options", "configure_run",
-           "LOG_LEVELS", "DEBUG_ENV", "INPUT_ERRORS",
-           "positive_int", "nonnegative_int", "finite_float", "positive_float", "nonnegative_float", "fraction",
+           "LOG_LEVELS", "DEBUG_ENV", "INPUT_ERRORS", "MAX_COUNT", "MAX_WORKERS_PER_CORE",
+           "positive_int", "nonnegative_int", "capped_int", "memory_capped_int", "worker_count", "thread_count",
+           "check_memory", "seed_int",
+           "total_memory_bytes", "finite_float", "positive_float", "nonnegative_float", "fraction",
            "open_fraction", "port", "nonempty_path", "nonempty_path_obj"]
 
 #: Environment variable that shows tracebacks (``LONGCTX_DEBUG=1``).
@@ -92,6 +102,12 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
             raise
         print("interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as err:
+        if debug or not _out_of_memory(err):
+            raise
+        print(_one_line(f"out of memory ({type(err).__name__}: {str(err)[:200]}): the options ask for more memory than "
+                        "this machine has; lower the sizes (batch, image, context, model) and retry"), file=sys.stderr)
+        return 2
     # an int is the exit code; any other return value (a result some mains also return to Python callers) means 0
     return code if isinstance(code, int) and not isinstance(code, bool) else 0
 
@@ -148,7 +164,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def add_run_options(p: argparse.ArgumentParser, *, threads: bool = True, log_level: str = "INFO") -> None:
     """``--threads`` (torch CPU threads, a positive int) and ``--log-level``, which :func:`configure_run` applies."""
     if threads:
-        p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+        p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=log_level,
                    help=f"logging level (default {log_level})")
 
@@ -187,20 +203,30 @@ def _parse(text: str, kind: type) -> int | float:
     return value
 
 
+#: The largest value any count option accepts (see the module docs).
+MAX_COUNT = 10**9
+
+
+def _check_max(value: int, cap: int, why: str) -> int:
+    if value > cap:
+        raise argparse.ArgumentTypeError(f"must be <= {cap} ({why}), got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
-    """An integer >= 1 (batch sizes, steps, epochs, counts)."""
+    """An integer in 1..:data:`MAX_COUNT` (batch sizes, steps, epochs, counts)."""
     value = _parse(text, int)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _check_max(value, MAX_COUNT, "the cap on any count")
 
 
 def nonnegative_int(text: str) -> int:
-    """An integer >= 0 (where 0 means something: no warm-up, no evaluation, the default)."""
+    """An integer in 0..:data:`MAX_COUNT` (where 0 means something: no warm-up, no evaluation, the default)."""
     value = _parse(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _check_max(value, MAX_COUNT, "the cap on any count")
 
 
 def finite_float(text: str) -> float:
@@ -258,3 +284,103 @@ def nonempty_path(text: str) -> str:
 def nonempty_path_obj(text: str) -> Path:
     """:func:`nonempty_path` as a :class:`~pathlib.Path` (``Path("")`` would silently be the current folder)."""
     return Path(nonempty_path(text))
+
+
+# -- upper bounds: counts, memory-sized values and worker processes (see the module docs) -------------------------
+
+#: :func:`worker_count` accepts at most this many worker processes per CPU core.
+MAX_WORKERS_PER_CORE = 4
+
+
+def _bounded(minimum: int, cap: int, why: str, name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _parse(text, int)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return _check_max(value, cap, why)
+
+    parse.__name__ = name
+    parse.kind = "positive_int" if minimum >= 1 else "nonnegative_int"  # type: ignore[attr-defined]
+    parse.cap = cap  # type: ignore[attr-defined]
+    return parse
+
+
+def capped_int(cap: int, *, why: str, minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer in ``minimum..cap``; ``why`` (the cap's reason) is shown in the refusal, e.g.
+    ``capped_int(1000, why="the longest episode of the supported environments")``. The returned function carries
+    ``.cap`` and ``.kind`` (``positive_int`` / ``nonnegative_int``) for the tests that probe every option."""
+    if cap < minimum:
+        raise ValueError(f"cap ({cap}) must be >= minimum ({minimum})")
+    return _bounded(minimum, cap, why, f"int_upto_{cap}")
+
+
+def total_memory_bytes() -> int:
+    """This machine's physical memory in bytes (16 GiB where the system does not tell)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return 16 * 2**30
+
+
+def memory_capped_int(bytes_per_unit: float, *, what: str, power: int = 1, minimum: int = 1,
+                      share: float = 0.5) -> Callable[[str], int]:
+    """An argparse type for a value whose memory grows as ``bytes_per_unit * value**power`` (an image side:
+    ``power=2``): refused above the largest value whose estimate fits in ``share`` of :func:`total_memory_bytes`
+    (and above :data:`MAX_COUNT`). ``what`` names the estimate in the refusal (``"an RGB slide at level 0"``)."""
+    budget = share * total_memory_bytes()
+    cap = int((budget / bytes_per_unit) ** (1.0 / power))
+    cap = max(minimum, min(cap, MAX_COUNT))
+    why = (f"{what} takes about {bytes_per_unit:g} bytes x value{'^' + str(power) if power > 1 else ''}; "
+           f"the cap keeps it within {share:.0%} of this machine's {total_memory_bytes() / 2**30:.0f} GiB")
+    return _bounded(minimum, cap, why, f"memory_capped_{cap}")
+
+
+def worker_count(text: str) -> int:
+    """Worker processes (0: none, the work runs in the main process): at most :data:`MAX_WORKERS_PER_CORE` per CPU
+    core of this machine."""
+    cap = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
+    value = _parse(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return _check_max(value, cap, f"{MAX_WORKERS_PER_CORE} per CPU core, {os.cpu_count() or 1} cores here")
+
+
+worker_count.kind = "nonnegative_int"  # type: ignore[attr-defined]
+
+
+def thread_count(text: str) -> int:
+    """CPU threads (``--threads``): 1 to :data:`MAX_WORKERS_PER_CORE` per CPU core of this machine."""
+    value = _parse(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    cores = os.cpu_count() or 1
+    return _check_max(value, MAX_WORKERS_PER_CORE * cores, f"{MAX_WORKERS_PER_CORE} per CPU core, {cores} cores here")
+
+
+thread_count.kind = "positive_int"  # type: ignore[attr-defined]
+
+
+def check_memory(estimate_bytes: float, *, what: str, options: str, share: float = 0.5) -> None:
+    """``UsageError`` when options that together size a run (``options``, e.g. ``"--batch-size x --context"``)
+    give an estimated ``estimate_bytes`` above ``share`` of this machine's memory; call it right after parsing,
+    before any work. ``what`` names the estimate (``"the attention scores of one training batch"``)."""
+    budget = share * total_memory_bytes()
+    if estimate_bytes > budget:
+        raise UsageError(f"{options}: {what} would take about {estimate_bytes / 2**30:.1f} GiB, above {share:.0%} of "
+                         f"this machine's {total_memory_bytes() / 2**30:.0f} GiB; lower them")
+
+
+def seed_int(text: str) -> int:
+    """A random seed: an integer in 0..2**63-1 (what torch and numpy accept)."""
+    value = _parse(text, int)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be a seed in 0..{2**63 - 1}, got {value}")
+    return value
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed (Python's, or torch's on CPU or GPU)."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return True
+    text = str(err)
+    return "can't allocate memory" in text or ("out of memory" in text.lower() and "CUDA" in text)

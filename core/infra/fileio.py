@@ -24,9 +24,35 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable",
+__all__ = ["file_mode", "set_file_mode", "atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable",
            "load_safetensors", "open_safetensors", "load_safetensors_model", "load_state_dict_checked", "torch_load",
-           "open_hdf5", "open_image", "file_sha256"]
+           "open_hdf5", "open_image", "file_sha256", "check_finite_tensors"]
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)  # elsewhere: set and restore at once
+    os.umask(old)
+    return old
+
+
+def file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file: ``0o666`` less the user's umask (``0o644`` under the
+    usual umask 022, ``0o600`` under 077, ``0o664`` under 002)."""
+    return 0o666 & ~_umask()
+
+
+def set_file_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode of :func:`file_mode`: temp files (``mkstemp`` makes them ``0o600``, as does the
+    safetensors writer) follow the user's umask once renamed into place, like any file the user creates."""
+    os.chmod(path, file_mode())
 
 
 @contextmanager
@@ -37,9 +63,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are shared files (results, weights)
     try:
         yield tmp
+        set_file_mode(tmp)  # after the writer: mkstemp and some writers (safetensors) create 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -52,10 +78,10 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are shared files (results, weights)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        set_file_mode(tmp)  # mkstemp creates 0600; the output follows the user's umask
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -151,11 +177,13 @@ def load_safetensors(path: str | os.PathLike, *, what: str = "safetensors weight
 
     p = _input_file(path, "safetensors", what)
     try:
-        return load_file(p, device=str(device))
+        tensors = load_file(p, device=str(device))
     except PermissionError:
         raise
     except (SafetensorError, OSError) as err:
         raise _unreadable(p, "safetensors", what, err) from err
+    check_finite_tensors(tensors, p, what=what)
+    return tensors
 
 
 @contextmanager
@@ -174,7 +202,7 @@ def open_safetensors(path: str | os.PathLike, *, what: str = "safetensors weight
         raise _unreadable(p, "safetensors", what, err) from err
     with handle as f:
         try:
-            yield f
+            yield _FiniteHandle(f, p, what)
         except SafetensorError as err:
             raise _unreadable(p, "safetensors", what, err) from err
 
@@ -189,7 +217,7 @@ def load_safetensors_model(model: Any, path: str | os.PathLike, *, what: str = "
 
     p = _input_file(path, "safetensors", what)
     try:
-        return load_model(model, p, strict=strict, device=str(device))
+        result = load_model(model, p, strict=strict, device=str(device))
     except PermissionError:
         raise
     except (SafetensorError, OSError) as err:
@@ -200,11 +228,16 @@ def load_safetensors_model(model: Any, path: str | os.PathLike, *, what: str = "
         with safe_open(p, framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         raise _misfit(model, shapes, p, what) from err
+    with safe_open(p, framework="pt") as f:  # the header only: which of the model's tensors came from the file
+        stored = set(f.keys())
+    check_finite_tensors({k: v for k, v in model.state_dict().items() if k in stored}, p, what=what)
+    return result
 
 
 def load_state_dict_checked(model: Any, state: dict[str, Any], path: str | os.PathLike, *, what: str) -> None:
     """``model.load_state_dict(state)`` (strict) for tensors read from ``path``; keys or shapes that do not fit
     ``model`` are the ``ValueError`` of :func:`load_safetensors_model` naming ``path``."""
+    check_finite_tensors(state, path, what=what)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
@@ -236,11 +269,13 @@ def torch_load(path: str | os.PathLike, *, what: str = "a checkpoint written by 
 
     p = _input_file(path, "PyTorch checkpoint", what)
     try:
-        return torch.load(p, map_location=map_location, weights_only=weights_only)
+        obj = torch.load(p, map_location=map_location, weights_only=weights_only)
     except PermissionError:
         raise
     except Exception as err:  # noqa: BLE001 - torch.load raises many types for a file it cannot unpickle
         raise _unreadable(p, "PyTorch checkpoint", what, err) from err
+    check_finite_tensors(dict(_nested_tensors(obj)), p, what=what)
+    return obj
 
 
 def open_hdf5(path: str | os.PathLike, *, what: str = "an HDF5 file") -> Any:
@@ -295,3 +330,53 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# -- non-finite weights: a diverged or corrupted checkpoint is refused where it is read, naming the file ------------
+
+
+def check_finite_tensors(tensors: Any, path: str | os.PathLike, *, what: str) -> None:
+    """``ValueError`` naming ``path``, the tensors and ``what`` was expected when a floating-point tensor of
+    ``tensors`` (a mapping name -> tensor; other values are skipped) holds NaN or infinity: the weights of a run
+    that diverged, or a damaged file, would otherwise give NaN outputs (or a constant class) without a word."""
+    import torch
+
+    bad = []
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() \
+                and not bool(torch.isfinite(t).all()):
+            bad.append(str(name))
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(f"{os.fspath(path)} holds non-finite values (NaN or infinity) in {', '.join(bad[:3])}{more}; "
+                         f"expected {what} with finite weights (a diverged or damaged run is not loaded)")
+
+
+def _nested_tensors(obj: Any, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """(dotted name, tensor) of every tensor in nested dicts, lists and tuples (a training state, an optimizer's)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix or "tensor", obj
+    elif depth < 8 and isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _nested_tensors(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+    elif depth < 8 and isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _nested_tensors(v, f"{prefix}.{i}" if prefix else str(i), depth + 1)
+
+
+class _FiniteHandle:
+    """A ``safe_open`` handle whose ``get_tensor`` refuses a tensor with NaN or infinity (see
+    :func:`check_finite_tensors`); everything else is the handle's own."""
+
+    def __init__(self, handle: Any, path: str, what: str) -> None:
+        self._handle, self._path, self._what = handle, path, what
+
+    def get_tensor(self, name: str) -> Any:
+        t = self._handle.get_tensor(name)
+        check_finite_tensors({name: t}, self._path, what=self._what)
+        return t
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)

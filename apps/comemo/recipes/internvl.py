@@ -50,7 +50,8 @@ from pathlib import Path
 
 import torch
 
-from core.infra.cli import UsageError, nonempty_path_obj, nonnegative_float, positive_float, positive_int, run_cli
+from core.infra.cli import (UsageError, nonempty_path_obj, nonnegative_float, positive_float, positive_int, run_cli,
+                            thread_count)
 from core.infra.device import add_device_options, resolve_dtype
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_options(p)
     p.add_argument("--attn", choices=("longctx", "sdpa", "eager"), default="longctx",
                    help="attention implementation of the model (default longctx: core.attention)")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the log and metrics.jsonl remain)")
     return p
 
