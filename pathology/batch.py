@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.infra.cli import fraction, nonempty_path, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.cli import (UsageError, capped_int, check_memory, fraction, nonempty_path, positive_float, positive_int,
+                            run_cli, worker_count)
 from core.infra.fileio import check_writable, open_image
+from core.infra.guard import check_outputs
 from core.infra.jobs import (
     Item,
     JobConfig,
@@ -62,6 +64,19 @@ __all__ = ["BatchConfig", "list_slides", "check_weights", "run_batch", "build_pa
 SLIDE_EXTENSIONS = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif",
                     ".dcm", ".czi", ".png", ".jpg", ".jpeg")
 TASKS = ("seg", "coords", "feat", "all")
+#: µm per pixel accepted by --mpp and --slide-mpp: scanners give 0.1-1 µm/px at level 0; 100 µm/px is 1/200 of 20x
+MIN_MPP, MAX_MPP = 0.01, 100.0
+#: the largest --patch-size (pixels at --mpp): encoders read 224-512 px patches
+MAX_PATCH_SIZE = 4096
+
+
+def mpp_arg(text: str) -> float:
+    """An argparse type: micrometres per pixel in [:data:`MIN_MPP`, :data:`MAX_MPP`]."""
+    value = positive_float(text)
+    if not MIN_MPP <= value <= MAX_MPP:
+        raise argparse.ArgumentTypeError(f"must be micrometres per pixel in [{MIN_MPP:g}, {MAX_MPP:g}] (scanners give "
+                                         f"0.1-1 at level 0), got {value:g}")
+    return value
 
 
 @dataclass(kw_only=True)
@@ -120,12 +135,14 @@ class BatchConfig:
 
 
 def list_slides(folder: str) -> list[str]:
-    """Slide files in ``folder`` (sorted by name), by extension."""
+    """Slide files in ``folder`` (sorted by name), by extension; a link to a missing file is listed (it fails, with
+    a manifest row, rather than vanishing)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"slides folder not found: {folder!r}")
     return sorted(
         os.path.join(folder, f) for f in os.listdir(folder)
-        if f.lower().endswith(SLIDE_EXTENSIONS) and not f.startswith(".") and os.path.isfile(os.path.join(folder, f))
+        if f.lower().endswith(SLIDE_EXTENSIONS) and not f.startswith(".")
+        and (os.path.isfile(os.path.join(folder, f)) or os.path.islink(os.path.join(folder, f)))
     )
 
 
@@ -298,8 +315,9 @@ class _SlideJob:
                 tissue = segment_tissue(slide)
                 _write_png(out["seg"], tissue.mask.astype(np.uint8) * 255, settings["seg"])
             # coords (the overview shows the grid: it is redrawn whenever the grid is made)
-            if "coords" in settings and os.path.exists(out["coords"]):
-                grid = grid_from_h5(read_h5(out["coords"]))
+            stored = read_h5(out["coords"]) if "coords" in settings and os.path.exists(out["coords"]) else None
+            if stored is not None and stored.get("tissue_fraction") is not None:  # resumed: the grid as it was made
+                grid = grid_from_h5(stored)
             else:
                 grid = patch_grid(slide, tissue, mpp=cfg.mpp, patch_size=cfg.patch_size, min_tissue=cfg.min_tissue)
                 thumb = tissue.thumbnail if tissue.thumbnail is not None else slide.thumbnail(max(tissue.mask.shape))
@@ -327,15 +345,36 @@ def _settings_attrs(settings: dict) -> dict[str, str]:
             "settings_fingerprint": settings_fingerprint(settings)}
 
 
-def run_batch(cfg: BatchConfig) -> list[dict]:
-    """Process every slide of this shard; returns the manifest rows.
+def run_batch(cfg: BatchConfig, *, encoder=None) -> list[dict]:
+    """Process every slide of this shard; returns the manifest rows (``encoder``: the patch encoder already built
+    from ``cfg``, e.g. by :func:`check_encoder`).
 
     Raises :class:`core.infra.jobs.SettingsMismatch` before any work when existing outputs were made with other settings
     (unless ``cfg.overwrite``), and the first failure unless ``cfg.skip_errors``.
     """
     os.makedirs(cfg.out, exist_ok=True)
     items = [Item(key=_slide_id(p), path=p) for p in list_slides(cfg.slides)]
-    return list(run_job(_SlideJob(cfg), items, cfg.job_config()).values())
+    job = _SlideJob(cfg)
+    job._encoder = encoder
+    return list(run_job(job, items, cfg.job_config()).values())
+
+
+def check_encoder(cfg: BatchConfig):
+    """The patch encoder of ``cfg`` built once before any slide (None when the task makes no features): an
+    ``--encoder``, ``--encoder-kwargs`` or ``--weights`` it cannot be built from is a ``UsageError`` (exit 2), not a
+    failure of every slide."""
+    from core.infra.cli import UsageError
+
+    if cfg.task not in ("feat", "all"):
+        return None
+    try:
+        return _build_encoder(cfg)
+    except (ImportError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the constructor refuses is a refusal of the options
+        kwargs = f" --encoder-kwargs {json.dumps(cfg.encoder_kwargs)}" if cfg.encoder_kwargs else ""
+        raise UsageError(f"--encoder {cfg.encoder}{kwargs}: the encoder cannot be built ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]})") from e
 
 
 def _json_object(text: str) -> dict:
@@ -354,11 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slides", required=True, help="folder with slide files")
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder")
     p.add_argument("--task", choices=TASKS, default="all", help="what to compute (default all)")
-    p.add_argument("--mpp", type=positive_float, default=0.5,
+    p.add_argument("--mpp", type=mpp_arg, default=0.5,
                    help="target micrometres per pixel of patches (default 0.5 ≈ 20x)")
-    p.add_argument("--patch-size", type=positive_int, default=256, help="patch side in pixels at --mpp (default 256)")
+    p.add_argument("--patch-size", type=capped_int(MAX_PATCH_SIZE, why="patch side in pixels"), default=256,
+                   help="patch side in pixels at --mpp (default 256)")
     p.add_argument("--min-tissue", type=fraction, default=0.25, help="minimum tissue fraction of a patch (default 0.25)")
-    p.add_argument("--slide-mpp", type=positive_float, default=None, help="µm/px of level 0 for slides whose files lack it")
+    p.add_argument("--slide-mpp", type=mpp_arg, default=None, help="µm/px of level 0 for slides whose files lack it")
     p.add_argument("--encoder", default="default", help="patch encoder: default | timm:<name> | open_clip:<name>")
     p.add_argument("--weights", default=None, help="local weights file for the encoder")
     p.add_argument("--encoder-kwargs", type=_json_object, default={}, metavar="JSON",
@@ -366,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the features")
     p.add_argument("--allow-partial-weights", action="store_true",
                    help="load weights that fill only part of the encoder (missing keys are logged); default: refuse")
-    p.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader workers reading tiles (default 0)")
+    p.add_argument("--workers", type=worker_count, default=0,
+                   help="DataLoader workers reading tiles (default 0; at most 4 per CPU core)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="patches per encoder batch")
     p.add_argument("--device", default=None, help="encoder device (default cuda if available else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -376,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.slides, args.weights])
+    if args.slide_mpp is not None and args.mpp < args.slide_mpp * 0.95:
+        raise UsageError(f"--mpp {args.mpp:g} is finer than --slide-mpp {args.slide_mpp:g}: patches would be upsampled; "
+                         "give --mpp >= --slide-mpp")
+    check_memory(args.batch_size * args.patch_size**2 * 3 * 4 * 4, what="one batch of patches (pixels, encoder input "
+                 "and activations)", options="--batch-size/--patch-size")
     if args.weights is not None and not os.path.isfile(args.weights):
         raise FileNotFoundError(f"--weights {args.weights!r} is not a file; give the local weights of the --encoder")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -392,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     list_slides(cfg.slides)
     check_writable(cfg.out, what="--out", folder=True)
     check_weights(cfg)
+    encoder = check_encoder(cfg)
     try:
-        rows = run_batch(cfg)
+        rows = run_batch(cfg, encoder=encoder)
     except SettingsMismatch:
         raise
     except Exception as e:  # noqa: BLE001

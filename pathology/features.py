@@ -176,7 +176,7 @@ def _encode_labels(values: list[str]) -> tuple[list[int], list[str]]:
     except ValueError:
         names = sorted(set(values))
         return [names.index(v) for v in values], names
-    if any(n != int(n) or n < 0 for n in nums):
+    if any(not np.isfinite(n) or n != int(n) or n < 0 for n in nums):
         bad = next(v for v, n in zip(values, nums) if n != int(n) or n < 0)
         raise ValueError(f"class label {bad!r} is neither a non-negative integer nor a name")
     ints = [int(n) for n in nums]
@@ -211,14 +211,12 @@ def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: 
     if patch_size_level0 is not None and not patch_size_level0 > 0:
         raise ValueError(f"patch_size_level0 ({patch_size_level0}) must be > 0")
     folder = _features_folder(features_dir)
-    with open(labels_csv, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        raise ValueError(f"{labels_csv!r} has no rows")
+    rows = _read_label_rows(labels_csv)
     need = [id_col] + ([target] if task == "cls" else [time_col, event_col])
     missing = [c for c in need if c not in rows[0]]
     if missing:
         raise ValueError(f"{labels_csv!r} lacks column(s) {missing}; it has {list(rows[0])}")
+    rows = _unique_ids(rows, labels_csv, id_col, need[1:])
     if patient_col not in rows[0]:
         logger.info("%s has no %r column: each slide is its own patient", labels_csv, patient_col)
     if task == "cls":
@@ -226,7 +224,12 @@ def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: 
         if unlabelled:
             logger.warning("%d slide(s) without a %r label skipped (e.g. %s)", len(unlabelled), target, unlabelled[:3])
         rows = [r for r in rows if (r[target] or "").strip()]
-        labels, names = _encode_labels([r[target].strip() for r in rows])
+        try:
+            labels, names = _encode_labels([r[target].strip() for r in rows])
+        except ValueError as err:
+            bad = next((r for r in rows if r[target].strip().lower() in ("nan", "inf", "-inf", "+inf")), None)
+            where = f" (line {bad['_line']}, slide {bad[id_col]!r})" if bad else ""
+            raise ValueError(f"{labels_csv!r} column {target!r}{where}: {err}") from None
     else:
         labels, names = [0] * len(rows), []
     bags, inferred = [], []
@@ -236,6 +239,10 @@ def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: 
             logger.warning("no features for %s (%s); skipped", r[id_col], path)
             continue
         ff = read_feature_file(path, patch_size_level0=patch_size_level0)
+        finite = np.isfinite(ff.features).all(axis=1)
+        if not finite.all():
+            raise ValueError(f"{path}: {int((~finite).sum())} of {len(finite)} patches have non-finite features (NaN "
+                             f"or infinity, first at row {int(np.argmin(finite))}); re-extract this slide's features")
         if len(ff.coords) == 0:
             logger.warning("%s has no patches (no tissue); skipped", r[id_col])
             continue
@@ -244,8 +251,8 @@ def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: 
         bags.append(Bag(
             slide_id=r[id_col], features=torch.from_numpy(ff.features), coords=torch.from_numpy(ff.coords),
             patch_size_level0=ff.patch_size_level0, label=y if task == "cls" else 0,
-            time=float(r[time_col]) if task == "survival" else 0.0,
-            event=int(float(r[event_col])) if task == "survival" else 0,
+            time=_survival_value(r, time_col, labels_csv, "time") if task == "survival" else 0.0,
+            event=int(_survival_value(r, event_col, labels_csv, "event")) if task == "survival" else 0,
             patient_id=(r.get(patient_col) or "").strip(), label_name=names[y] if task == "cls" else "",
         ))
     if inferred:
@@ -256,7 +263,71 @@ def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: 
                        inferred[0][0], inferred[0][1])
     if not bags:
         raise ValueError(f"no slide of {labels_csv!r} has features in {folder!r}")
+    if task == "cls" and len({b.label for b in bags}) < 2:
+        raise ValueError(f"{labels_csv!r} column {target!r}: every slide with features has the class "
+                         f"{bags[0].label_name!r}; a classifier needs at least two classes")
     return bags
+
+
+def _read_label_rows(labels_csv: str) -> list[dict]:
+    """The rows of a labels CSV (each with ``_line``, its line number); ``ValueError`` naming the file and line for
+    text that is not UTF-8 and for rows with more or fewer fields than the header."""
+    try:
+        with open(labels_csv, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            rows = []
+            for r in reader:
+                if None in r or any(v is None for v in r.values()):  # DictReader: extras under None, gaps None
+                    n = len(reader.fieldnames or []) + len(r.get(None) or []) - sum(
+                        v is None for k, v in r.items() if k is not None)
+                    raise ValueError(f"{labels_csv!r} line {reader.line_num}: {n} fields, the header has "
+                                     f"{len(reader.fieldnames or [])}; every row needs one value per column")
+                r["_line"] = reader.line_num
+                rows.append(r)
+    except UnicodeDecodeError as err:
+        with open(labels_csv, "rb") as f:
+            line = f.read(err.start).count(b"\n") + 1
+        raise ValueError(f"{labels_csv!r} line {line}: not UTF-8 text ({err.reason}); save the labels as UTF-8 CSV") \
+            from None
+    except csv.Error as err:
+        raise ValueError(f"{labels_csv!r}: not a CSV file ({err})") from None
+    if not rows:
+        raise ValueError(f"{labels_csv!r} has no rows")
+    return rows
+
+
+def _unique_ids(rows: list[dict], labels_csv: str, id_col: str, columns: list[str]) -> list[dict]:
+    """``rows`` with one row per slide id: a repeated id whose ``columns`` agree is kept once (with a warning); one
+    whose ``columns`` differ is a ``ValueError`` naming the id and both lines."""
+    first: dict[str, dict] = {}
+    out = []
+    for r in rows:
+        sid = (r[id_col] or "").strip()
+        if sid in first:
+            a = first[sid]
+            if any((a[c] or "").strip() != (r[c] or "").strip() for c in columns):
+                diff = ", ".join(f"{c} {a[c]!r} vs {r[c]!r}" for c in columns if (a[c] or "").strip() != (r[c] or "").strip())
+                raise ValueError(f"{labels_csv!r}: slide {sid!r} is on lines {a['_line']} and {r['_line']} with "
+                                 f"different values ({diff}); keep one row per slide")
+            logger.warning("%s: slide %r repeated on line %d (same values); counted once", labels_csv, sid, r["_line"])
+            continue
+        first[sid] = r
+        out.append(r)
+    return out
+
+
+def _survival_value(row: dict, col: str, labels_csv: str, what: str) -> float:
+    """A survival time (finite, >= 0) or event (0 or 1) of one row; ``ValueError`` naming file, column and line."""
+    text = (row[col] or "").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    ok = np.isfinite(value) and (value >= 0 if what == "time" else value in (0.0, 1.0))
+    if not ok:
+        want = "a finite number >= 0" if what == "time" else "0 (censored) or 1 (event observed)"
+        raise ValueError(f"{labels_csv!r} column {col!r} line {row['_line']}: {text!r} is not {want}")
+    return value
 
 
 def class_names(bags: list[Bag]) -> list[str]:

@@ -123,7 +123,8 @@ def write_h5(path: str | os.PathLike, grid: PatchGrid, features: np.ndarray | No
 
 
 def read_h5(path: str | os.PathLike) -> dict:
-    """Read a patch/feature HDF5 file: dict with ``coords``, ``features`` (or None), ``attrs`` (coords attrs + root)."""
+    """Read a patch/feature HDF5 file: dict with ``coords``, ``features`` (or None), ``tissue_fraction`` (or None:
+    files of other writers) and ``attrs`` (coords attrs + root)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"HDF5 file not found: {path!r}")
@@ -134,6 +135,7 @@ def read_h5(path: str | os.PathLike) -> dict:
             out = {
                 "coords": f["coords"][:],
                 "features": f["features"][:] if "features" in f else None,
+                "tissue_fraction": f["tissue_fraction"][:] if "tissue_fraction" in f else None,
                 "attrs": {**dict(f["coords"].attrs), **dict(f.attrs)},
             }
     except OSError as e:  # a file that opens but whose datasets cannot be read (damaged)
@@ -142,10 +144,15 @@ def read_h5(path: str | os.PathLike) -> dict:
 
 
 def grid_from_h5(data: dict) -> PatchGrid:
+    """The :class:`PatchGrid` stored by :func:`write_h5` (as :func:`read_h5` returns it), its tissue fractions
+    included; ``ValueError`` when the file holds none (another writer's file: make the grid again)."""
     a = data["attrs"]
     n = data["coords"].shape[0]
+    frac = data.get("tissue_fraction")
+    if frac is None or np.shape(frac) != (n,):
+        raise ValueError(f"the patch file holds no tissue_fraction for its {n} patches; make the grid again")
     return PatchGrid(data["coords"].astype(np.int64), int(a["patch_size"]), int(a["patch_size_level0"]),
-                     int(a["patch_level"]), float(a["mpp"]), float(a["slide_mpp"]), np.ones(n, np.float32))
+                     int(a["patch_level"]), float(a["mpp"]), float(a["slide_mpp"]), np.asarray(frac, np.float32))
 
 
 def overview_image(thumbnail: np.ndarray, downsample: float, *, mask: np.ndarray | None = None,

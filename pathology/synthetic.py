@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
+from core.infra.cli import capped_int, memory_capped_int, nonempty_path, positive_float, run_cli
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -506,18 +507,28 @@ def _fill_survival(spec: SlideSpec) -> None:
     _set_survival(spec, render_layout(spec)[0])
 
 
+#: memory of rendering per level-0 pixel (the layout and the first pyramid level are held; measured: 0.19 B/px
+#: at 16384 px), the largest --size (whole-slide scans reach about 150,000 px) and the most slides per call
+BYTES_PER_PIXEL = 0.25
+MAX_SIDE = 200_000
+MAX_SLIDES = 100_000
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.synthetic", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder (created)")
-    p.add_argument("--n", type=positive_int, default=8, help="number of slides")
+    p.add_argument("--n", type=capped_int(MAX_SLIDES, why="slides per call"), default=8, help="number of slides")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--size", type=positive_int, default=8192, help="nominal level-0 side in pixels (default 8192)")
+    p.add_argument("--size", type=memory_capped_int(BYTES_PER_PIXEL, power=2, what="rendering a slide", minimum=TILE,
+                                                    limit=MAX_SIDE, limit_why="larger than whole-slide scans"),
+                   default=8192, help=f"nominal level-0 side in pixels (default 8192, {TILE} to {MAX_SIDE})")
     p.add_argument("--mpp", type=positive_float, default=0.5, help="micrometres per pixel at level 0 (default 0.5)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     specs = generate_dataset(args.out, n=args.n, seed=args.seed, size=args.size, mpp=args.mpp, progress=True)
     logger.info("wrote %d slides and labels.csv to %s", len(specs), args.out)

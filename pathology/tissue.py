@@ -47,6 +47,10 @@ class TissueConfig:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
 
 
+#: the smallest slide side (pixels) the tissue detector reads
+MIN_SLIDE_SIDE = 16
+
+
 @dataclass
 class TissueMask:
     """A boolean tissue mask and its scale."""
@@ -77,7 +81,7 @@ def tissue_mask_from_rgb(rgb: np.ndarray, *, um_per_px: float, config: TissueCon
         thr = 1.0
     thr = max(thr, cfg.min_saturation)
     mask = (sat > thr) & (val > cfg.max_value_dark)
-    r = int(round(cfg.close_um / um_per_px))
+    r = min(int(round(cfg.close_um / um_per_px)), max(mask.shape))  # a disk wider than the image closes nothing more
     if r >= 1:
         mask = ndi.binary_closing(np.pad(mask, r), structure=disk(r))[r:-r, r:-r]
     px_area = um_per_px * um_per_px
@@ -94,6 +98,9 @@ def segment_tissue(slide: Slide, config: TissueConfig | None = None) -> TissueMa
     """Tissue mask of ``slide`` computed on a thumbnail at about ``config.seg_mpp`` µm/px."""
     cfg = config or TissueConfig()
     W, H = slide.dimensions
+    if min(W, H) < MIN_SLIDE_SIDE:
+        raise ValueError(f"the slide is {W}x{H} pixels: too small to hold tissue (at least {MIN_SLIDE_SIDE} pixels a "
+                         "side)")
     size = int(min(cfg.max_seg_size, max(16, round(max(W, H) * slide.mpp / cfg.seg_mpp))))
     thumb = slide.thumbnail(size)
     downsample = W / thumb.shape[1]

@@ -22,13 +22,15 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 
 import torch
 
-from core.infra.cli import (fraction, nonempty_path, nonnegative_float, nonnegative_int, positive_float, positive_int,
-                            run_cli)
+from core.infra.cli import (PartialFailure, fraction, nonempty_path, nonnegative_float, nonnegative_int,
+                            positive_float, positive_int, run_cli, worker_count)
+from core.infra.guard import check_outputs
 from pathology.mil import MODEL_NAMES
 from pathology.querent import POS_ENCODINGS, QuerentConfig
 from pathology.training import TrainConfig, cross_validate, load_bags, read_splits, save_training_curves
@@ -103,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pos-encoding", choices=POS_ENCODINGS, default="sincos",
                    help="Querent/dense positions: sine-cosine added to the input, 2-D RoPE in every layer, both, none")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=worker_count, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder for metrics and models")
     p.add_argument("--no-progress", action="store_true")
@@ -127,6 +129,7 @@ def _write_csv(path: str, rows: list[dict]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.features, args.labels, args.splits])
     if args.splits is None and args.folds < 2:
         raise SystemExit(f"--folds must be >= 2 (or give --splits), got {args.folds}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -167,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          title=f"{args.model} on {tag}: loss per epoch (dashed: validation; dotted: best epoch)")
     _write_json(os.path.join(args.out, f"{args.model}_config.json"),
                 {**dataclasses.asdict(mcfg), "classes": res["classes"]})
+    nonfinite = [k for k, v in res["summary"].items() if not all(math.isfinite(x) for x in v.values())]
+    if nonfinite:
+        raise PartialFailure(f"the cross-validated {', '.join(nonfinite)} came out non-finite (written to {path}): "
+                             "the model or the data gave NaN outputs")
     shown = {k: f"{v['mean']:.3f} ± {v['std']:.3f} (min {v['min']:.3f}, max {v['max']:.3f})"
              for k, v in res["summary"].items()}
     logger.info("%s %s: %s; pooled out-of-fold %s -> %s", args.model, tag, shown, res["pooled"], path)

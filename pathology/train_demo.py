@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from core.infra.cli import nonempty_path, open_fraction, positive_int, run_cli, thread_count
-from core.infra.fileio import check_writable
+from core.infra.fileio import check_writable, set_file_mode
 from pathology.batch import BatchConfig, run_batch
 from pathology.inference import DEFAULT_SLIDE_MODEL, SAMPLES_DIR
 from pathology.querent import QuerentConfig
@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out + ".tmp")
+    set_file_mode(args.out + ".tmp")  # safetensors writes 0600: follow the user's umask
     os.replace(args.out + ".tmp", args.out)
     meta = {
         "name": "longctx querent_lesion (demo slide model)",

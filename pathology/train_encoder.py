@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli, thread_count
-from core.infra.fileio import torch_load
+from core.infra.fileio import set_file_mode, torch_load
 from pathology.encoders import IMAGENET_MEAN, IMAGENET_STD, SmallPatchCNN
 from pathology.synthetic import CLASSES, LAYOUT_SCALE, TILE, _pad, _Renderer, render_layout, sample_spec
 
@@ -169,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta = {"dim": str(args.dim), "input_size": str(args.input_size), "widths": args.widths}
         out = os.path.join(args.out, "patch_encoder_small.safetensors")
         save_file(sd, out + ".tmp", metadata=meta)
+        set_file_mode(out + ".tmp")  # safetensors writes 0600: follow the user's umask
         os.replace(out + ".tmp", out)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": g.get_state(), "step": step,
                     "elapsed": elapsed}, ckpt + ".tmp")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from core.infra.fileio import set_file_mode
 from pathology.features import Bag, class_names, load_bags  # re-exported: bags are built where feature files are read
 from pathology.mil import build_model
 from pathology.querent import QuerentConfig
@@ -530,6 +531,7 @@ def cross_validate(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Tr
             os.makedirs(save_dir, exist_ok=True)
             p = os.path.join(save_dir, f"{name}_fold{k}.safetensors")
             save_file({a: b.detach().cpu().contiguous() for a, b in model.state_dict().items()}, p + ".tmp")
+            set_file_mode(p + ".tmp")  # the safetensors writer makes 0600: follow the user's umask
             os.replace(p + ".tmp", p)
     keys = [k for k in ("auc", "balanced_accuracy", "c_index") if k in per_fold[0]]
     summary = {k: _spread([f[k] for f in per_fold]) for k in keys}

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from core.infra.cli import nonempty_path, run_cli
-from core.infra.fileio import load_safetensors
+from core.infra.fileio import load_safetensors, set_file_mode
 from core.infra.guard import check_output, check_ship_run
 from rl.envs import env_family
 from rl.sac import Actor
@@ -132,6 +132,7 @@ def export_run(run_dir: str | os.PathLike, env_id: str, out_dir: str | os.PathLi
     tensors = load_safetensors(run_dir / "snapshots.safetensors", what="the actor snapshots written by rl.sac")
     tmp = st.with_name(st.name + ".tmp")
     save_file(tensors, str(tmp))
+    set_file_mode(tmp)  # safetensors writes 0600: follow the user's umask
     os.replace(tmp, st)
     card_path = st.with_suffix(".json")
     tmp = card_path.with_name(card_path.name + ".tmp")

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.infra.cli import check_memory, nonempty_path, positive_int, run_cli, thread_count
-from core.infra.fileio import torch_load, torch_save_atomic
+from core.infra.fileio import set_file_mode, torch_load, torch_save_atomic
 from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,7 @@ def _save_snapshots(out: Path, snaps: dict[str, dict[str, torch.Tensor]], meta: 
     flat = {f"{name}.{k}": v.contiguous() for name, sd in snaps.items() for k, v in sd.items()}
     tmp = out / "snapshots.safetensors.tmp"
     save_file(flat, str(tmp))
+    set_file_mode(tmp)  # safetensors writes 0600: follow the user's umask
     os.replace(tmp, out / "snapshots.safetensors")
     _atomic_write_text(out / "snapshots.json", json.dumps(meta, indent=1))
 

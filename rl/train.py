@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from core.infra.cli import (capped_int, check_memory, finite_float, fraction, nonempty_path, nonnegative_float,
                             nonnegative_int, positive_float, positive_int, run_cli, thread_count)
-from core.infra.fileio import torch_load
+from core.infra.fileio import set_file_mode, torch_load
 from core.infra.guard import check_outputs
 from rl.data import OfflineDataset, check_env_compat, load_dataset, returns_to_go
 from rl.models import DMConfig, DTConfig, build_model, config_from_dict, config_to_dict
@@ -190,6 +190,7 @@ class Trainer:
 def _atomic(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    set_file_mode(tmp)  # safetensors writes 0600: follow the user's umask
     os.replace(tmp, path)
 
 

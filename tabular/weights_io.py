@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from core.infra.fileio import load_safetensors, load_state_dict_checked, open_safetensors, torch_load
+from core.infra.fileio import load_safetensors, load_state_dict_checked, open_safetensors, set_file_mode, torch_load
 from tabular.model import TabICL, TabICLConfig
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; these files are meant to be shared
+    set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
     os.replace(tmp, path)
 
 
@@ -55,7 +55,7 @@ def save_model(model: TabICL, path: str | os.PathLike, *, extra: dict | None = N
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     save_file(tensors, tmp, metadata=meta)
-    os.chmod(tmp, 0o644)
+    set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
     os.replace(tmp, path)
 
 

@@ -36,8 +36,9 @@ import logging
 import time
 from pathlib import Path
 
-from core.infra.cli import UsageError, fraction, nonempty_path, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.cli import UsageError, capped_int, fraction, nonempty_path, positive_float, run_cli
 from core.infra.fileio import check_writable
+from core.infra.guard import check_outputs
 from core.infra.jobs import (
     Item,
     JobConfig,
@@ -58,13 +59,14 @@ __all__ = ["list_videos", "parse_shard", "model_settings", "process_video", "run
 
 
 def list_videos(folder, shard: tuple[int, int] = (0, 1)) -> list[Path]:
-    """Video files directly in ``folder`` (by extension), sorted by name, this shard's share."""
+    """Video files directly in ``folder`` (by extension), sorted by name, this shard's share; a link to a missing
+    file is listed (it fails, with a manifest row, rather than vanishing)."""
     from video.io import is_video_file
 
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"videos folder not found: {str(folder)!r}")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and is_video_file(p))
+    files = sorted(p for p in folder.iterdir() if (p.is_file() or p.is_symlink()) and is_video_file(p))
     i, n = shard
     return files[i::n]
 
@@ -203,6 +205,21 @@ def _run(videos, cfg: JobConfig, iv, job=None) -> dict[str, dict]:
     return run_job(job or _VideoJob(iv, Path(cfg.out)), items, cfg)
 
 
+#: the most frames per chunk (a chunk's frames are decoded and encoded together)
+MAX_CHUNK = 4096
+#: read rates accepted by --fps: from one frame per 1000 s to 1000 frames/s (no camera records faster; above the
+#: file's own rate frames repeat)
+MIN_FPS, MAX_FPS = 0.001, 1000.0
+
+
+def fps_arg(text: str) -> float:
+    """An argparse type: a read rate in frames per second in [:data:`MIN_FPS`, :data:`MAX_FPS`]."""
+    value = positive_float(text)
+    if not MIN_FPS <= value <= MAX_FPS:
+        raise argparse.ArgumentTypeError(f"must be frames per second in [{MIN_FPS:g}, {MAX_FPS:g}], got {value:g}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from video.infinite import METHODS
 
@@ -214,15 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf:DIR for a local transformers InstructBLIP-Video folder (free-text prompt, see --prompt); "
                         "a weights file is the same as --weights")
     p.add_argument("--method", default="infinite", choices=METHODS, help="how each video is read")
-    p.add_argument("--chunk-size", type=positive_int, default=None,
+    p.add_argument("--chunk-size", type=capped_int(MAX_CHUNK, why="frames held in memory at once"), default=None,
                    help="frames per chunk (default 32; with hf: the model's clip length, 4)")
     p.add_argument("--alpha", type=fraction, default=0.75, help="weight of the chunk's own attention; 1 - alpha on the memory (default 0.75)")
     p.add_argument("--prompt", default="Describe what happens in the video.",
                    help="instruction the Q-former reads (hf: only)")
-    p.add_argument("--max-new-tokens", type=nonnegative_int, default=0,
+    p.add_argument("--max-new-tokens", type=capped_int(4096, minimum=0, why="tokens of one answer"), default=0,
                    help="also generate the answer to --prompt with this many tokens (hf: only; 0 = no text)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="hf: model dtype")
-    p.add_argument("--fps", type=positive_float, default=None, help="read rate in frames/s (default: every frame)")
+    p.add_argument("--fps", type=fps_arg, default=None, help="read rate in frames/s (default: every frame)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_job_arguments(p, item="video")
     return p
@@ -231,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.videos, args.weights, args.model])
     from video.infinite import InfiniteVideo, InfiniteVideoConfig
 
     # Bad options, a missing videos folder and files made with other settings are bad usage or input: one line,

@@ -39,7 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli
+from core.infra.cli import capped_int, nonempty_path, positive_float, positive_int, run_cli
+from core.infra.fileio import set_file_mode
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +431,7 @@ def write_video(path, frames: Iterator[np.ndarray] | Sequence[np.ndarray], *, fp
                 raise ValueError("no frames to write")
             for packet in stream.encode():
                 container.mux(packet)
-        os.chmod(tmp, 0o644)
+        set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -440,7 +442,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.chmod(tmp, 0o644)
+    set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
     os.replace(tmp, path)
 
 
@@ -477,7 +479,7 @@ def write_dataset(out, *, n: int, frames: Sequence[int], seed: int, size: int = 
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".questions.csv.")
     with os.fdopen(fd, "w", newline="") as f:
         csv.writer(f).writerows(rows)
-    os.chmod(tmp, 0o644)
+    set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
     os.replace(tmp, out / "questions.csv")
     return records
 
@@ -496,13 +498,19 @@ def load_dataset(root) -> list[dict]:
     return records
 
 
+#: the most videos per call and the largest frame side (4K frames; H.264 levels stop there)
+MAX_VIDEOS = 100_000
+MAX_SIDE = 4096
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m video.synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder")
-    p.add_argument("--n", type=positive_int, default=10, help="number of videos")
+    p.add_argument("--n", type=capped_int(MAX_VIDEOS, why="videos per call"), default=10, help="number of videos")
     p.add_argument("--frames", default="256", help="frames per video, or a comma list cycled over the videos")
     p.add_argument("--seed", type=int, default=0, help="dataset seed")
-    p.add_argument("--size", type=positive_int, default=32, help="frame side in pixels (the shipped model reads 32)")
+    p.add_argument("--size", type=capped_int(MAX_SIDE, why="frame side; the shipped model reads 32"), default=32,
+                   help=f"frame side in pixels (the shipped model reads 32; at most {MAX_SIDE})")
     p.add_argument("--fps", type=positive_float, default=25.0, help="frame rate of the written files")
     p.add_argument("--balanced", type=positive_int, default=None,
                    help="answer-balanced questions, up to this many per type and video (default: one per type)")
@@ -512,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
     try:
         frames = [int(f) for f in str(args.frames).split(",") if f.strip()]
     except ValueError:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from core.continuous import ContinuousMemoryConfig
 from core.infra.cli import (fraction, nonempty_path, nonnegative_float, positive_float, positive_int, run_cli,
                             thread_count)
-from core.infra.fileio import check_writable, load_safetensors_model, open_safetensors, torch_load, torch_save_atomic
+from core.infra.fileio import (check_writable, load_safetensors_model, open_safetensors, set_file_mode, torch_load,
+                               torch_save_atomic)
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
     COLOURS,
@@ -152,13 +153,13 @@ def save_weights(model: VideoQAModel, path, card: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     save_file(state, tmp, metadata={"config": json.dumps(model.config.to_dict())})
-    os.chmod(tmp, 0o644)
+    set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
     os.replace(tmp, path)
     card_path = path.with_suffix(".json")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{card_path.name}.")
     with os.fdopen(fd, "w") as f:
         json.dump(card, f, indent=2)
-    os.chmod(tmp, 0o644)
+    set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
     os.replace(tmp, card_path)
 
 

@@ -322,16 +322,19 @@ def total_memory_bytes() -> int:
         return 16 * 2**30
 
 
-def memory_capped_int(bytes_per_unit: float, *, what: str, power: int = 1, minimum: int = 1,
-                      share: float = 0.5) -> Callable[[str], int]:
+def memory_capped_int(bytes_per_unit: float, *, what: str, power: int = 1, minimum: int = 1, share: float = 0.5,
+                      limit: int | None = None, limit_why: str = "") -> Callable[[str], int]:
     """An argparse type for a value whose memory grows as ``bytes_per_unit * value**power`` (an image side:
     ``power=2``): refused above the largest value whose estimate fits in ``share`` of :func:`total_memory_bytes`
-    (and above :data:`MAX_COUNT`). ``what`` names the estimate in the refusal (``"an RGB slide at level 0"``)."""
+    (and above :data:`MAX_COUNT`). ``what`` names the estimate in the refusal (``"an RGB slide at level 0"``).
+    ``limit`` is a documented cap that applies as well (``limit_why`` says why), whichever is lower."""
     budget = share * total_memory_bytes()
     cap = int((budget / bytes_per_unit) ** (1.0 / power))
     cap = max(minimum, min(cap, MAX_COUNT))
     why = (f"{what} takes about {bytes_per_unit:g} bytes x value{'^' + str(power) if power > 1 else ''}; "
            f"the cap keeps it within {share:.0%} of this machine's {total_memory_bytes() / 2**30:.0f} GiB")
+    if limit is not None and limit < cap:
+        cap, why = max(minimum, limit), limit_why or "the documented cap"
     return _bounded(minimum, cap, why, f"memory_capped_{cap}")
 
 

@@ -24,9 +24,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["file_mode", "set_file_mode", "atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic", "check_writable",
-           "load_safetensors", "open_safetensors", "load_safetensors_model", "load_state_dict_checked", "torch_load",
-           "open_hdf5", "open_image", "file_sha256", "check_finite_tensors"]
+__all__ = ["file_mode", "set_file_mode", "atomic_path", "torch_save_atomic", "write_text_atomic", "write_json_atomic",
+           "check_writable", "load_safetensors", "open_safetensors", "load_safetensors_model",
+           "load_state_dict_checked", "torch_load", "open_hdf5", "open_image", "file_sha256", "check_finite_tensors"]
 
 
 def _umask() -> int:

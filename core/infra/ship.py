@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from core.infra.fileio import set_file_mode
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAME_RULE", "check_name", "check_weights_path", "require_files", "read_json_file", "read_jsonl_file",
@@ -190,13 +192,13 @@ class Staging:
         """Stage a byte copy of ``src`` as ``target``."""
         staged = self.path(target)
         shutil.copyfile(src, staged)
-        os.chmod(staged, 0o644)
+        set_file_mode(staged)  # the user's umask (mkstemp and safetensors make 0600)
         return staged
 
     def write_text(self, target: str | os.PathLike, text: str) -> Path:
         staged = self.path(target)
         staged.write_text(text, encoding="utf-8")
-        os.chmod(staged, 0o644)
+        set_file_mode(staged)  # the user's umask (mkstemp and safetensors make 0600)
         return staged
 
     def write_json(self, target: str | os.PathLike, obj: Any, *, indent: int = 2) -> Path:

@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from core.infra.fileio import set_file_mode
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,12 +34,12 @@ def atomic_target(path: str | os.PathLike, suffix: str = "") -> str:
 def atomic_write(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
     """Yield a temp path to write; on success it is renamed onto ``path``, on error removed.
 
-    ``suffix`` keeps an extension some writers need (``".png"``). The file gets mode 0644 (not mkstemp's 0600).
+    ``suffix`` keeps an extension some writers need (``".png"``). The file gets the mode the user's umask gives new files (not 0600).
     """
     tmp = atomic_target(path, suffix)
     try:
         yield tmp
-        os.chmod(tmp, 0o644)
+        set_file_mode(tmp)  # the user's umask (mkstemp and safetensors make 0600)
         os.replace(tmp, os.fspath(path))
     finally:
         _unlink(tmp)
