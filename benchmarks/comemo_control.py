@@ -48,6 +48,7 @@ import torch
 
 from core.infra.cli import UsageError, nonempty_path_obj, positive_int, run_cli, thread_count
 from core.infra.fileio import file_sha256
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import portable_args, write_json_atomic
 
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out), ("--runs", args.runs)])
     if not args.init_from.is_file():
         raise UsageError(f"--init-from {args.init_from}: no such weights file")
     if not (args.init_from.parent / "tokenizer.json").is_file():

@@ -43,6 +43,7 @@ from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
 from benchmarks.common import PeakRSS, portable_args, run_isolated
 from core.infra.cli import nonnegative_int, open_fraction, positive_float, positive_int, run_cli
 from core.infra.fileio import write_json_atomic
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.model])
     if args.plot_from:
         print(plot_curves([json.loads(p.read_text()) for p in args.plot_from], args.plot))
         return 0

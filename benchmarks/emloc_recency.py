@@ -40,6 +40,7 @@ from apps.emloc.data import Episode, EpisodeConfig, make_episode
 from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
 from core.infra.cli import UsageError, fraction, nonnegative_int, positive_float, positive_int, run_cli
 from core.infra.fileio import write_json_atomic
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.model])
     if args.rare >= args.n_way:
         raise UsageError(f"--rare ({args.rare}) must be below --n-way ({args.n_way})")
     try:

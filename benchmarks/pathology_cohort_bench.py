@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from core.infra.cli import positive_int, run_cli, thread_count
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -269,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "pathology_cohort.json"))
     p.add_argument("--threads", type=thread_count, default=1)
     args = p.parse_args(argv)
+    check_outputs([("--out", args.out), ("--records", args.records)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.stage == "summary":
         t = summary(read_records(args.records), args.out)

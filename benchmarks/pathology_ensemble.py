@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from core.infra.cli import UsageError, nonempty_path, positive_int, run_cli, thread_count
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -211,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from core.infra.fileio import check_writable, write_json_atomic
 
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out), ("--records", args.records)])
     if min(args.seeds) < FIRST_DEV_SEED:
         raise UsageError(f"--seeds must be development cohort seeds >= {FIRST_DEV_SEED} (lower seeds are kept for "
                          f"reported results), got {sorted(args.seeds)}")

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from core.infra.cli import UsageError, positive_int, run_cli, thread_count
+from core.infra.guard import check_outputs
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = {
@@ -216,6 +217,7 @@ def _write(path: Path, data: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
     try:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from collections.abc import Sequence
 
-from core.infra.cli import InputTally, UsageError, positive_float, run_cli
+from core.infra.cli import InputTally, UsageError, positive_float, run_cli, worker_count
+from core.infra.guard import check_outputs
+from pathology.batch import mpp_arg
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Querent safetensors (its .json beside it), or a pathology.train output folder (its fold "
                         "models averaged; several models there: give its <model>_config.json); default: the shipped "
                         "demo model")
-    p.add_argument("--slide-mpp", type=positive_float, default=None, help="µm/px of level 0 for files that lack it")
+    p.add_argument("--slide-mpp", type=mpp_arg, default=None, help="µm/px of level 0 for files that lack it")
     p.add_argument("--encoder-weights", default=None, help="weights file for the model's patch encoder (default: shipped)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers reading tiles")
+    p.add_argument("--workers", type=worker_count, default=0, help="DataLoader workers reading tiles (at most 4 per core)")
     return p
 
 
@@ -46,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pathology.inference import analyze_slide, load_slide_model, slide_encoder
     from pathology.patching import save_png
 
+    check_outputs([("--out", args.out)], inputs=[*args.slides, args.model, args.encoder_weights])
     check_writable(args.out, what="--out", folder=True)
     if args.slide_mpp is not None and not args.slide_mpp > 0:
         raise UsageError(f"--slide-mpp must be a positive number of micrometres per pixel, got {args.slide_mpp}")
@@ -66,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"{a.slide_id!r}); predict it in another call with another --out")
             save_png(os.path.join(args.out, f"{a.slide_id}_overview.png"), a.overview)
             save_png(os.path.join(args.out, f"{a.slide_id}_heatmap.png"), a.heatmap)
+            if not all(math.isfinite(float(v)) for v in a.probabilities):
+                raise ValueError(f"the model's probabilities are not finite ({list(a.probabilities)})")
             res = {"slide": path, "n_patches": a.n_patches, "probabilities": dict(zip(a.class_names, a.probabilities)),
                    "timings": a.timings}
             write_json_atomic(os.path.join(args.out, f"{a.slide_id}.json"), res)

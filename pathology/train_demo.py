@@ -23,12 +23,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from core.infra.cli import nonempty_path, open_fraction, positive_int, run_cli, thread_count
+from core.infra.cli import (capped_int, memory_capped_int, nonempty_path, open_fraction, positive_int, run_cli,
+                            thread_count)
 from core.infra.fileio import check_writable, set_file_mode
+from core.infra.guard import check_output, check_outputs
 from pathology.batch import BatchConfig, run_batch
 from pathology.inference import DEFAULT_SLIDE_MODEL, SAMPLES_DIR
 from pathology.querent import QuerentConfig
-from pathology.synthetic import generate_dataset
+from pathology.synthetic import BYTES_PER_PIXEL, MAX_SIDE, MAX_SLIDES, TILE, generate_dataset
 from pathology.training import TrainConfig, evaluate, load_bags, train_model
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,11 @@ PATCH_MPP, PATCH_SIZE = 1.0, 128
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pathology.train_demo", description=__doc__.split("\n")[0])
     p.add_argument("--work", type=nonempty_path, required=True, help="working folder for slides and features")
-    p.add_argument("--n", type=positive_int, default=32, help="synthetic slides (at least 3: 2 are held out)")
-    p.add_argument("--size", type=positive_int, default=3072, help="slide side in pixels (level 0, 0.5 µm/px)")
+    p.add_argument("--n", type=capped_int(MAX_SLIDES, why="slides per call"), default=32,
+                   help="synthetic slides (at least 3: 2 are held out)")
+    p.add_argument("--size", type=memory_capped_int(BYTES_PER_PIXEL, power=2, what="rendering a slide", minimum=TILE,
+                                                    limit=MAX_SIDE, limit_why="larger than whole-slide scans"),
+                   default=3072, help="slide side in pixels (level 0, 0.5 µm/px)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--epochs", type=positive_int, default=30)
     p.add_argument("--test-fraction", type=open_fraction, default=0.25)
@@ -52,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # it makes the shipped demo model: pathology/weights is its own destination (the working folder never is)
+    check_output(args.out, ship="pathology")
+    check_outputs([("--work", args.work), ("--samples", args.samples)])
     check_writable(args.out, what="--out")
     check_writable(args.samples, what="--samples", folder=True)
     if args.n < 3:

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.infra.cli import nonempty_path, positive_float, positive_int, run_cli, thread_count
+from core.infra.cli import check_memory, nonempty_path, positive_float, positive_int, run_cli, thread_count
 from core.infra.fileio import set_file_mode, torch_load
+from core.infra.guard import check_outputs
 from pathology.encoders import IMAGENET_MEAN, IMAGENET_STD, SmallPatchCNN
 from pathology.synthetic import CLASSES, LAYOUT_SCALE, TILE, _pad, _Renderer, render_layout, sample_spec
 
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
+    check_memory(args.batch * args.input_size**2 * 4 * (3 + 4 * max(int(w) for w in args.widths.split(",") if w.strip())),
+                 what="one training batch of tiles with the encoder's activations", options="--batch/--input-size/--widths")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-from core.infra.cli import open_fraction, positive_int, run_cli
+from core.infra.cli import capped_int, open_fraction, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,9 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         raise ValueError(f"target column {target!r} is not in the table; columns are {list(df.columns)}")
     if not 0 < test_size < 1:
         raise ValueError(f"test_size must be in (0, 1), got {test_size}")
+    unlabelled = int(df[target].isna().sum())
+    if unlabelled:  # rows without a label cannot be fitted or scored: dropped, and said so
+        logger.warning("%d of %d rows have no %r value and are left out", unlabelled, len(df), target)
     df = df[df[target].notna()]
     if len(df) > max_rows:
         df = df.sample(max_rows, random_state=seed)
@@ -156,6 +160,9 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         warnings.simplefilter("always", UserWarning)
         proba = clf.fit(Xtr, ytr).predict_proba(Xte)
     notes = list(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, UserWarning)))
+    if not np.isfinite(proba).all():
+        raise ValueError(f"TabICL's class probabilities are not finite ({int((~np.isfinite(proba)).any(1).sum())} of "
+                         f"{len(proba)} test rows): the checkpoint or the table gives NaN")
     pred = clf.classes_[proba.argmax(1)]
     rows.append({"model": "TabICL", "accuracy": float(accuracy_score(yte, pred)), "seconds": time.perf_counter() - t0})
     if baselines:
@@ -174,6 +181,7 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         "confusion": confusion_matrix(yte, pred, labels=clf.classes_).tolist(),
         "proba_head": [[float(v) for v in r] for r in proba[:10]],
         "true_head": [str(v) for v in yte[:10]],
+        "n_unlabelled_dropped": unlabelled,
         "n_train": int(len(ytr)),
         "n_test": int(len(yte)),
         "features": int(X.shape[1]),
@@ -183,6 +191,43 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
     }
 
 
+#: caps of --n-estimators (the paper's ensembles have 32 members) and --finetune-steps
+MAX_ESTIMATORS = 256
+MAX_FINETUNE_STEPS = 100_000
+
+
+def read_table(path: str | os.PathLike, target: str):
+    """A CSV file as a DataFrame whose ``target`` column keeps its text (labels ``2`` stay ``"2"``, whatever other
+    rows hold); ``ValueError`` naming the file and line for a row with more or fewer fields than the header, and the
+    column and row for an infinite number (a missing value, empty or ``NA``, is allowed: TabICL imputes it)."""
+    import csv
+
+    import pandas as pd
+
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if not header:
+                raise ValueError(f"{path} is empty; expected a CSV file with a header row")
+            for row in reader:
+                if row and len(row) != len(header):
+                    raise ValueError(f"{path} line {reader.line_num}: {len(row)} fields, the header has {len(header)}; "
+                                     "every row needs one value per column")
+        df = pd.read_csv(path, dtype={target: str} if target in header else None, encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save the table as UTF-8 CSV") from None
+    except (csv.Error, pd.errors.ParserError) as e:
+        raise ValueError(f"could not read {path} as CSV: {e}") from None
+    for col in df.columns:
+        if col != target and pd.api.types.is_float_dtype(df[col]):
+            inf = np.isinf(df[col].to_numpy())
+            if inf.any():
+                raise ValueError(f"{path} column {col!r}: infinite value on line {int(np.argmax(inf)) + 2} "
+                                 f"({int(inf.sum())} in all); give finite numbers (leave missing values empty)")
+    return df
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tabular.compare", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -190,11 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--csv", type=Path, help="a CSV file")
     p.add_argument("--target", default="target", help="label column")
     p.add_argument("--test-size", type=open_fraction, default=0.3, help="held-out share")
-    p.add_argument("--n-estimators", type=positive_int, default=4, help="TabICL ensemble members")
+    p.add_argument("--n-estimators", type=capped_int(MAX_ESTIMATORS, why="ensemble members, each a full forward pass"),
+                   default=4, help=f"TabICL ensemble members (at most {MAX_ESTIMATORS})")
     p.add_argument("--checkpoint", default=None, help="TabICL checkpoint (default: shipped)")
     p.add_argument("--seed", type=int, default=0, help="split seed")
     p.add_argument("--verbose", action="store_true", help="TabICL's progress bars (fine-tuning, predictions) on stderr")
-    p.add_argument("--finetune-steps", type=int, default=0,
+    p.add_argument("--finetune-steps", type=capped_int(MAX_FINETUNE_STEPS, minimum=0, why="fine-tuning steps"), default=0,
                    help="fine-tune TabICL on the train rows for this many steps first (0 = purely in context)")
     return p
 
@@ -208,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.csv.is_file():
             raise SystemExit(f"CSV file {args.csv} does not exist")
         try:
-            df = pd.read_csv(args.csv)
-        except (ValueError, UnicodeDecodeError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
+            df = read_table(args.csv, args.target)
+        except pd.errors.EmptyDataError as e:
             raise SystemExit(f"could not read {args.csv} as CSV: {e}") from None
     else:
         df = load_bundled(args.dataset)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from core.infra.cli import UsageError, run_cli
 from core.infra.fileio import file_sha256
+from core.infra.guard import check_outputs
 
 __all__ = ["main", "convert"]
 
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", type=Path, help="official checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, -v2-20260212)")
     p.add_argument("out", type=Path, help="output .safetensors (OUT.json and OUT.md are written beside it)")
     args = p.parse_args(argv)
+    check_outputs([("OUT", args.out), ("OUT", args.out.with_suffix(".json")), ("OUT", args.out.with_suffix(".md"))],
+                  inputs=[args.src])
     if args.out.suffix != ".safetensors":
         raise UsageError(f"OUT must end in .safetensors, got {str(args.out)!r}")
     if not args.src.is_file():

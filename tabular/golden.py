@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from core.infra.cli import run_cli
+from core.infra.guard import check_output
 from tabular.weights_io import DEFAULT_WEIGHTS, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     proba = golden_predictions()
     tuned = golden_predictions(finetune_steps=_FINETUNE_STEPS)
     if args.write:
+        check_output(GOLDEN_PATH, ship="tabular")  # the golden values ship beside the medium checkpoint
         record = {"command": "python -m tabular.golden --write", "atol": _ATOL, "proba": np.round(proba, 6).tolist(),
                   "finetune_steps": _FINETUNE_STEPS, "finetune_atol": _FINETUNE_ATOL,
                   "proba_finetuned": np.round(tuned, 6).tolist()}

@@ -38,6 +38,7 @@ from core.infra.cli import (fraction, nonempty_path_obj, nonnegative_float, nonn
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import check_writable, torch_load, torch_save_atomic
+from core.infra.guard import check_outputs
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
 from tabular.weights_io import atomic_write_text, load_model, save_model
@@ -387,6 +388,7 @@ _RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out), ("--export", args.export)], inputs=[args.init_from])
     if args.export is not None:
         check_writable(args.export, what="--export")
     for name in ("steps", "batch_size", "ckpt_every", "val_every", "val_tables", "val_max_rows", "anneal_steps"):

@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from core.continuous import ContinuousMemoryConfig
-from core.infra.cli import (fraction, nonempty_path, nonnegative_float, positive_float, positive_int, run_cli,
-                            thread_count)
+from core.infra.cli import (check_memory, fraction, nonempty_path, nonnegative_float, positive_float, positive_int,
+                            run_cli, thread_count)
 from core.infra.fileio import (check_writable, load_safetensors_model, open_safetensors, set_file_mode, torch_load,
                                torch_save_atomic)
+from core.infra.guard import check_outputs
 from video.model import AGGREGATES, VideoQAConfig, VideoQAModel
 from video.synthetic import (
     COLOURS,
@@ -313,6 +314,7 @@ def main(argv=None) -> int:
     import sys
 
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out), ("--export", args.export)], inputs=[args.init_from])
     if args.export:
         check_writable(args.export, what="--export")
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -326,6 +328,10 @@ def main(argv=None) -> int:
     bad = [(L, c) for L in map(int, args.clip_lengths.split(",")) for c in map(int, args.chunk_counts.split(",")) if L % c]
     if bad:
         raise SystemExit(f"every chunk count must divide every clip length; these do not: {bad}")
+    longest = max(int(v) for v in args.clip_lengths.split(","))
+    check_memory(16 * args.batch_size * longest * args.input_size**2 * (3 + args.width) + 64 * args.dim**2 * args.layers,
+                 what="one training batch of clips (frames, encoder activations, gradients)",
+                 options="--batch-size/--clip-lengths/--input-size/--width/--dim/--layers")
     random.seed(args.seed)
     result = train(args)
     logger.info("done: step %d, best validation accuracy %.3f", result["step"], result["best"])

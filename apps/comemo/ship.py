@@ -28,6 +28,7 @@ import torch
 
 from apps.comemo.api import DEFAULT_WEIGHTS, CoMemo
 from core.infra.cli import run_cli
+from core.infra.guard import check_output, check_ship_run
 from core.infra.ship import (Staging, check_finite, check_weights_path, loading_check, read_json_file,
                              read_jsonl_file, require_files)
 
@@ -205,6 +206,8 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--dest", type=Path, default=DEFAULT_WEIGHTS,
                    help="the weights file to write (default: the shipped model); the other files go beside it")
     args = p.parse_args(argv)
+    check_output(args.dest, inputs=[args.bench], ship="apps.comemo")  # CoMemo's ship writes CoMemo's weights only
+    check_ship_run(args.run, Path(args.dest).parent)  # shipping replaces the destination's files: not from inside it
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ship(args.run, command=args.command, bench=args.bench, dest=args.dest)
     return 0

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, ImageDraw
 
-from core.infra.cli import nonempty_path_obj, positive_int, run_cli
+from core.infra.cli import capped_int, nonempty_path_obj, positive_int, run_cli
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -264,11 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.comemo.synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=nonempty_path_obj, required=True, help="output folder")
     p.add_argument("--split", default="train", help="split name: the file DIR/<split>.jsonl")
-    p.add_argument("--samples", type=positive_int, default=200, help="samples per task and image count")
+    p.add_argument("--samples", type=capped_int(1_000_000, why="samples per task and image count (each a file)"),
+                   default=200, help="samples per task and image count")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="tasks to draw")
-    p.add_argument("--images", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+    p.add_argument("--images", type=capped_int(64, why="images of one sample"), nargs="+", default=[1, 2, 4, 8],
                    help="image counts (train on <= 8, test on 16, 32, 64)")
-    p.add_argument("--tile", type=positive_int, default=32, help="side of one image / tile in pixels")
+    p.add_argument("--tile", type=capped_int(1024, why="side of one image in pixels"), default=32,
+                   help="side of one image / tile in pixels")
     p.add_argument("--seed", type=int, default=0, help="stream seed (use different seeds for train and test)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -276,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.samples < 1:
         raise SystemExit(f"--samples must be >= 1, got {args.samples}")

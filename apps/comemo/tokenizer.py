@@ -92,7 +92,12 @@ class CoMemoTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}")
-        return cls(Tokenizer.from_file(str(path)))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own type for a half-written file
+            raise ValueError(f"{path} is not a readable tokenizer file ({' '.join(str(err).split())[:200]}); expected "
+                             "the tokenizer.json written with the CoMemo weights") from None
+        return cls(tok)
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 320) -> CoMemoTokenizer:

@@ -48,6 +48,7 @@ from core.infra.cli import (nonempty_path_obj, nonnegative_float, nonnegative_in
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import torch_load, torch_save_atomic, write_text_atomic
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -332,6 +333,7 @@ def _tokenizer(args) -> CoMemoTokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.init_from, args.encoder_weights])
     if args.encoder_weights is not None:
         if not args.encoder_weights.is_file():
             raise FileNotFoundError(f"--encoder-weights {str(args.encoder_weights)!r} is not a file; give the local "

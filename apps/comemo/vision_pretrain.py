@@ -49,6 +49,7 @@ from apps.comemo.synthetic import (
 )
 from apps.comemo.train import add_size_args
 from core.infra.cli import nonempty_path_obj, positive_float, positive_int, run_cli, thread_count
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.variant not in VARIANTS:
         raise SystemExit(f"unknown --variant {args.variant!r}; choose one of {list(VARIANTS)}")

@@ -16,9 +16,11 @@ import torch
 from apps.emloc.api import CompressedContext, compress
 from apps.emloc.cli_common import load_host
 from apps.emloc.io import IMAGE_SUFFIXES, read_demos, read_image
-from core.infra.cli import InputTally, UsageError, nonempty_path_obj, open_fraction, positive_float, positive_int
+from core.infra.cli import (InputTally, UsageError, capped_int, nonempty_path_obj, open_fraction, positive_float,
+                            positive_int)
 from core.kv_compress import POLICIES
 from core.infra.fileio import check_writable
+from core.infra.guard import check_output
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ def build_compress_parser() -> argparse.ArgumentParser:
                         "cache on the shipped host (16-512 demos), 0.1 keeps 21-28%%")
     p.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.5),
                    help="keep ratios tried per layer, comma-separated")
-    p.add_argument("--chunk-demos", type=positive_int, default=16, help="demonstrations per chunk")
+    p.add_argument("--chunk-demos", type=capped_int(4096, why="demonstrations encoded together"), default=16,
+                   help="demonstrations per chunk")
     p.add_argument("--always-keep", choices=("label", "answer", "both"), default="label",
                    help="tokens EMLoC never prunes: each demo's label token (default), its answer position, or both")
     return p
@@ -84,6 +87,7 @@ def compress_main(argv: list[str] | None = None) -> int:
 
     args = build_compress_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    check_output(args.out, inputs=[args.demos, args.model])  # never the shipped host, never an input
     check_writable(args.out, what="--out")  # before the compression it would record
     if args.policy not in ("emloc", "full") and args.keep is None:
         raise UsageError(f"--policy {args.policy} needs --keep, the fraction of tokens kept, in (0, 1)")

@@ -25,6 +25,7 @@ import torch
 
 from apps.emloc.model import DEFAULT_WEIGHTS, EMLoCHost
 from core.infra.cli import run_cli
+from core.infra.guard import check_output, check_ship_run
 from core.infra.ship import (Staging, check_finite, check_weights_path, loading_check, read_jsonl_file,
                              require_files)
 
@@ -157,6 +158,8 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--dest", type=Path, default=DEFAULT_WEIGHTS,
                    help="the weights file to write (default: the shipped host); the other files go beside it")
     args = p.parse_args(argv)
+    check_output(args.dest, ship="apps.emloc")  # EMLoC's ship writes EMLoC's weights, no other package's
+    check_ship_run(args.run, Path(args.dest).parent)  # shipping replaces the destination's files: not from inside it
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ship(args.run, command=args.command, wall_time_note=args.wall_time, dest=args.dest)
     return 0

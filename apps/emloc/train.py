@@ -27,6 +27,7 @@ from apps.emloc.data import EpisodeConfig, make_episode
 from apps.emloc.model import EMLoCHost, HostConfig
 from core.infra.cli import nonempty_path_obj, nonnegative_float, nonnegative_int, positive_float, positive_int, run_cli
 from core.infra.fileio import torch_load, torch_save_atomic
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ckpt, metrics = args.out / "last.pt", args.out / "metrics.jsonl"
     if args.resume and not ckpt.is_file():

@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from collections.abc import Sequence
+from pathlib import Path
 
-from core.infra.cli import add_run_options, configure_run, positive_int, run_cli
+from core.infra.cli import PartialFailure, add_run_options, configure_run, positive_int, run_cli
+from core.infra.guard import check_output
 
 logger = logging.getLogger(__name__)
+
+#: the files of a checkpoint folder the evaluation reads (never an output)
+CHECKPOINT_FILES = ("ncal.json", "model.safetensors", "tokenizer.json")
 
 __all__ = ["build_parser", "main", "evaluate_checkpoint", "format_report"]
 
@@ -81,9 +87,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from core.infra.fileio import check_writable, write_json_atomic
 
     if args.out is not None:
+        from apps.ncal.estimator import resolve_checkpoint
+
+        ckpt = resolve_checkpoint(args.checkpoint)
+        check_output(args.out, inputs=[args.data, ckpt, *(Path(ckpt) / f for f in CHECKPOINT_FILES)])
         check_writable(args.out, what="--out")  # before the evaluation it would record
     m = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size)
     print(format_report(m))  # the CLI's output
+    if not all(math.isfinite(m[k]) for k in ("accuracy", "macro_f1")):
+        raise PartialFailure(f"the metrics are not finite (accuracy {m['accuracy']}, macro-F1 {m['macro_f1']})")
     if args.out is not None:
         write_json_atomic(args.out, m)
     return 0

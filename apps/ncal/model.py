@@ -124,6 +124,12 @@ def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = N
     enc, tok = build_encoder(meta["encoder"], tokenizer_path=folder / "tokenizer.json")
     model = NCALModel(enc, len(meta["classes"]), head="etf" if meta["loss"]["name"] == "etf" else "linear")
     sd = load_safetensors(folder / "model.safetensors", what="the NCAL weights written by apps.ncal.train")
+    own = model.state_dict()
+    shapes = [f"{k} {list(v.shape)} (model {list(own[k].shape)})" for k, v in sd.items()
+              if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if shapes:  # weights of another size of model: one line naming the file, not load_state_dict's traceback
+        raise ValueError(f"{folder}/model.safetensors does not fit the model ncal.json describes (other shapes "
+                         f"({len(shapes)}): {', '.join(shapes[:3])}{', ...' if len(shapes) > 3 else ''})")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected:
         raise ValueError(f"{folder}/model.safetensors has weights the model does not: {unexpected[:5]}")

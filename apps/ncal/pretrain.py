@@ -33,6 +33,7 @@ from apps.ncal.tokenizer import CharTokenizer
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
 from core.infra.cli import (add_run_options, configure_run, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli)
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ def _val_loss(enc, head, tok, texts, device, gen) -> float:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)])
     configure_run(args)
     from tqdm.auto import tqdm
 

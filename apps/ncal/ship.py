@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core.infra.cli import add_run_options, configure_run, nonempty_path, run_cli
+from core.infra.guard import check_output, check_ship_run
 from core.infra.ship import (Staging, check_finite, check_name, loading_check, read_json_file, read_jsonl_file,
                              require_files)
 
@@ -462,6 +463,12 @@ def _main(argv: Sequence[str]) -> int:
     configure_run(args)
     out = Path(args.out) if args.out else None
     _check_args(args)
+    dest = Path(WEIGHTS if out is None else out)
+    check_output(dest, inputs=[args.selection], ship="apps.ncal")  # NCAL's ship writes NCAL's weights, no other's
+    if args.run:  # shipping replaces the destination folder's files: never ship from inside it
+        check_ship_run(args.run, dest / args.name)
+    if args.encoder:
+        check_ship_run(args.encoder, dest / ENCODER_NAME, flag="--encoder")
     if args.encoder:
         ship_encoder(Path(args.encoder), weights_dir=out)
     for name in args.provenance or ():

@@ -92,7 +92,15 @@ class CharTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}")
-        d = json.loads(path.read_text(encoding="utf-8"))
-        if d.get("kind") != "char":
-            raise ValueError(f"{path}: not a character tokenizer file (kind={d.get('kind')!r})")
-        return cls(d["vocab"], max_length=int(d["max_length"]))
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:  # a half-written or foreign file
+            raise ValueError(f"{path} is not a readable tokenizer file ({err}); expected the tokenizer.json written by "
+                             "apps.ncal.train") from None
+        if not isinstance(d, dict) or d.get("kind") != "char":
+            kind = d.get("kind") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"{path}: not a character tokenizer file (kind={kind!r})")
+        try:
+            return cls(d["vocab"], max_length=int(d["max_length"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: not a character tokenizer file ({type(err).__name__}: {err})") from None

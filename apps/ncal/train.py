@@ -61,6 +61,7 @@ from apps.ncal.weights_io import load_state, save_state
 from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli)
 from core.infra.distributed import finish
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -465,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.dataset, args.test, args.encoder])
     configure_run(args)
     cfg = TrainConfig(dataset=args.dataset, out=args.out, test=args.test, loss=args.loss, seed=args.seed,
                       tc_lambda=args.tc_lambda, bank_size=args.bank_size, tc_start=args.tc_start,

@@ -84,29 +84,29 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
     except SystemExit as exit_:
         if debug or exit_.code is None or isinstance(exit_.code, int):
             raise
-        print(_one_line(exit_.code), file=sys.stderr)
+        _error_line(_one_line(exit_.code))
         return 2
     except PartialFailure as err:
         if debug:
             raise
-        print(_one_line(err), file=sys.stderr)
+        _error_line(_one_line(err))
         return 1
     except INPUT_ERRORS as err:
         if debug:
             raise
         where = f"{err.filename}: " if getattr(err, "filename", None) and str(err.filename) not in str(err) else ""
-        print(_one_line(f"{where}{err}"), file=sys.stderr)
+        _error_line(_one_line(f"{where}{err}"))
         return 2
     except KeyboardInterrupt:
         if debug:
             raise
-        print("interrupted", file=sys.stderr)
+        _error_line("interrupted")
         return 130
     except (MemoryError, RuntimeError) as err:
         if debug or not _out_of_memory(err):
             raise
-        print(_one_line(f"out of memory ({type(err).__name__}: {str(err)[:200]}): the options ask for more memory than "
-                        "this machine has; lower the sizes (batch, image, context, model) and retry"), file=sys.stderr)
+        _error_line(_one_line(f"out of memory ({type(err).__name__}: {str(err)[:200]}): the options ask for more memory "
+                              "than this machine has; lower the sizes (batch, image, context, model) and retry"))
         return 2
     # an int is the exit code; any other return value (a result some mains also return to Python callers) means 0
     return code if isinstance(code, int) and not isinstance(code, bool) else 0
@@ -177,6 +177,19 @@ def configure_run(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+
+
+def _error_line(text: str) -> None:
+    """The final line of a failed command, on stderr and on a line of its own: progress bars the command left open
+    (it stopped inside their loop) are closed first, so the line is not drawn onto a bar's."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 - a bar that cannot close must not hide the error
+            pass
+    sys.stderr.flush()
+    print(text, file=sys.stderr)
 
 
 def print_error(line: str) -> None:

@@ -35,9 +35,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from core.infra.cli import UsageError, fraction, nonempty_path, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.cli import (UsageError, capped_int, fraction, nonempty_path, nonnegative_int, positive_float,
+                            positive_int, run_cli)
 from core.infra.fileio import check_writable
+from core.infra.guard import check_outputs
 from core.infra.jobs import atomic_write, settings_diff
+from video.batch import MAX_CHUNK, fps_arg
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="uniform,chunks,infinite_nosticky,infinite",
                    help=f"comma list of {', '.join(HF_METHODS)}")
     p.add_argument("--alpha", type=fraction, default=0.75, help="weight of the chunk's own attention (published 0.75)")
-    p.add_argument("--chunk-size", type=positive_int, default=None, help="frames per chunk (default: 4, the clip length)")
-    p.add_argument("--fps", type=positive_float, default=1.0, help="frames read per second of video (default 1)")
+    p.add_argument("--chunk-size", type=capped_int(MAX_CHUNK, why="frames held in memory at once"), default=None,
+                   help="frames per chunk (default: 4, the clip length)")
+    p.add_argument("--fps", type=fps_arg, default=1.0, help="frames read per second of video (default 1)")
     p.add_argument("--num-basis", type=positive_int, default=64, help="basis functions of each memory")
-    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per answer")
+    p.add_argument("--max-new-tokens", type=capped_int(4096, why="tokens of one answer"), default=16,
+                   help="tokens generated per answer")
     p.add_argument("--limit", type=nonnegative_int, default=0, help="first N videos only (0 = all)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="model dtype (default: the checkpoint's)")
@@ -172,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    check_outputs([("--out", args.out)], inputs=[args.model, args.videos, args.questions])
     from video.hf import HF_METHODS, HFVideoConfig, InfiniteVideoLM
     from video.io import is_video_file
 

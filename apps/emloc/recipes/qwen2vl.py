@@ -35,7 +35,9 @@ import random
 import time
 from pathlib import Path
 
-from core.infra.cli import UsageError, nonempty_path_obj, nonnegative_int, positive_float, positive_int, run_cli
+from core.infra.cli import (UsageError, nonempty_path_obj, nonnegative_int, positive_float, positive_int, run_cli,
+                            seed_int)
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", default="", help=f"comma list of other policies on the same episode (of {', '.join(_policies())})")
     p.add_argument("--prompt", default="What is in the image?", help="the question of every demonstration and query")
     p.add_argument("--image-size", default="224,224", help="W,H every image is resized to")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available)")
     p.add_argument("--save-memory", action="store_true", help="also write OUT/memory.safetensors (the main policy)")
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from core.infra.fileio import check_writable, write_json_atomic
 
+    check_outputs([("--out", args.out)], inputs=[args.model, args.data])
     check_writable(args.out, what="--out", folder=True)
     size = _size(args.image_size)
     compare = [c for c in args.compare.split(",") if c]

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from apps.ncal.data import CONTEXTS
-from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int,
-                            positive_float, positive_int, run_cli)
+from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float,
+                            nonnegative_int, positive_float, positive_int, run_cli, seed_int)
+from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=nonempty_path, default=None, help="run folder (default runs/ncal_llm/<dataset>_<loss>_<seed>)")
     p.add_argument("--loss", default="tc", choices=("ce", "tc", "etf", "cb"))
     p.add_argument("--tc-lambda", type=nonnegative_float, default=r["tc_lambda"], help="weight of TC (or of the ETF term)")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--epochs", type=positive_int, default=r["epochs"])
     p.add_argument("--batch-size", type=positive_int, default=r["batch_size"])
     p.add_argument("--grad-accum", type=positive_int, default=r["grad_accum"])
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from apps.ncal.train import TrainConfig, train
     from core.hf import check_model_folder
 
+    check_outputs([("--out", args.out)], inputs=[args.model, args.dataset])
     model_dir, _ = check_model_folder(args.model)  # a bad folder is refused before anything is written
     if args.valid_frac >= 1:
         raise ValueError(f"--valid-frac must be below 1, got {args.valid_frac}")
