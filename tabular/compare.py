@@ -209,7 +209,7 @@ def read_table(path: str | os.PathLike, target: str):
             reader = csv.reader(f)
             header = next(reader, None)
             if not header:
-                raise ValueError(f"{path} is empty; expected a CSV file with a header row")
+                raise ValueError(f"could not read {path} as CSV: the file is empty; expected a header row")
             for row in reader:
                 if row and len(row) != len(header):
                     raise ValueError(f"{path} line {reader.line_num}: {len(row)} fields, the header has {len(header)}; "
@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             df = read_table(args.csv, args.target)
         except pd.errors.EmptyDataError as e:
             raise SystemExit(f"could not read {args.csv} as CSV: {e}") from None
+        except ValueError as e:  # ragged rows, infinities, not UTF-8: one line naming the file and line
+            raise SystemExit(f"error: {e}") from None
     else:
         df = load_bundled(args.dataset)
     try:
