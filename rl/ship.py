@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    check_output(args.out, inputs=[args.eval_json], ship="rl")  # rl's ship writes rl/weights, no other package's
     check_ship_run(args.run, args.out)  # shipping replaces the destination's files: never ship from inside it
+    check_output(args.out, inputs=[args.eval_json, args.run], ship="rl")  # rl's ship writes rl/weights, no other's
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(ship(args.run, args.name, command=args.command, eval_json=args.eval_json, note=args.note, out_dir=args.out))
     return 0

@@ -13,6 +13,18 @@ own argparse parser (captured by stopping ``parse_known_args``), so a new CLI or
 
 The demo launchers (``apps/__main__.py``, ``apps/*/__main__.py``) only get a bad ``--port`` and a bad ``--host``,
 which must be refused before any demo is built.
+
+Beyond bad values, nothing a command writes may destroy what ships or what the user gave it, and numbers are
+bounded (``core.infra.guard``, the caps of ``core.infra.cli``):
+
+- every count option refuses an oversized value (10^13, and its own cap + 1) when parsed;
+- every output option pointed inside a shipped ``weights/`` folder is refused (another package's always; the
+  command's own package's unless the command makes that package's shipped files), before any work;
+- every output option given the same path as one of the command's inputs is refused, the input unchanged;
+- degenerate data (non-finite features or weights, one-class labels, conflicting duplicate ids, ragged rows,
+  text where numbers belong) and the listed unsafe or unbounded invocations are refused with the file, column or
+  row named, each under a time cap;
+- shipped files (the whole module) and input files (each case) are hashed before and after: any change fails.
 """
 
 from __future__ import annotations
@@ -22,6 +34,9 @@ import ast
 import functools
 import hashlib
 import importlib
+import json
+import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -43,6 +58,8 @@ NOT_A_PATH = {("apps.ncal.train", "--dataset"), ("apps.ncal.train", "--test"), (
               ("rl.tune", "--weights"), ("rl.routing_stats", "--dataset"), ("rl.tune", "--dataset")}
 FOLDER_INPUTS = {"--run", "--videos", "--slides", "--features", "--root", "--demos", "--checkpoint"}
 OUTPUT_FILES = {"--json", "--video", "--export"}
+# Ship commands' --dest is the shipped weights file.
+DEST_IS_FILE = {"apps.emloc.ship", "apps.comemo.ship"}
 OUTPUT_FOLDERS = {"--out", "--dest", "--work", "--samples"}
 # --out that is a file, not a folder.
 OUT_IS_FILE = {"rl.generate", "rl.references", "pathology.train_demo", "apps.emloc.compress", "apps.ncal.evaluate"}
@@ -57,6 +74,7 @@ BAD_NUMBERS = {"positive_int": ["0", "-1", "nan", "abc"], "positive_float": ["0"
                "nonnegative_int": ["-1", "nan", "abc"], "nonnegative_float": ["-1", "nan", "abc"],
                "fraction": ["-1", "2", "nan", "abc"], "open_fraction": ["0", "1", "nan", "abc"],
                "port": ["0", "-1", "65536", "abc"], "int": ["abc", "1.5"], "float": ["abc", "nan"]}
+OVERSIZED = "10000000000000"  # 1e13: no count of the project means that many (core.infra.cli.MAX_COUNT)
 GOOD_NUMBER = {"positive_int": "1", "positive_float": "1", "nonnegative_int": "0", "nonnegative_float": "0",
                "fraction": "0.5", "open_fraction": "0.5", "port": "7860", "int": "0", "float": "1"}
 
@@ -68,11 +86,15 @@ XFAIL: dict[tuple[str, tuple[str, ...]], str] = {}
 
 
 def _discover() -> list[tuple[str, str, str, dict]]:
-    """(module, target module, target function, partial keywords) of every ``raise SystemExit(run_cli(...))``."""
+    """(module, target module, target function, partial keywords) of every ``raise SystemExit(run_cli(...))`` and
+    of every ``main`` that returns ``run_cli(_main, argv)`` (the ship commands)."""
     found = []
     for pkg in PACKAGES:
         for f in sorted((ROOT / pkg).rglob("*.py")):
             src = f.read_text(encoding="utf-8")
+            if "return run_cli(_main, argv)" in src:
+                found.append((".".join(f.relative_to(ROOT).with_suffix("").parts),) * 2 + ("main", {}))
+                continue
             if "raise SystemExit(run_cli(" not in src:
                 continue
             tree = ast.parse(src)
@@ -129,7 +151,7 @@ def _is_launcher(mod: str) -> bool:
 
 def _kind(action) -> str | None:
     t = action.type
-    name = getattr(t, "__name__", None)
+    name = getattr(t, "kind", None) or getattr(t, "__name__", None)
     if name in BAD_NUMBERS:
         return name
     return None
@@ -141,7 +163,9 @@ def _path_role(mod: str, action) -> str | None:
     if (mod, opt) in NOT_A_PATH or action.choices or action.nargs == 0 or _kind(action):
         return None
     if opt in OUTPUT_FOLDERS:
-        return "out-file" if opt == "--out" and mod in OUT_IS_FILE else "out-folder"
+        if (opt == "--out" and mod in OUT_IS_FILE) or (opt == "--dest" and mod in DEST_IS_FILE):
+            return "out-file"
+        return "out-folder"
     if opt in OUTPUT_FILES or (mod == "apps.ncal.evaluate" and opt == "--out"):
         return "out-file"
     tname = getattr(action.type, "__name__", "")
@@ -206,6 +230,10 @@ def _cases():
                 values = list(BAD_NUMBERS[kind])
                 if kind == "int" and opt in MUST_BE_POSITIVE:
                     values += ["0", "-1"]
+                if kind in ("positive_int", "nonnegative_int"):  # every count is bounded
+                    values.append(OVERSIZED)
+                    if getattr(a.type, "cap", None) is not None:
+                        values.append(str(a.type.cap + 1))
                 cases += [with_fillers(a, v, "parse") for v in values]
             elif a.choices and a.nargs != 0:
                 cases.append(with_fillers(a, "no-such-choice", "parse"))
@@ -314,3 +342,327 @@ def test_cli_refuses_bad_input(mod, mode, argv, workdir, shipped_weights, monkey
     assert last.startswith("error:") or (": error: " in last and any(ln.startswith("usage:") for ln in lines)), err
     new = {p for p in _files(workdir) - before if p != "out" and not p.startswith("out/")}
     assert not new, f"{mod} {argv}: wrote outside --out: {sorted(new)}"
+
+
+# -- outputs that would destroy what ships or what the user gave ---------------------------------------------------
+
+# Commands that make their own package's shipped files (their output may lie in that package's weights/ folder).
+PRODUCERS = {("rl.policies", "--out"), ("rl.references", "--out"), ("pathology.train_demo", "--out"),
+             ("rl.ship", "--out"), ("apps.ncal.ship", "--out"), ("apps.emloc.ship", "--dest"),
+             ("apps.comemo.ship", "--dest")}
+WEIGHTS_OF = {"apps": "apps/emloc/weights", "rl": "rl/weights", "video": "video/weights",
+              "pathology": "pathology/weights", "tabular": "tabular/weights", "core": "rl/weights"}
+INPUT_TEXT = "an input file of the user; it must survive.\n"
+
+
+def _own_weights(mod: str) -> str | None:
+    parts = mod.split(".")
+    folder = ROOT.joinpath(*parts[:2]) / "weights" if parts[0] == "apps" else ROOT / parts[0] / "weights"
+    return str(folder.relative_to(ROOT)) if folder.is_dir() else None
+
+
+def _damage_cases():
+    cases = []
+    for mod, target, name, kw in CLIS:
+        if _is_launcher(mod):
+            continue
+        parser = _parser_of(_main_of(target, name, kw))
+        actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+        group = [g for g in parser._mutually_exclusive_groups if g.required]
+
+        def argv_with(values: dict) -> list[str]:
+            argv = []
+            for a in actions:
+                opt = a.option_strings[0] if a.option_strings else None
+                key = opt or a.dest
+                if key in values:
+                    argv += ([opt] if opt else []) + [values[key]]
+                elif a.required:
+                    argv += _filler(mod, a)
+            if mod in ALTERNATIVES and not any(a in g._group_actions for g in group for a in actions
+                                               if (a.option_strings[0] if a.option_strings else a.dest) in values):
+                argv += list(ALTERNATIVES[mod])
+            return argv
+
+        roles = {(a.option_strings[0] if a.option_strings else a.dest): _path_role(mod, a) for a in actions}
+        outs = [(k, r) for k, r in roles.items() if r in ("out-file", "out-folder")]
+        ins = [(k, r) for k, r in roles.items() if r in ("in-file", "in-folder")]
+        top = mod.split(".")[0]
+        for opt, role in outs:
+            leaf = "x.safetensors" if (mod, opt) in PRODUCERS and role == "out-file" else \
+                "x.json" if role == "out-file" else "x"
+            others = [WEIGHTS_OF["video" if top != "video" else "rl"]]
+            own = _own_weights(mod)
+            if own and (mod, opt) not in PRODUCERS:
+                others.append(own)
+            for w in others:
+                cases.append(pytest.param(mod, argv_with({opt: str(ROOT / w / leaf)}), "shipped weights",
+                                          id=f"{mod}:{opt} into {w}"))
+            for iopt, irole in ins:
+                if (role == "out-file") != (irole == "in-file"):
+                    continue
+                same = "fixtures/input.bin" if irole == "in-file" else "fixtures/inputs"
+                if (mod, iopt) in NOT_A_PATH:
+                    continue
+                cases.append(pytest.param(mod, argv_with({opt: same, iopt: same}), "also an input",
+                                          id=f"{mod}:{opt} = {iopt}"))
+    return cases
+
+
+class _TimeCap(BaseException):
+    """Raised in the command by SIGALRM: it ran past its time cap (an unbounded run)."""
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _run_capped(mod: str, argv: list[str], seconds: int = 60) -> tuple[int, str]:
+    """``run_cli`` of ``mod`` with ``argv`` in this process, stopped (test failure) after ``seconds``."""
+    target, name, kw = MAINS[mod]
+    main = _main_of(target, name, kw)
+
+    def stop(*_):
+        raise _TimeCap()
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        code = run_cli(main, argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    except _TimeCap:
+        pytest.fail(f"{mod} {argv}: still running after {seconds} s (an unbounded run)")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    return code, ""
+
+
+@pytest.fixture
+def inputs_dir(workdir):
+    (workdir / "fixtures" / "input.bin").write_text(INPUT_TEXT, encoding="utf-8")
+    (workdir / "fixtures" / "inputs").mkdir()
+    (workdir / "fixtures" / "inputs" / "kept.txt").write_text(INPUT_TEXT, encoding="utf-8")
+    return workdir
+
+
+@pytest.mark.parametrize("mod,argv,says", _damage_cases())
+def test_cli_refuses_outputs_into_shipped_folders_or_onto_inputs(mod, argv, says, inputs_dir, shipped_weights,
+                                                                 capsys):
+    before = _hashes(inputs_dir / "fixtures")
+    code, _ = _run_capped(mod, argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == 2, f"{mod} {argv}: exit {code}\n{err}"
+    assert err.strip().splitlines()[-1].startswith("error:") and says in err, err
+    assert _hashes(inputs_dir / "fixtures") == before, f"{mod} {argv}: an input file changed"
+
+
+# -- degenerate data, unsafe and unbounded invocations (each named; each under a time cap) ------------------------
+
+
+def _nan_copy(src: Path, dst: Path, *, key_index: int = 0) -> None:
+    """``src`` safetensors copied to ``dst`` with one floating tensor set to NaN."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(src))
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+    key = sorted(k for k, v in sd.items() if v.is_floating_point())[key_index]
+    sd[key] = torch.full_like(sd[key], float("nan"))
+    save_file(sd, str(dst), metadata=meta)
+
+
+def _features(folder: Path, name: str, feats) -> None:
+    import h5py
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    n = len(feats)
+    with h5py.File(folder / f"{name}.h5", "w") as f:
+        c = f.create_dataset("coords", data=np.stack([np.arange(n) % 8, np.arange(n) // 8], 1) * 256)
+        c.attrs["patch_size_level0"] = 256
+        f.create_dataset("features", data=np.asarray(feats, np.float32))
+
+
+def _cohort(root: Path, labels: str, *, nan_slide: str | None = None) -> list[str]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        f = rng.normal(size=(12, 8))
+        if f"s{i}" == nan_slide:
+            f[:] = np.nan
+        _features(root / "feats", f"s{i}", f)
+    (root / "labels.csv").write_bytes(labels.encode("utf-8") if isinstance(labels, str) else labels)
+    return ["--features", str(root / "feats"), "--labels", str(root / "labels.csv"), "--out", str(root / "out"),
+            "--epochs", "1", "--folds", "2", "--no-progress"]
+
+
+LABELS = "slide_id,label,time,event\n" + "".join(f"s{i},{i % 2},{3 + i},1\n" for i in range(6))
+
+
+def _case_pathology(kind):
+    def make(root: Path):
+        if kind == "nan":
+            return _cohort(root, LABELS, nan_slide="s3"), "s3.h5"
+        if kind == "one-class":
+            return _cohort(root, LABELS.replace(",1,", ",0,")), "two classes"
+        if kind == "duplicate":
+            return _cohort(root, LABELS + "s2,1,9,1\n"), "different values"
+        if kind == "ragged":
+            return _cohort(root, LABELS + "s9,1\n"), "line 8"
+        if kind == "nan-label":
+            return _cohort(root, LABELS.replace("s4,0,", "s4,nan,")), "line 6"
+        if kind == "not-utf8":
+            return _cohort(root, LABELS.encode() + "s7,\xe9t\xe9,1,1\n".encode("latin-1")), "UTF-8"
+        argv = _cohort(root, LABELS.replace("s1,1,4,", "s1,1,four,"))
+        return argv + ["--task", "survival"], "column 'time' line 3"
+    return make
+
+
+def _case_tabular(kind):
+    def make(root: Path):
+        rows = ["a,b,target"] + [f"{i},{i % 3}.5,{i % 3}" for i in range(30)]
+        if kind == "inf":
+            rows[5] = "inf,1.5,1"
+            says = "column 'a'"
+        elif kind == "ragged":
+            rows[5] = "4,1.5"
+            says = "line 6"
+        else:
+            rows, says = rows, "non-finite"
+        (root / "t.csv").write_text("\n".join(rows) + "\n")
+        argv = ["--csv", str(root / "t.csv"), "--n-estimators", "1"]
+        if kind == "nan-weights":
+            _nan_copy(ROOT / "tabular/weights/tabicl_small.safetensors", root / "nan.safetensors")
+            argv += ["--checkpoint", str(root / "nan.safetensors")]
+        return argv, says
+    return make
+
+
+def _case_rl_nan(root: Path):
+    _nan_copy(ROOT / "rl/weights/dm_hopper.safetensors", root / "p.safetensors")
+    shutil.copy(ROOT / "rl/weights/dm_hopper.json", root / "p.json")
+    return ["--checkpoint", str(root / "p.safetensors"), "--episodes", "1"], "non-finite"
+
+
+def _case_querent_nan(root: Path):
+    _nan_copy(ROOT / "pathology/weights/querent_lesion.safetensors", root / "m.safetensors")
+    shutil.copy(ROOT / "pathology/weights/querent_lesion.json", root / "m.json")
+    shutil.copy(ROOT / "pathology/samples/sample_lesion.tiff", root / "s.tiff")
+    return [str(root / "s.tiff"), "--out", str(root / "out"), "--model", str(root / "m.safetensors")], "non-finite"
+
+
+def _ncal_copy(root: Path) -> Path:
+    d = root / "ckpt"
+    shutil.copytree(ROOT / "apps/ncal/weights/tmwpl", d)
+    return d
+
+
+def _case_ncal_misfit(root: Path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = _ncal_copy(root)
+    sd = load_file(str(d / "model.safetensors"))
+    key = next(k for k, v in sd.items() if v.ndim == 2)
+    sd[key] = torch.zeros(sd[key].shape[0] + 1, sd[key].shape[1])
+    save_file(sd, str(d / "model.safetensors"))
+    return ["--checkpoint", str(d), "--text", "hello"], "does not fit"
+
+
+def _case_ncal_tokenizer(root: Path):
+    d = _ncal_copy(root)
+    text = (d / "tokenizer.json").read_text(encoding="utf-8")
+    (d / "tokenizer.json").write_text(text[: len(text) // 2], encoding="utf-8")
+    return ["--checkpoint", str(d), "--text", "hello"], "tokenizer.json"
+
+
+def _case_jsonl_onto_itself(flag_in: str):
+    def make(root: Path):
+        lines = [json.loads(ln) for ln in (ROOT / "apps/ncal/data/TMWPL_test.jsonl").read_text().splitlines()[:3]]
+        (root / "x.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines))
+        out = ["--out", str(root / "x.jsonl")]
+        if flag_in == "--data":
+            return ["--checkpoint", "tmwpl", "--data", str(root / "x.jsonl"), *out], "also an input"
+        return ["--demos", str(root / "x.jsonl"), *out], "also an input"
+    return make
+
+
+def _case_rl_config(root: Path):
+    d = root / "run"
+    d.mkdir()
+    shutil.copy(ROOT / "rl/weights/dm_hopper.safetensors", d / "model.safetensors")
+    shutil.copy(ROOT / "rl/weights/dm_hopper.json", d / "config.json")
+    return ["--checkpoint", str(d), "--json", str(d / "config.json"), "--episodes", "1"], "also an input"
+
+
+def _fixed(argv, says):
+    def make(root: Path):
+        return [a.replace("ROOT", str(ROOT)) for a in argv], says
+    return make
+
+
+# (module, case builder (temp folder -> (argv, what the error names)), exit code); each is a finding of a sweep
+DEGENERATE = [
+    ("pathology.train", _case_pathology("nan"), 2),
+    ("pathology.train", _case_pathology("one-class"), 2),
+    ("pathology.train", _case_pathology("duplicate"), 2),
+    ("pathology.train", _case_pathology("ragged"), 2),
+    ("pathology.train", _case_pathology("nan-label"), 2),
+    ("pathology.train", _case_pathology("not-utf8"), 2),
+    ("pathology.train", _case_pathology("text-survival"), 2),
+    ("tabular.compare", _case_tabular("inf"), 2),
+    ("tabular.compare", _case_tabular("ragged"), 2),
+    ("tabular.compare", _case_tabular("nan-weights"), 2),
+    ("rl.evaluate", _case_rl_nan, 2),
+    ("pathology.predict", _case_querent_nan, 2),
+    ("apps.ncal.predict", _case_ncal_misfit, 2),
+    ("apps.ncal.predict", _case_ncal_tokenizer, 2),
+    ("apps.ncal.evaluate", _case_jsonl_onto_itself("--data"), 2),
+    ("apps.emloc.compress", _case_jsonl_onto_itself("--demos"), 2),
+    ("rl.evaluate", _case_rl_config, 2),
+    ("apps.emloc.compress", _fixed(["--demos", "ROOT/apps/ncal/data/TMWPL_test.jsonl", "--out",
+                                    "ROOT/apps/emloc/weights/host.safetensors"], "shipped weights"), 2),
+    ("apps.ncal.evaluate", _fixed(["--checkpoint", "tmwpl", "--data", "tmwpl", "--out",
+                                   "ROOT/apps/ncal/weights/tmwpl/golden.json"], "shipped weights"), 2),
+    ("rl.ship", _fixed(["--run", "ROOT/rl/weights", "--name", "dm_hopper", "--command", "x"], "destination"), 2),
+    ("apps.ncal.ship", _fixed(["--run", "ROOT/apps/ncal/weights/tmwpl", "--name", "tmwpl"], "destination"), 2),
+    ("rl.train", _fixed(["--algo", "dt", "--dataset", "x.npz", "--steps", "2", "--out", "ROOT/rl/weights"],
+                        "shipped weights"), 2),
+    ("rl.generate", _fixed(["--env", "Hopper-v5", "--quality", "random", "--steps", "100000000000000", "--out",
+                            "d.npz"], "--steps"), 2),
+    ("rl.train", _fixed(["--algo", "dt", "--dataset", "x.npz", "--steps", "2", "--out", "o", "--context",
+                         "1000000000"], "--context"), 2),
+    ("pathology.synthetic", _fixed(["--out", "o", "--size", "100000000"], "--size"), 2),
+    ("video.synthetic", _fixed(["--out", "o", "--size", "1000000"], "--size"), 2),
+    ("video.synthetic", _fixed(["--out", "o", "--n", "1000000000000"], "--n"), 2),
+    ("tabular.compare", _fixed(["--dataset", "iris", "--n-estimators", "1000000000"], "--n-estimators"), 2),
+    ("pathology.batch", _fixed(["--slides", "ROOT/pathology/samples", "--out", "o", "--workers", "100000"],
+                               "--workers"), 2),
+    ("pathology.batch", _fixed(["--slides", "ROOT/pathology/samples", "--out", "o", "--slide-mpp", "1e-9"],
+                               "--slide-mpp"), 2),
+    ("pathology.batch", _fixed(["--slides", "ROOT/pathology/samples", "--out", "o", "--encoder-kwargs",
+                                '{"no_such_option": 1}'], "--encoder-kwargs"), 2),
+    ("video.batch", _fixed(["--videos", "ROOT/video", "--out", "o", "--fps", "1e9"], "--fps"), 2),
+]
+
+
+@pytest.mark.parametrize("mod,make,want", DEGENERATE, ids=[f"{m}:{i}" for i, (m, *_) in enumerate(DEGENERATE)])
+def test_cli_refuses_degenerate_data_and_unbounded_runs(mod, make, want, workdir, shipped_weights, capsys):
+    argv, says = make(workdir)
+    before = _hashes(workdir)
+    code, _ = _run_capped(mod, argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == want, f"{mod} {argv}: exit {code}\n{err}"
+    assert says in err, f"{mod} {argv}: the message does not name {says!r}\n{err}"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") or (": error: " in last and "usage:" in err), err
+    after = _hashes(workdir)
+    assert {k: v for k, v in after.items() if k in before} == before, f"{mod} {argv}: an input file changed"

@@ -89,8 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         from apps.ncal.estimator import resolve_checkpoint
 
+        check_output(args.out, inputs=[args.data, args.checkpoint])  # before the checkpoint is even read
         ckpt = resolve_checkpoint(args.checkpoint)
-        check_output(args.out, inputs=[args.data, ckpt, *(Path(ckpt) / f for f in CHECKPOINT_FILES)])
+        check_output(args.out, inputs=[ckpt, *(Path(ckpt) / f for f in CHECKPOINT_FILES)])
         check_writable(args.out, what="--out")  # before the evaluation it would record
     m = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size)
     print(format_report(m))  # the CLI's output

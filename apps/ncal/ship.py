@@ -462,9 +462,10 @@ def _main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     configure_run(args)
     out = Path(args.out) if args.out else None
-    _check_args(args)
     dest = Path(WEIGHTS if out is None else out)
-    check_output(dest, inputs=[args.selection], ship="apps.ncal")  # NCAL's ship writes NCAL's weights, no other's
+    # NCAL's ship writes NCAL's weights (no other package's), never onto what it reads
+    check_output(dest, inputs=[args.selection, args.run, args.encoder], ship="apps.ncal")
+    _check_args(args)
     if args.run:  # shipping replaces the destination folder's files: never ship from inside it
         check_ship_run(args.run, dest / args.name)
     if args.encoder:
