@@ -205,15 +205,21 @@ def test_a_one_pixel_image_is_named_too_small(tmp_path, caplog):
     assert row["status"] == "failed" and "1x1 pixels: too small to hold tissue" in row["error"], row
 
 
-def test_a_dangling_link_gets_a_manifest_row(tmp_path):
-    from video.batch import main
+def test_a_dangling_link_gets_a_manifest_row_and_its_error_a_line_of_its_own(tmp_path):
+    import subprocess
+    import sys
 
     (tmp_path / "videos").mkdir()
     (tmp_path / "videos" / "gone.mp4").symlink_to(tmp_path / "nowhere.mp4")
     out = tmp_path / "out"
-    assert main(["--videos", str(tmp_path / "videos"), "--out", str(out), "--skip-errors"]) == 1
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "video.batch", "--videos", str(tmp_path / "videos"), "--out", str(out),
+                        "--skip-errors"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
     row = _rows(out / "manifest.csv")[0]
     assert row["video"] == "gone.mp4" and row["status"] == "failed" and "not found" in row["error"], row
+    # the progress bar is cleared before the line that names the failure (not drawn onto it)
+    assert "ERROR core.infra.jobs.runner: failed on" in p.stderr and "item/s]ERROR" not in p.stderr, p.stderr
 
 
 # -- tabular.compare: labels keep their text, unlabelled rows are counted --------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import multiprocessing as mp
@@ -280,10 +281,13 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
 
     worker = _Worker(job, cfg.time_limit) if cfg.time_limit else None
     it_iter: Any = mine
+    bar = contextlib.ExitStack()
     if cfg.progress:
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
-        it_iter = tqdm(mine, desc=cfg.desc, unit="item")
+        it_iter = bar.enter_context(tqdm(mine, desc=cfg.desc, unit="item"))  # closed however the loop ends
+        bar.enter_context(logging_redirect_tqdm())  # log lines (a failed item) between the bar's redraws, not onto it
     first_error: BaseException | None = None
     pending: dict[str, dict] = {}  # rows of items found finished, written with the next manifest update
     try:
@@ -347,6 +351,7 @@ def run_job(job: Job, items: Sequence[Item], cfg: JobConfig) -> dict[str, dict]:
             if first_error is not None:
                 raise first_error
     finally:
+        bar.close()
         if worker is not None:
             worker.close()
     return manifest.update(pending)
