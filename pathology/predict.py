@@ -18,7 +18,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from core.infra.cli import InputTally, UsageError, positive_float, run_cli, worker_count
+from core.infra.cli import InputTally, UsageError, run_cli, worker_count
 from core.infra.guard import check_outputs
 from pathology.batch import mpp_arg
 

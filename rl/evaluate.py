@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.infra.cli import (InputTally, UsageError, capped_int, finite_float, positive_int, print_error, run_cli,
-                            thread_count)
+from core.infra.cli import InputTally, UsageError, capped_int, finite_float, print_error, run_cli, thread_count
 from core.infra.fileio import load_safetensors_model
 from core.infra.guard import check_outputs
 from rl.envs import make_env, make_vector_env

@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from core.infra.cli import capped_int, nonempty_path_obj, positive_int, run_cli
+from core.infra.cli import capped_int, nonempty_path_obj, run_cli
 from core.infra.guard import check_output
 from rl.envs import SUPPORTED_ENVS, env_family
 

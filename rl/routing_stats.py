@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from core.infra.cli import capped_int, positive_int, run_cli, thread_count
+from core.infra.cli import capped_int, run_cli, thread_count
 from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, ImageDraw
 
-from core.infra.cli import capped_int, nonempty_path_obj, positive_int, run_cli
+from core.infra.cli import capped_int, nonempty_path_obj, run_cli
 from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)

@@ -35,8 +35,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from core.infra.cli import (UsageError, capped_int, fraction, nonempty_path, nonnegative_int, positive_float,
-                            positive_int, run_cli)
+from core.infra.cli import UsageError, capped_int, fraction, nonempty_path, nonnegative_int, positive_int, run_cli
 from core.infra.fileio import check_writable
 from core.infra.guard import check_outputs
 from core.infra.jobs import atomic_write, settings_diff
