@@ -537,7 +537,7 @@ def _case_tabular(kind):
             rows[5] = "4,1.5"
             says = "line 6"
         else:
-            rows, says = rows, "non-finite"
+            rows, says = rows, "not finite"
         (root / "t.csv").write_text("\n".join(rows) + "\n")
         argv = ["--csv", str(root / "t.csv"), "--n-estimators", "1"]
         if kind == "nan-weights":
@@ -550,14 +550,14 @@ def _case_tabular(kind):
 def _case_rl_nan(root: Path):
     _nan_copy(ROOT / "rl/weights/dm_hopper.safetensors", root / "p.safetensors")
     shutil.copy(ROOT / "rl/weights/dm_hopper.json", root / "p.json")
-    return ["--checkpoint", str(root / "p.safetensors"), "--episodes", "1"], "non-finite"
+    return ["--checkpoint", str(root / "p.safetensors"), "--episodes", "1"], "not finite"
 
 
 def _case_querent_nan(root: Path):
     _nan_copy(ROOT / "pathology/weights/querent_lesion.safetensors", root / "m.safetensors")
     shutil.copy(ROOT / "pathology/weights/querent_lesion.json", root / "m.json")
     shutil.copy(ROOT / "pathology/samples/sample_lesion.tiff", root / "s.tiff")
-    return [str(root / "s.tiff"), "--out", str(root / "out"), "--model", str(root / "m.safetensors")], "non-finite"
+    return [str(root / "s.tiff"), "--out", str(root / "out"), "--model", str(root / "m.safetensors")], "not finite"
 
 
 def _ncal_copy(root: Path) -> Path:

@@ -207,7 +207,8 @@ def _main(argv: list[str]) -> int:
                    help="the weights file to write (default: the shipped model); the other files go beside it")
     args = p.parse_args(argv)
     check_output(args.dest, inputs=[args.bench], ship="apps.comemo")  # CoMemo's ship writes CoMemo's weights only
-    check_ship_run(args.run, Path(args.dest).parent)  # shipping replaces the destination's files: not from inside it
+    if Path(args.run).resolve() == Path(args.dest).resolve().parent:  # its files sit beside the shipped ones
+        check_ship_run(args.run, Path(args.dest).parent)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ship(args.run, command=args.command, bench=args.bench, dest=args.dest)
     return 0

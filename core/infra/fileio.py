@@ -348,7 +348,8 @@ def check_finite_tensors(tensors: Any, path: str | os.PathLike, *, what: str) ->
             bad.append(str(name))
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise ValueError(f"{os.fspath(path)} holds non-finite values (NaN or infinity) in {', '.join(bad[:3])}{more}; "
+        raise ValueError(f"{os.fspath(path)} holds values that are not finite (NaN or infinity) in "
+                         f"{', '.join(bad[:3])}{more}; "
                          f"expected {what} with finite weights (a diverged or damaged run is not loaded)")
 
 
