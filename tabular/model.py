@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from tabular.inference import CachedInference, TrainContext
+from tabular.many_class import label_views
 from tabular.readout import logistic_readout, logistic_scores
 from tabular.stages import ColumnEmbedding, ICLTransformer, RowInteraction
 
@@ -57,7 +59,10 @@ SSMAX_TYPES = ("none", "qassmax-mlp-elementwise", "qassmax-mlp")
 class TabICLConfig:
     """Sizes of the three stages."""
 
-    max_classes: int = 10  # logits the decoder emits; more classes go through hierarchical grouping
+    max_classes: int = 10  # logits the decoder emits; more classes go through hierarchical grouping. 0: regression
+    # (the published regression checkpoints): the label embeddings read the standardized target and the decoder
+    # emits num_quantiles quantiles of it
+    num_quantiles: int = 999  # quantiles a regression decoder emits (read only when max_classes = 0)
     embed_dim: int = 128  # cell / feature-token width d shared by column embedding and row interaction
     col_blocks: int = 3  # induced set attention blocks over each column (paper: 3)
     col_heads: int = 4  # heads in the column blocks
@@ -96,13 +101,15 @@ class TabICLConfig:
     icl_ssmax: str = "none"  # scalable softmax on the ICL queries
 
     def __post_init__(self) -> None:
-        for name in ("max_classes", "embed_dim", "col_blocks", "col_heads", "col_inducing", "row_blocks",
-                     "row_heads", "n_cls", "icl_blocks", "icl_heads", "icl_ffn"):
+        for name in ("embed_dim", "col_blocks", "col_heads", "col_inducing", "row_blocks", "row_heads", "n_cls",
+                     "icl_blocks", "icl_heads", "icl_ffn", "num_quantiles"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v > 0):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.max_classes < 2:
-            raise ValueError(f"max_classes ({self.max_classes}) must be at least 2")
+        if not (isinstance(self.max_classes, int) and (self.max_classes == 0 or self.max_classes >= 2)):
+            raise ValueError(f"max_classes must be 0 (regression) or an int >= 2, got {self.max_classes!r}")
+        if self.regression and (self.icl_ridge or self.icl_logistic):
+            raise ValueError("the in-context readouts (icl_ridge, icl_logistic) need classes (max_classes >= 2)")
         for name in ("col_heads", "row_heads"):
             h = getattr(self, name)
             if self.embed_dim % h != 0:
@@ -133,6 +140,16 @@ class TabICLConfig:
             if any(not a > 0 for a in alphas):
                 raise ValueError(f"{name} penalties must be > 0, got {given!r}")
             setattr(self, name, alphas)  # JSON round trips give lists
+
+    @property
+    def regression(self) -> bool:
+        """True for a regression model (``max_classes = 0``)."""
+        return self.max_classes == 0
+
+    @property
+    def out_dim(self) -> int:
+        """Width of the decoder's output: ``max_classes`` logits, or ``num_quantiles`` quantiles (regression)."""
+        return self.num_quantiles if self.regression else self.max_classes
 
     @property
     def icl_dim(self) -> int:
@@ -197,30 +214,7 @@ def standardize_columns(X: torch.Tensor, n_train: int, clip: float) -> torch.Ten
     return standardize(X, mean, std, clip)
 
 
-@dataclass(kw_only=True)
-class TrainContext:
-    """Everything test rows need from the train rows: the train-side cache of repeated predictions."""
-
-    mean: torch.Tensor | None  # (B, 1, F) train column means (None: the model does not standardize cells)
-    std: torch.Tensor | None  # (B, 1, F) train column stds
-    summaries: list  # per column block: (B*F, M, d) inducing summaries
-    kv: list  # per ICL block: (k, v), each (B, H, n_train, head_dim)
-    row_mean: torch.Tensor | None  # (B, 1, D) train row-vector mean (None: rows are not standardized)
-    row_std: torch.Tensor | None  # (B, 1, D) train row-vector std
-    n_train: int  # train rows
-    ridge_w: torch.Tensor | None = None  # (B, D, len(icl_ridge) * max_classes) ridge readout weights, if any
-    logit_w: torch.Tensor | None = None  # (B, F + 1, len(icl_logistic) * max_classes) logistic readout, if any
-
-    def nbytes(self) -> int:
-        ts = [t for t in (self.mean, self.std, self.row_mean, self.row_std) if t is not None]
-        ts += [*self.summaries, *(t for kv in self.kv for t in kv)]
-        ts += [t for t in (self.ridge_w, self.logit_w) if t is not None]
-        return sum(t.numel() * t.element_size() for t in ts)
-
-
-
-
-class TabICL(nn.Module):
+class TabICL(CachedInference, nn.Module):
     """The full model. ``forward(X, y_train) -> logits (B, N - n_train, max_classes)``."""
 
     def __init__(self, config: TabICLConfig | None = None) -> None:
@@ -241,12 +235,33 @@ class TabICL(nn.Module):
         Zg = torch.stack([Z[:, :, (idx + 2**i) % F] for i in range(g)], dim=-1)  # (B, N, F, g)
         return Zg.permute(0, 2, 1, 3).reshape(B * F, N, g)
 
-    def _col_labels(self, y_train: torch.Tensor, F: int) -> torch.Tensor | None:
-        """Train labels per column set ``(B*F, n_train)`` for a target-aware column stage, else None."""
+    def _label_views(self, y_train: torch.Tensor) -> list[torch.Tensor] | None:
+        """The labels ``(B, n_train)`` a target-aware column stage reads, as views: ``[y_train]``, or its mixed-radix
+        digits when the labels need more classes than ``max_classes`` (:func:`tabular.many_class.label_views`);
+        None when the column stage does not read labels."""
         if self.col.label_embed is None:
             return None
-        B, n = y_train.shape
-        return y_train[:, None].expand(B, F, n).reshape(B * F, n)
+        if self.config.regression:
+            return [y_train]
+        return label_views(y_train, self.config.max_classes)
+
+    def _col_labels(self, views: list[torch.Tensor] | None, F: int) -> list[torch.Tensor] | None:
+        """Label views ``(B, n)`` -> per column set ``(B*F, n)`` (None stays None)."""
+        if views is None:
+            return None
+        B, n = views[0].shape
+        return [v[:, None].expand(B, F, n).reshape(B * F, n) for v in views]
+
+    def _many_classes(self, y_train: torch.Tensor) -> bool:
+        """Whether these labels ``(B, n)`` hold more classes than the decoder has (the official many-class path)."""
+        if self.config.regression:
+            return False
+        return int(y_train.max()) + 1 > self.config.max_classes or len(torch.unique(y_train[0])) > self.config.max_classes
+
+    def _column_stats(self, X_train: torch.Tensor):
+        """``(mean, std)`` ``(B, 1, F)`` of the train columns when the model standardizes cells itself, else
+        ``(None, None)``."""
+        return column_stats(X_train) if self.config.input_standardize else (None, None)
 
     def _prepare(self, X: torch.Tensor, mean=None, std=None) -> torch.Tensor:
         """Cells the model reads: standardized and clipped with train statistics (``input_standardize``), else
@@ -258,8 +273,11 @@ class TabICL(nn.Module):
     def _cells(self, Z: torch.Tensor, n_train: int, y_train: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, N, F)`` standardized (:func:`standardize_columns`) -> cell embeddings ``(B, N, F, d)``."""
         B, N, F = Z.shape
-        y = None if y_train is None else self._col_labels(y_train, F)
-        E = self.col(self._columns(Z), n_train, y)  # (B*F, N, d): one set per column
+        ys = None if y_train is None else self._col_labels(self._label_views(y_train), F)
+        if ys is not None and len(ys) > 1:
+            raise ValueError(f"more classes than max_classes ({self.config.max_classes}): use build_context and "
+                             "predict_proba (the many-class path)")
+        E = self.col(self._columns(Z), n_train, None if ys is None else ys[0])  # (B*F, N, d): one set per column
         return E.reshape(B, F, N, -1).permute(0, 2, 1, 3)
 
     def _standardized(self, X: torch.Tensor, n_train: int) -> torch.Tensor:
@@ -294,7 +312,7 @@ class TabICL(nn.Module):
         n_train = y_train.shape[1]
         if not 0 < n_train < X.shape[1]:
             raise ValueError(f"n_train ({n_train}) must be in [1, N) with N = {X.shape[1]}")
-        if int(y_train.min()) < 0 or int(y_train.max()) >= self.config.max_classes:
+        if not self.config.regression and (int(y_train.min()) < 0 or int(y_train.max()) >= self.config.max_classes):
             raise ValueError(f"labels must lie in [0, {self.config.max_classes}), got [{int(y_train.min())}, {int(y_train.max())}]")
         Z = self._standardized(X, n_train)  # the cells both stages and the readout read
         return self.icl(self._rows(Z, n_train, y_train), y_train, self._readout_logits(Z, y_train))
@@ -308,152 +326,3 @@ class TabICL(nn.Module):
         with torch.no_grad():  # no parameters: a closed-form fit of the cells, no graph through it
             W, loo = logistic_readout(Z[:, :n_train], y_train, self.icl.logistic_alphas, self.config.max_classes)
             return torch.cat([loo, logistic_scores(Z[:, n_train:], W)], dim=1)
-
-    # -- inference with a train-side cache ---------------------------------------------------------------
-    def _rows_from_cells(self, Z: torch.Tensor, summaries: list, chunk: int, y_train: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-        """Standardized ``Z (B, N, F)`` -> row vectors ``(B, N, D)``, ``chunk`` rows at a time (rows independent).
-        ``y_train (B, N)``: labels when these are train rows of a target-aware model; ``out``: write into it."""
-        B, N, F = Z.shape
-        parts = []
-        for s in range(0, N, chunk):
-            z = Z[:, s : s + chunk]
-            n = z.shape[1]
-            y = None if y_train is None else self._col_labels(y_train[:, s : s + chunk], F)
-            E = self.col.apply(self._columns(z), summaries, y).reshape(B, F, n, -1).permute(0, 2, 1, 3)  # (B, n, F, d)
-            r = self.row(E.reshape(B * n, F, -1)).reshape(B, n, -1)
-            if out is None:
-                parts.append(r)
-            else:
-                out[:, s : s + n] = r
-        return torch.cat(parts, dim=1) if out is None else out
-
-    @torch.no_grad()
-    def build_context(self, X_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int = 4096) -> TrainContext:
-        """Run the train rows once: column summaries, column statistics and the ICL keys/values.
-
-        Working memory: the full-width tensors are the column stage's hidden cells ``(B·F, n, d)``, the row
-        vectors ``(B, n, D)`` and the cached keys/values; everything else (broadcast blocks, row interaction,
-        ICL queries and MLPs) runs ``chunk`` rows at a time. Results do not depend on ``chunk`` (up to float
-        rounding).
-
-        Args:
-            X_train: ``(B, n_train, F)`` raw train rows (NaN = missing).
-            y_train: ``(B, n_train)`` labels in ``[0, max_classes)``.
-            chunk: rows per chunk in the row-wise stages (memory bound).
-        """
-        if not (isinstance(chunk, int) and chunk >= 1):
-            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-        mean, std = column_stats(X_train) if self.config.input_standardize else (None, None)
-        Z = self._prepare(X_train, mean, std)
-        B, n, F = Z.shape
-        logit_w = logit_loo = None
-        if self.icl.logistic_alphas:
-            logit_w, logit_loo = logistic_readout(Z, y_train, self.icl.logistic_alphas, self.config.max_classes)
-        cols = self._columns(Z)
-        del Z
-        summaries, cells = self.col.encode_train(cols, chunk=chunk, y=self._col_labels(y_train, F))  # (B*F, n, d)
-        del cols
-        cells = cells.view(B, F, n, -1)
-        rows = cells.new_empty(B, n, self.config.icl_dim)
-        for s in range(0, n, chunk):
-            c = cells[:, :, s : s + chunk]  # (B, F, c, d)
-            m = c.shape[2]
-            rows[:, s : s + m] = self.row(c.permute(0, 2, 1, 3).reshape(B * m, F, -1)).view(B, m, -1)
-        del cells
-        row_mean = row_std = None
-        if self.icl.standardize:
-            row_mean, row_std = self.icl.row_stats(rows)
-            rows.sub_(row_mean).div_(row_std)
-        ridge_w = loo = None
-        if self.icl.ridge_alphas:
-            ridge_w, loo = self.icl.ridge_fit(rows, y_train, chunk=chunk)
-        kv = self.icl.context(rows, y_train, chunk=chunk, ridge_loo=loo, logit_loo=logit_loo)
-        return TrainContext(mean=mean, std=std, summaries=summaries, kv=kv, row_mean=row_mean, row_std=row_std,
-                            n_train=n, ridge_w=ridge_w, logit_w=logit_w)
-
-    @torch.no_grad()
-    def predict_logits(self, X_test: torch.Tensor, ctx: TrainContext, *, chunk: int = 4096) -> torch.Tensor:
-        """Logits ``(B, n_test, max_classes)`` of raw test rows ``(B, n_test, F)`` against a train context,
-        ``chunk`` test rows at a time (test rows are independent, so the result does not depend on ``chunk``)."""
-        if not (isinstance(chunk, int) and chunk >= 1):
-            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-        out = []
-        for s in range(0, X_test.shape[1], chunk):
-            Z = self._prepare(X_test[:, s : s + chunk], ctx.mean, ctx.std)
-            rows = self._rows_from_cells(Z, ctx.summaries, chunk)
-            if ctx.row_mean is not None:
-                rows = (rows - ctx.row_mean) / ctx.row_std
-            if ctx.ridge_w is not None:
-                rows = rows + self.icl.ridge_features(rows, ctx.ridge_w)
-            if ctx.logit_w is not None:
-                rows = rows + self.icl.logit_proj(logistic_scores(Z, ctx.logit_w))
-            out.append(self.icl.predict(rows, ctx.kv))
-        return torch.cat(out, dim=1)
-
-    @torch.no_grad()
-    def predict_once(self, X_train: torch.Tensor, y_train: torch.Tensor, X_test: torch.Tensor, *,
-                     chunk: int = 2048, memory_budget_mb: float = 2048.0) -> torch.Tensor:
-        """Test logits ``(B, n_test, max_classes)`` in one pass with bounded working memory, no train-side cache.
-
-        Equal to ``forward`` (up to float rounding). When the train cells ``(B·F, n, d)`` (with the column pass's
-        working copies, about 4 x their size) exceed half of ``memory_budget_mb`` they are never held: the column summaries are built ``F`` columns at a time (as many
-        as fit the budget), then every row's cells are recomputed from the summaries ``chunk`` rows at a time and
-        go straight into the row stage (the column blocks' broadcast steps run twice over the train rows: time for
-        memory). The ICL stage keeps one block's train keys/values at a time, not all of them. Peak memory: the
-        cells ``(B, n, F)``, the row vectors ``(B, n + n_test, D)``, one block's keys/values and one chunk.
-        """
-        if self.icl.ridge_alphas or self.icl.logistic_alphas:
-            ctx = self.build_context(X_train, y_train, chunk=chunk)  # the readouts keep their own path
-            return self.predict_logits(X_test, ctx, chunk=chunk)
-        B, n, F = X_train.shape
-        mean, std = column_stats(X_train) if self.config.input_standardize else (None, None)
-        Z = self._prepare(X_train, mean, std)
-        d, D = self.config.embed_dim, self.config.icl_dim
-        cell_bytes = B * F * n * d * X_train.element_size()
-        rows = Z.new_empty(B, n, D)
-        # The column pass holds the cells, their normalised copy and the inducing keys/values: about 4 x the cells.
-        if 4 * cell_bytes <= memory_budget_mb * 2**19:  # that fits half the budget: one pass, cells kept
-            summaries, cells = self.col.encode_train(self._columns(Z), chunk=chunk, y=self._col_labels(y_train, F))
-            cells = cells.view(B, F, n, -1)
-            for s in range(0, n, chunk):
-                c = cells[:, :, s : s + chunk]
-                m = c.shape[2]
-                rows[:, s : s + m] = self.row(c.permute(0, 2, 1, 3).reshape(B * m, F, -1)).view(B, m, -1)
-            del cells
-        else:
-            # A column's hidden cells, their normalised copy and the inducing step's keys and values: 4 x (n, d).
-            per_col = 4 * B * n * d * X_train.element_size()
-            fc = max(1, int(memory_budget_mb * 2**19 // per_col))
-            cols, y_cols = self._columns(Z), self._col_labels(y_train, F)
-            cols, y_cols = cols.view(B, F, n, -1), None if y_cols is None else y_cols.view(B, F, n)
-            parts = []
-            for f in range(0, F, fc):
-                x = cols[:, f : f + fc].reshape(-1, n, cols.shape[-1])
-                y = None if y_cols is None else y_cols[:, f : f + fc].reshape(-1, n)
-                parts.append(self.col.encode_train(x, chunk=chunk, cells=False, y=y)[0])
-            summaries = [torch.cat([p[i].view(B, -1, *p[i].shape[1:]) for p in parts], 1).flatten(0, 1)
-                         for i in range(len(parts[0]))]
-            del cols, parts
-            self._rows_from_cells(Z, summaries, chunk, y_train, out=rows)
-        del Z
-        if self.icl.standardize:
-            row_mean, row_std = self.icl.row_stats(rows)
-            rows.sub_(row_mean).div_(row_std)
-        Zt = self._prepare(X_test, mean, std)
-        test = self._rows_from_cells(Zt, summaries, chunk)
-        if self.icl.standardize:
-            test.sub_(row_mean).div_(row_std)
-        x, onehot = rows, nn.functional.one_hot  # the label embedding goes into the train rows in place
-        for s in range(0, n, chunk):
-            x[:, s : s + chunk] += self.icl.label_embed(onehot(y_train[:, s : s + chunk], self.config.max_classes).to(x.dtype))
-        last = len(self.icl.blocks) - 1
-        for i, blk in enumerate(self.icl.blocks):
-            k, v = blk.attn.project_kv(blk.norm1(x))
-            for s in range(0, test.shape[1], chunk):
-                test[:, s : s + chunk] = self.icl._block(i, test[:, s : s + chunk], k, v)
-            if i < last:
-                for s in range(0, n, chunk):
-                    x[:, s : s + chunk] = self.icl._block(i, x[:, s : s + chunk], k, v)
-            del k, v
-        return self.icl.decoder(self.icl.norm(test))

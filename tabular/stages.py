@@ -48,6 +48,14 @@ def make_ssmax(kind: str, num_heads: int, dim: int, count: int) -> nn.ModuleList
 
 
 
+def label_features(y: torch.Tensor, max_classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a label embedding reads: one-hot classes ``(..., max_classes)`` of int labels ``y (...)``, or for regression
+    (``max_classes = 0``) the target value itself ``(..., 1)``."""
+    if max_classes == 0:
+        return y.to(dtype).unsqueeze(-1)
+    return nn.functional.one_hot(y.long(), max_classes).to(dtype)
+
+
 class ColumnEmbedding(nn.Module):
     """Distribution-aware cell embedding: ISAB over each column (train rows induce), then per-cell weight and bias
     (``col_output`` "affine" / "affine_ln_after") or the blocks' output itself ("direct").
@@ -67,7 +75,7 @@ class ColumnEmbedding(nn.Module):
             for _ in range(cfg.col_blocks)
         )
         self.ssmax = make_ssmax(cfg.col_ssmax, cfg.col_heads, d, cfg.col_blocks)  # inducing queries only
-        self.label_embed = nn.Linear(cfg.max_classes, d) if cfg.col_target_aware else None
+        self.label_embed = nn.Linear(cfg.max_classes or 1, d) if cfg.col_target_aware else None
         if self.output == "affine":
             self.norm = nn.LayerNorm(d)
         if self.output != "direct":
@@ -84,7 +92,7 @@ class ColumnEmbedding(nn.Module):
             if y is None:
                 raise ValueError("this model's column stage is target-aware: pass the train labels")
             n = y.shape[1]
-            h[:, :n] += self.label_embed(nn.functional.one_hot(y, self.max_classes).to(h.dtype))
+            h[:, :n] += self.label_embed(label_features(y, self.max_classes, h.dtype))
         return h
 
     def _induce(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -108,47 +116,69 @@ class ColumnEmbedding(nn.Module):
             return x * self.weight_head(h) + self.bias_head(h)
         return x * self.ln_w(self.weight_head(h)) + self.ln_b(self.bias_head(h))
 
-    def summaries(self, x_SNg: torch.Tensor, n_train: int, y: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Per-block inducing summaries ``(S, M, d)`` of columns ``x (S, N, g)``; reads rows ``[:n_train]``."""
-        return self.encode_train(x_SNg[:, :n_train], chunk=max(1, n_train), cells=False, y=y)[0]
+    @staticmethod
+    def _views(ys) -> list:
+        """The label views of a call: ``[None]`` (no labels), ``[y]`` (one tensor) or the list given."""
+        return [ys] if ys is None or torch.is_tensor(ys) else list(ys)
 
     def encode_train(
-        self, x_SNg: torch.Tensor, *, chunk: int, cells: bool = True, y: torch.Tensor | None = None
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        self, x_SNg: torch.Tensor, *, chunk: int, cells: bool = True, y=None
+    ) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
         """One pass over train columns ``x (S, n, g)``: the per-block summaries and (``cells``) the cell embeddings.
 
         The inducing points of block ``i`` read all rows of block ``i``'s input; the broadcast step and the
         output heads act on each row alone, so they run ``chunk`` rows at a time (bounded working memory). The
         train cells come out of the same pass that builds the summaries (no second pass over the train rows).
 
+        ``y``: None, the labels ``(S, n)`` of a target-aware stage, or a list of label views (the mixed-radix digits
+        of many classes, :mod:`tabular.many_class`): the blocks run once per view and their outputs are averaged
+        before the output heads.
+
         Returns:
-            ``(summaries, cells)``: summaries ``[(S, M, d)] * col_blocks``; cells ``(S, n, d)`` or None.
+            ``(summaries, cells)``: summaries per view ``[[(S, M, d)] * col_blocks] * views``; cells ``(S, n, d)`` or
+            None.
         """
-        h = self._lift(x_SNg, y)  # (S, n, d)
-        out = []
+        views = self._views(y)
+        out, acc = [], None
         last = len(self.blocks) - 1
-        for i, blk in enumerate(self.blocks):
-            H = self._induce(i, h)  # (S, M, d): inducing points attend to the train rows
-            out.append(H)
-            if i == last and not cells:
-                break  # the last broadcast only feeds the cells
-            for s in range(0, h.shape[1], chunk):  # in place: each row's update reads only that row
-                h[:, s : s + chunk] = blk.broadcast_block(h[:, s : s + chunk], H)
+        for yv in views:
+            h = self._lift(x_SNg, yv)  # (S, n, d)
+            per_block = []
+            for i, blk in enumerate(self.blocks):
+                H = self._induce(i, h)  # (S, M, d): inducing points attend to the train rows
+                per_block.append(H)
+                if i == last and not cells:
+                    break  # the last broadcast only feeds the cells
+                for s in range(0, h.shape[1], chunk):  # in place: each row's update reads only that row
+                    h[:, s : s + chunk] = blk.broadcast_block(h[:, s : s + chunk], H)
+            out.append(per_block)
+            if cells:
+                acc = h if acc is None else acc.add_(h)
+            del h
         if not cells:
             return out, None
+        if len(views) > 1:
+            acc.div_(len(views))
         if self.output != "direct":
-            for s in range(0, h.shape[1], chunk):
-                h[:, s : s + chunk] = self._out(x_SNg[:, s : s + chunk], h[:, s : s + chunk])
-        return out, h
+            for s in range(0, acc.shape[1], chunk):
+                acc[:, s : s + chunk] = self._out(x_SNg[:, s : s + chunk], acc[:, s : s + chunk])
+        return out, acc
 
-    def apply(self, x_SNg: torch.Tensor, summaries: list[torch.Tensor],  # type: ignore[override]
-              y: torch.Tensor | None = None) -> torch.Tensor:
-        """Cell embeddings ``(S, N, d)`` of any rows given the column summaries (rows are independent); ``y (S, N)``:
-        the labels of train rows for a target-aware model (test rows: None)."""
-        h = self._lift(x_SNg, y) if y is not None else self.lift(x_SNg)
-        for blk, H in zip(self.blocks, summaries):
-            h = blk.broadcast_block(h, H)
-        return self._out(x_SNg, h)
+    def apply(self, x_SNg: torch.Tensor, summaries: list[list[torch.Tensor]],  # type: ignore[override]
+              y=None) -> torch.Tensor:
+        """Cell embeddings ``(S, N, d)`` of any rows given the column summaries per view (rows are independent);
+        ``y``: the labels ``(S, N)`` (or their views) when these are train rows of a target-aware model (test rows:
+        None)."""
+        ys = self._views(y) if y is not None else [None] * len(summaries)
+        acc = None
+        for yv, per_block in zip(ys, summaries):
+            h = self._lift(x_SNg, yv) if yv is not None else self.lift(x_SNg)
+            for blk, H in zip(self.blocks, per_block):
+                h = blk.broadcast_block(h, H)
+            acc = h if acc is None else acc + h
+        if len(summaries) > 1:
+            acc = acc / len(summaries)
+        return self._out(x_SNg, acc)
 
     def forward(self, x_SNg: torch.Tensor, n_train: int, y: torch.Tensor | None = None) -> torch.Tensor:
         """Cell embeddings ``(S, N, d)`` of columns ``(S, N, g)``; the summaries read rows ``[:n_train]``."""
@@ -211,12 +241,12 @@ class ICLTransformer(nn.Module):
         super().__init__()
         D = cfg.icl_dim
         self.max_classes = cfg.max_classes
-        self.label_embed = nn.Linear(cfg.max_classes, D)
+        self.label_embed = nn.Linear(cfg.max_classes or 1, D)
         self.blocks = nn.ModuleList(
             SelfAttentionBlock(D, cfg.icl_heads, mlp_hidden_dim=cfg.icl_ffn) for _ in range(cfg.icl_blocks)
         )
         self.norm = nn.LayerNorm(D)
-        self.decoder = MLP(D, 2 * D, out_dim=cfg.max_classes)
+        self.decoder = MLP(D, 2 * D, out_dim=cfg.out_dim)  # logits, or quantiles (regression)
         self.ssmax = make_ssmax(cfg.icl_ssmax, cfg.icl_heads, D, cfg.icl_blocks)
         self.standardize = cfg.row_standardize
         self.ridge_alphas = tuple(cfg.icl_ridge)
@@ -282,9 +312,9 @@ class ICLTransformer(nn.Module):
         return x + blk.mlp(blk.norm2(x))
 
     def embed_train(self, rows_train: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
-        """Add the label embedding to train rows ``(B, n_train, D)``."""
-        onehot = nn.functional.one_hot(y_train, self.max_classes).to(rows_train.dtype)
-        return rows_train + self.label_embed(onehot)
+        """Add the label embedding to train rows ``(B, n_train, D)`` (labels ``(B, n_train)``: classes, or the target
+        of a regression model)."""
+        return rows_train + self.label_embed(label_features(y_train, self.max_classes, rows_train.dtype))
 
     def context(
         self, rows_train: torch.Tensor, y_train: torch.Tensor, *, chunk: int | None = None,
@@ -318,7 +348,8 @@ class ICLTransformer(nn.Module):
         return cache
 
     def predict(self, rows_test: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Logits ``(B, n_test, max_classes)`` of standardized test rows ``(B, n_test, D)`` given the train cache."""
+        """Logits ``(B, n_test, max_classes)`` (regression: quantiles ``(B, n_test, num_quantiles)``) of standardized
+        test rows ``(B, n_test, D)`` given the train cache."""
         x = rows_test
         for i, (k, v) in enumerate(cache):
             x = self._block(i, x, k, v)

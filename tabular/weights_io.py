@@ -94,7 +94,7 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -
     elif path.suffix == ".ckpt":
         from tabular.official import read_official
 
-        what = "an official TabICL classifier checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, -v2-20260212)"
+        what = "an official TabICL checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, -v2-20260212, tabicl-regressor-v2-20260212.ckpt)"
         ckpt = torch_load(path, what=what, weights_only=True)  # a third-party file: tensors and plain data only
         model, card = read_official(path, ckpt)
         model.card = card
