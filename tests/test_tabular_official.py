@@ -44,6 +44,7 @@ def official_ckpt(tmp_path, release: str, *, config: dict | None = None, seed: i
         for name, p in model.named_parameters():
             if not name.endswith("rope.freqs"):
                 p.add_(torch.randn_like(p) * 0.1)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / FILES.get(release, f"{release}.ckpt")
     saved = {k: v for k, v in cfg.items() if k not in drop}
     torch.save({"config": saved, "state_dict": model.state_dict(), "curr_step": 0}, path)
