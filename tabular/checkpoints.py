@@ -62,7 +62,7 @@ def _not_cached(name: str, filename: str) -> CheckpointNotCached:
     where = hub_cache_dir() / ("models--" + HF_REPO.replace("/", "--"))
     label = f"TabICL release {name!r} ({filename})" if name != filename else f"TabICL checkpoint {filename}"
     return CheckpointNotCached(f"{label} is not in the local Hugging Face cache ({where}); download it with: "
-                               f"hf download {HF_REPO} {filename}   (or pass checkpoint=PATH of the file)")
+                               f"hf download {HF_REPO} {filename}   (or give the file's path)")
 
 
 def resolve_checkpoint(checkpoint) -> Path | None:
