@@ -147,3 +147,17 @@ _EXPECTED_FAILS = {"check_regressors_train": "random weights: the fit score is n
                          expected_failed_checks=lambda est: _EXPECTED_FAILS)
 def test_sklearn_contract(estimator, check):
     check(estimator)
+
+
+def test_convert_keeps_a_regression_checkpoint(tmp_path):
+    from tabular.convert import main as convert_main
+
+    path = regression_ckpt(tmp_path)
+    out = tmp_path / "conv" / "reg.safetensors"
+    assert convert_main([str(path), str(out)]) == 0
+    assert "TabICLRegressor" in out.with_suffix(".md").read_text()
+    X, y = _data(4)
+    kw = dict(device="cpu", n_estimators=2)
+    a = TabICLRegressor(checkpoint=path, **kw).fit(X[:60], y[:60]).predict(X[60:])
+    b = TabICLRegressor(checkpoint=out, **kw).fit(X[:60], y[:60]).predict(X[60:])
+    assert np.abs(a - b).max() < 1e-4
