@@ -4,6 +4,7 @@ variables that move it; the one-line refusal when a release is absent; nothing f
 
 from __future__ import annotations
 
+import os
 import socket
 
 import numpy as np
@@ -96,6 +97,10 @@ def test_a_snapshot_other_than_main_and_explicit_paths(tmp_path, monkeypatch):
     fake_cache(tmp_path / "hub", {}, revision="b" * 40)  # refs/main names a snapshot without the file
     old = fake_cache(tmp_path / "hub", {RELEASES["v1"]: ckpt}, revision="c" * 40, main=False)
     assert find_cached(RELEASES["v1"]) == old / RELEASES["v1"]
+    main = fake_cache(tmp_path / "hub", {RELEASES["v1"]: ckpt}, revision="d" * 40)  # refs/main now holds the file
+    newer = fake_cache(tmp_path / "hub", {RELEASES["v1"]: ckpt}, revision="e" * 40, main=False)
+    os.utime(newer / RELEASES["v1"], (2e9, 2e9), follow_symlinks=True)  # a newer snapshot: refs/main still wins
+    assert find_cached(RELEASES["v1"]) == main / RELEASES["v1"]
     assert resolve_checkpoint(ckpt) == ckpt  # a path is a path
     assert resolve_checkpoint(None) is None
 
