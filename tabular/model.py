@@ -1,4 +1,4 @@
-"""TabICL: in-context classification of tables with a three-stage transformer.
+"""TabICL: in-context classification (and regression) of tables with a three-stage transformer.
 
 Layouts: a batch of ``B`` tables with ``N`` rows (the first ``n_train`` labelled, the rest queries) and ``F``
 features: ``X (B, N, F)`` float (NaN = missing), ``y_train (B, n_train)`` int64 in ``[0, max_classes)``.
@@ -29,8 +29,12 @@ kernels for long contexts).
 The published TabICL architectures (v1/v1.1 and v2, :mod:`tabular.official`) are this model with switches of
 :class:`TabICLConfig` set: cells standardized outside the model, no feature-position identity, no row-vector
 standardization, the column heads' LayerNorm after the heads (v1) or no heads (v2), and for v2 grouped cells, a
-target-aware column stage and query-aware scalable softmax. :meth:`TabICL.predict_once` is the one-shot inference
-path with bounded memory (no train-side cache kept).
+target-aware column stage and query-aware scalable softmax; ``max_classes=0`` builds their regression models
+(the label embeddings read the standardized target, the decoder emits ``num_quantiles`` quantiles). The inference
+paths with a train-side context (:meth:`TabICL.build_context`, ``predict_logits``, ``predict_proba``) and the
+one-shot path with bounded memory (``predict_once``) are in :mod:`tabular.inference`; more classes than
+``max_classes`` go through the official model's mixed-radix label views and class hierarchy
+(:mod:`tabular.many_class`).
 """
 
 from __future__ import annotations
