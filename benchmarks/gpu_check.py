@@ -29,8 +29,8 @@ every case it had finished:
    tokens on two images of 2x2 tiles: seconds and peak CUDA/host memory per step.
 10. ``tabular_amp``: ``benchmarks.tabular_amp --device cuda``: the official pipeline here in bf16 autocast (its
     default on CUDA; also with ``kv_cache``) against fp32 here and the official package with and without its
-   autocast, on a random published-size v2 model (4,000 train rows): probabilities within 2e-2 of fp32, argmax
-   agreement, fit and predict times. Its GPU test (``tests/test_tabular_official_options.py``) runs in step 2.
+    autocast, on a random published-size v2 model (4,000 train rows): probabilities within 2e-2 of fp32, argmax
+    agreement, fit and predict times. Its GPU test (``tests/test_tabular_official_options.py``) runs in step 2.
 
 Steps 2, 3, 4, 6 and 10 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
 GPU work there is small); steps 5, 7 and 8 time and run alone after them, one after the other.
