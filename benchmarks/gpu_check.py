@@ -24,12 +24,15 @@ every case it had finished:
 8. ``tabular_bench``: ``benchmarks.tabular_vs_official --device cuda``: TabICL here against the official
    ``tabicl`` package on the same random v1-size model, 10K-100K train rows x 100 features, fp32: wall time and
    peak CUDA memory ratios (cases past a third of the box are recorded as timeouts).
-
 9. ``comemo_2b``: ``benchmarks.comemo_real_size --device cuda``: a random CoMemo-2B-shaped released checkpoint
    written, converted (``apps.comemo.convert``), loaded (``CoMemo.from_hf``, bf16), one forward and 16 generated
    tokens on two images of 2x2 tiles: seconds and peak CUDA/host memory per step.
+10. ``tabular_amp``: ``benchmarks.tabular_amp --device cuda``: the official pipeline here in bf16 autocast (its
+    default on CUDA; also with ``kv_cache``) against fp32 here and the official package with and without its
+    autocast, on a random published-size v2 model (4,000 train rows): probabilities within 2e-2 of fp32, argmax
+    agreement, fit and predict times. Its GPU test (``tests/test_tabular_official_options.py``) runs in step 2.
 
-Steps 2, 3, 4 and 6 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
+Steps 2, 3, 4, 6 and 10 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
 GPU work there is small); steps 5, 7 and 8 time and run alone after them, one after the other.
 ``summary.md`` in OUT holds the tables for the README. On a machine without CUDA, steps 1 and 6 run, the others
 are recorded as skipped, and the exit code is 0; on a GPU it is 0 when every step ran and passed, else 1.
@@ -55,13 +58,15 @@ from benchmarks.common import format_table, read_json, write_json_atomic
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench", "tabular_bench", "comemo_2b")
-GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench", "tabular_bench", "comemo_2b")
+STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench", "tabular_bench", "comemo_2b",
+         "tabular_amp")
+GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench", "tabular_bench", "comemo_2b", "tabular_amp")
 TIMING_STEPS = ("bench", "hf_bench", "tabular_bench", "comemo_2b")
 #: Seconds each step may take (``--box STEP=S`` overrides); steps 2-4 and 6 overlap, so the total stays
 #: under ``--budget-s`` (default 560 s: 9.5 minutes less process start-up).
 DEFAULT_BOXES = {"env": 30.0, "pytest": 200.0, "numerics": 200.0, "int64": 150.0, "bench": 230.0, "dispatch": 120.0,
-                 "hf_bench": 100.0, "tabular_bench": 60.0, "comemo_2b": 150.0}  # fmt: skip
+                 "hf_bench": 100.0, "tabular_bench": 60.0, "comemo_2b": 150.0,
+                 "tabular_amp": 120.0}  # fmt: skip
 #: Train rows of the tabular_bench step (100 features, 1,000 test rows, the published v1 sizes, fp32).
 TABULAR_ROWS = "10000,50000,100000"
 NUMERICS_SHARDS = 4
@@ -213,6 +218,12 @@ def _comemo_2b_job(out: Path, box: float) -> Job:
     return Job(step="comemo_2b", argv=argv, box_s=box, log=out / "logs" / "comemo_2b.log", extra={"json": path})
 
 
+def _tabular_amp_job(out: Path, box: float) -> Job:
+    path = out / "tabular_amp_gpu.json"
+    argv = [sys.executable, "-m", "benchmarks.tabular_amp", "--device", "cuda", "--out", str(path)]
+    return Job(step="tabular_amp", argv=argv, box_s=box, log=out / "logs" / "tabular_amp.log", extra={"json": path})
+
+
 def _junit_summary(xml: Path) -> dict[str, Any]:
     """Counts and failing test ids from pytest's JUnit XML."""
     import xml.etree.ElementTree as ET
@@ -260,6 +271,10 @@ def _finish(job: Job, out: Path) -> dict[str, Any]:
         rec["steps"] = data.get("steps")
         rec.update({k: data.get(k) for k in ("dtype", "parameters", "prompt_tokens", "peak_rss_gb")})
         ok = rc == 0 and bool(data.get("last_logits_finite")) and len(data.get("generated") or []) == 16
+    elif job.step == "tabular_amp":
+        data = read_json(job.extra["json"]) or {}
+        rec["rows"] = data.get("cases", [])
+        ok = rc == 0 and bool(rec["rows"]) and bool(data.get("ok"))
     elif job.step == "bench":
         data = read_json(job.extra["json"]) or {}
         rec["targets"] = data.get("targets")
@@ -322,6 +337,9 @@ def summarize(report: dict[str, Any]) -> str:
                              for r in rec["rows"])
         elif name == "comemo_2b" and rec.get("steps"):
             what = "; ".join(f"{k} {v['seconds']} s, CUDA {v.get('peak_cuda_gb')} GB" for k, v in rec["steps"].items())
+        elif name == "tabular_amp" and rec.get("rows"):
+            what = "; ".join(f"{r['case']}: max |p - fp32| {r.get('max_abs_diff_vs_here_fp32', float('nan')):.1e}, "
+                             f"predict {r.get('predict_s')} s" for r in rec["rows"])
         lines.append({"step": name, "status": status, "seconds": rec.get("seconds"), "result": what})
     text = format_table(lines, ["step", "status", "seconds", "result"])
     targets = report["steps"].get("bench", {}).get("targets") or {}
@@ -422,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = bool(env.get("cuda_available"))
     if not cuda:
         print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64, bench, hf_bench, "
-              "tabular_bench and comemo_2b need one "
+              "tabular_bench, comemo_2b and tabular_amp need one "
               "(recorded as skipped); running env and dispatch only.")  # fmt: skip
         for name in GPU_STEPS:
             if name in steps:
@@ -432,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     # Phase A: the correctness steps, concurrently.
     bench_reserve = sum(boxes[n] for n in TIMING_STEPS if cuda and n in steps)
     jobs: list[Job] = []
-    for name in ("pytest", "numerics", "int64", "dispatch"):
+    for name in ("pytest", "numerics", "int64", "dispatch", "tabular_amp"):
         if name not in steps or report["steps"].get(name, {}).get("status") == "skipped":
             continue
         remaining = deadline - time.monotonic() - bench_reserve
@@ -444,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append(_pytest_job(out, box))
         elif name == "numerics":
             jobs += [_child_job("numerics", out, box, f"{i}/{NUMERICS_SHARDS}") for i in range(NUMERICS_SHARDS)]
+        elif name == "tabular_amp":
+            jobs.append(_tabular_amp_job(out, box))
         else:
             jobs.append(_child_job(name, out, box))
     for job in jobs:

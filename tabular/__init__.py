@@ -1,12 +1,13 @@
-"""TabICL: in-context classification of tables, scikit-learn compatible.
+"""TabICL: in-context classification (and, with the official regression checkpoint, regression) of tables,
+scikit-learn compatible.
 
-``from tabular import TabICLClassifier`` — see ``tabular/README.md``. Heavy imports (scikit-learn, pandas) load
+``from tabular import TabICLClassifier, TabICLRegressor`` — see ``tabular/README.md``. Heavy imports (scikit-learn, pandas) load
 only when the estimator is first used.
 """
 
 from __future__ import annotations
 
-__all__ = ["TabICLClassifier", "load_model"]
+__all__ = ["TabICLClassifier", "TabICLRegressor", "load_model"]
 
 
 def __getattr__(name: str):
@@ -14,6 +15,10 @@ def __getattr__(name: str):
         from tabular.estimator import TabICLClassifier
 
         return TabICLClassifier
+    if name == "TabICLRegressor":
+        from tabular.regressor import TabICLRegressor
+
+        return TabICLRegressor
     if name == "load_model":  # this project's .safetensors / .pt, or an official TabICL .ckpt
         from tabular.weights_io import load_model
 

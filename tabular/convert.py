@@ -23,14 +23,19 @@ __all__ = ["main", "convert"]
 
 def _card_md(out: Path, card: dict, n_params: int) -> str:
     cfg = json.dumps(card["config"], indent=1)
+    if card.get("task") == "regression":
+        use = (f'`TabICLRegressor(checkpoint="{out.name}")` (the official package\'s preprocessing and ensembling, '
+               "needs `pip install tabicl==2.2.0`).")
+    else:
+        use = (f'`TabICLClassifier(checkpoint="{out.name}")` (this project\'s pipeline) or with `official=True` (the '
+               "official\n  package's preprocessing and ensembling, needs `pip install tabicl==2.2.0`).")
     return f"""# {out.stem}: TabICL {card['release']} (official weights, converted)
 
 - Source: `{card['file']}` (SHA-256 `{card['source_sha256']}`), the official TabICL release {card['release']}
   (architecture {card['version']}), converted by `{card['command']}`.
 - {n_params:,} parameters, fp32. Same logits as the source file through `tabular.load_model` (checked at conversion:
   max |difference| {card['check_max_abs_diff']:.2e} on a random table).
-- Use: `TabICLClassifier(checkpoint="{out.name}")` (this project's pipeline) or with `official=True` (the official
-  package's preprocessing and ensembling, needs `pip install tabicl==2.2.0`).
+- Use: {use}
 - The weights are the official release's; its license and terms apply (see the TabICL repository). Nothing here was
   trained by this project.
 
@@ -76,7 +81,8 @@ def convert(src: Path, out: Path, *, command: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tabular.convert", description=__doc__.split("\n\n")[0])
-    p.add_argument("src", type=Path, help="official checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, -v2-20260212)")
+    p.add_argument("src", type=Path, help="official checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, "
+                   "-v2-20260212, tabicl-regressor-v2-20260212.ckpt)")
     p.add_argument("out", type=Path, help="output .safetensors (OUT.json and OUT.md are written beside it)")
     args = p.parse_args(argv)
     check_outputs([("OUT", args.out), ("OUT", args.out.with_suffix(".json")), ("OUT", args.out.with_suffix(".md"))],

@@ -23,31 +23,31 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import sys
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.base import ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
+from sklearn.utils.validation import check_is_fitted, column_or_1d
 from tqdm import tqdm
 
 from tabular.finetune import VIEWS as FINETUNE_VIEWS
 from tabular.finetune import finetune, rows_for_budget
 from tabular.model import TabICL
-from tabular.preprocess import TablePreprocessor, to_frame
-from tabular.weights_io import default_checkpoint, load_model
+from tabular.preprocess import TablePreprocessor
+from tabular.reduction import PCAReducer as _PCAReducer
+from tabular.reduction import fit_rows as _fit_rows
+from tabular.sklearn_base import TabularEstimator
+from tabular.sklearn_base import get_model as _get_model
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TabICLClassifier"]
 
 NORM_METHODS = ("none", "power", "quantile")  # numeric-column views an ensemble member can see
-_MODEL_CACHE: dict[tuple, TabICL] = {}
-_NORM_FIT_ROWS = 65_536  # normalisations are fitted on at most this many train rows (random subset)
 _MIN_CHUNK = 16  # fewest rows per chunk the memory plan picks (below it Python overhead dominates)
 _REDUCTION_DIMS = (8, 12, 16, 24)  # principal-component counts feature_reduction="auto" tries
 _REDUCTION_ROWS = 2048  # at most this many train rows (stratified subset) choose the reduction
@@ -57,33 +57,6 @@ _DEFAULT_TEMPERATURE = 0.9  # softmax temperature of the published model, and th
 _TEMPERATURE_PRIOR_SIGMA = 0.5  # std of the log-normal prior of softmax_temperature="auto" (in log space)
 
 
-def _fit_rows(n: int, seed) -> np.ndarray:
-    """Row indices that fitted transforms use: all ``n``, or a sorted random ``_NORM_FIT_ROWS`` of them."""
-    if n <= _NORM_FIT_ROWS:
-        return np.arange(n)
-    return np.sort(np.random.default_rng(seed).choice(n, _NORM_FIT_ROWS, replace=False))
-
-
-def _get_model(checkpoint, device: torch.device, *, official: bool = False) -> TabICL:
-    """The checkpoint's model. The published checkpoints read cells scaled outside the model; outside ``official``
-    mode this estimator's own pipeline feeds them, so they get a view of the same weights that standardizes cells
-    with train statistics itself (clipped at ±100, the official scaler's bound)."""
-    path = str(default_checkpoint() if checkpoint is None else checkpoint)
-    try:
-        stamp = os.stat(path).st_mtime_ns  # a rewritten file is reloaded
-    except OSError:
-        stamp = None  # load_model raises the clear error
-    key = (path, stamp, str(device))
-    if key not in _MODEL_CACHE:
-        _MODEL_CACHE[key] = load_model(path, device=device)
-    model = _MODEL_CACHE[key]
-    if official or model.config.input_standardize:
-        return model
-    view = copy.copy(model)  # shares the modules and weights; only the config differs
-    view.config = replace(model.config, input_standardize=True, clip_value=100.0)
-    return view
-
-
 @dataclass(kw_only=True)
 class _Member:
     """One ensemble view."""
@@ -91,57 +64,6 @@ class _Member:
     perm: np.ndarray  # feature order
     shift: int  # cyclic class shift
     norm: str  # transform of the numeric columns: one of NORM_METHODS
-
-
-@dataclass(kw_only=True, eq=False)
-class _PCAReducer:
-    """Numeric columns projected onto their top principal components; categorical columns pass through.
-
-    Missing cells are imputed with the train mean first; the columns are centred (and, with ``standardize``,
-    scaled to unit variance) before the projection. Fitted on at most ``_NORM_FIT_ROWS`` train rows.
-    """
-
-    num: np.ndarray  # indices of the numeric input columns
-    cat: np.ndarray  # indices of the categorical input columns (kept as they are)
-    mean: np.ndarray  # (n_num,) train means (imputation and centring)
-    scale: np.ndarray  # (n_num,) divisors (1, or the train standard deviations)
-    components: np.ndarray  # (n_num, k)
-    standardize: bool
-    explained: float  # share of the (scaled) variance the k components keep
-
-    @classmethod
-    def fit(cls, Xv: np.ndarray, is_cat: np.ndarray, k: int, *, standardize: bool, seed) -> "_PCAReducer":
-        num, cat = np.flatnonzero(~is_cat), np.flatnonzero(is_cat)
-        X = Xv[np.ix_(_fit_rows(len(Xv), seed), num)].astype(np.float64)
-        mean = np.nanmean(X, axis=0)
-        X = np.where(np.isnan(X), mean, X) - mean
-        scale = X.std(axis=0) if standardize else np.ones(X.shape[1])
-        scale = np.where(scale > 0, scale, 1.0)
-        X /= scale
-        evals, evecs = np.linalg.eigh(X.T @ X / max(1, len(X) - 1))
-        order = np.argsort(evals)[::-1][:k]
-        comps = evecs[:, order]
-        comps *= np.where(comps[np.abs(comps).argmax(0), np.arange(comps.shape[1])] < 0, -1.0, 1.0)  # fixed signs
-        explained = float(evals[order].sum() / max(evals.sum(), 1e-300))
-        return cls(num=num, cat=cat, mean=mean, scale=scale, components=comps, standardize=standardize,
-                   explained=explained)
-
-    def transform(self, Xv: np.ndarray) -> np.ndarray:
-        out = np.empty((len(Xv), self.components.shape[1] + len(self.cat)), dtype=np.float32)
-        for r0 in range(0, len(Xv), _NORM_FIT_ROWS):  # row blocks: float64 temporaries stay small
-            X = Xv[r0 : r0 + _NORM_FIT_ROWS, self.num].astype(np.float64)
-            X = (np.where(np.isnan(X), self.mean, X) - self.mean) / self.scale
-            out[r0 : r0 + len(X), : self.components.shape[1]] = X @ self.components
-        out[:, self.components.shape[1] :] = Xv[:, self.cat]
-        return out
-
-    @property
-    def is_cat(self) -> np.ndarray:
-        return np.r_[np.zeros(self.components.shape[1], bool), np.ones(len(self.cat), bool)]
-
-    def describe(self) -> dict:
-        return {"components": int(self.components.shape[1]), "standardize": self.standardize,
-                "numeric_columns": int(len(self.num)), "explained_variance": round(self.explained, 4)}
 
 
 @dataclass(kw_only=True, eq=False)
@@ -191,18 +113,21 @@ def _balanced_tree(classes: np.ndarray, k: int) -> _Node:
     return _Node(classes=classes, groups=list(groups), children=[_balanced_tree(g, k) if len(g) > 1 else None for g in groups])
 
 
-class TabICLClassifier(ClassifierMixin, BaseEstimator):
+class TabICLClassifier(ClassifierMixin, TabularEstimator):
     """In-context tabular classifier backed by a pretrained TabICL checkpoint.
 
     Args:
         n_estimators: ensemble members (feature shuffles x class shifts x normalisations).
-        checkpoint: path of a ``.safetensors`` (or pretraining ``.pt``) checkpoint; None = the shipped default.
+        checkpoint: path of a ``.safetensors`` (or pretraining ``.pt``, or official ``.ckpt``) checkpoint; an official
+            release by name ("v1", "v1.1", "v2"), found in the local Hugging Face cache (:mod:`tabular.checkpoints`,
+            never downloaded); None = the shipped default.
         device: "cpu", "cuda", "cuda:N", ... ; None picks CUDA when available, else CPU. ``fit`` refuses a device this
             machine lacks with a ValueError.
         random_state: seed of the ensemble's feature permutations.
         memory_budget_mb: memory the inference may use: half bounds the activations (sets the row chunk and
             member batch sizes), half the train-side cache (contexts beyond it are recomputed per call).
-        batch_size: test rows per forward pass; None derives it from ``memory_budget_mb``.
+        batch_size: test rows per forward pass; None derives it from ``memory_budget_mb``. With ``official``: the
+            official ``batch_size``, ensemble members per forward pass (None = its default 8).
         max_context: most train rows in one context; larger tables are split into stratified folds, each a
             separate context whose logits are averaged (cost and memory linear in rows instead of quadratic).
         context: "local" (default): when a class node has more than ``local_context`` train rows, the test rows
@@ -239,11 +164,23 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         finetune_lr: learning rate of the fine-tuning steps.
         verbose: progress bars on standard error (predictions: ensemble views done; fine-tuning: steps and
             loss), and there too the choices made at fit (temperature, feature reduction, kept fine-tuning step).
-        official: with an official checkpoint (``checkpoint="tabicl-classifier-....ckpt"``), run the official
-            package's own preprocessing and ensembling around this model (:mod:`tabular.official_pipeline`; needs
-            ``pip install tabicl==2.2.0``): the official predictions. Uses ``n_estimators``, ``norm_methods``,
-            ``random_state``, ``device``, ``memory_budget_mb`` and ``softmax_temperature`` ("auto" = the official
-            0.9); the other options do not apply. At most the checkpoint's ``max_classes`` classes.
+        official: with an official checkpoint (``checkpoint="v2"`` or a ``tabicl-classifier-....ckpt`` path), run the
+            official package's own preprocessing and ensembling around this model (:mod:`tabular.official_pipeline`;
+            needs ``pip install tabicl==2.2.0``): the official predictions. Uses ``n_estimators``, ``norm_methods``
+            (also "quantile_rtdl", "robust"), ``random_state``, ``device``, ``memory_budget_mb``, ``batch_size``
+            (members per pass), ``softmax_temperature`` ("auto" = the official 0.9) and the five options below; the
+            other options do not apply. More classes than the checkpoint's ``max_classes`` go through the official
+            model's mixed-radix label views and class hierarchy (:mod:`tabular.many_class`).
+        kv_cache: (``official`` only) build the train context of every member batch at ``fit`` and serve every
+            ``predict`` from it, as the official ``kv_cache=True``: the train rows are never run again (memory: the
+            ICL keys and values of every train row, member and block; ``context_nbytes_``).
+        average_logits: (``official`` only) average the members' logits, then one softmax (True), or their
+            probabilities (False), as the official option.
+        feat_shuffle_method, class_shuffle_method: (``official`` only) the official ensemble's feature orders and
+            class permutations: "none", "shift", "random" or "latin".
+        dtype: (``official`` only) the model's compute dtype: None = bf16 autocast on CUDA (fp16 where the GPU has no
+            bf16), fp32 on the CPU; "float32", "bfloat16" or "float16" as given (``torch.autocast`` on the device;
+            bf16 on the CPU runs but is slower than fp32 there).
     """
 
     def __init__(
@@ -266,8 +203,18 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         finetune_lr: float = 3e-4,
         verbose: bool = False,
         official: bool = False,
+        kv_cache: bool = False,
+        average_logits: bool = True,
+        feat_shuffle_method: str = "latin",
+        class_shuffle_method: str = "shift",
+        dtype=None,
     ) -> None:
         self.official = official
+        self.kv_cache = kv_cache
+        self.average_logits = average_logits
+        self.feat_shuffle_method = feat_shuffle_method
+        self.class_shuffle_method = class_shuffle_method
+        self.dtype = dtype
         self.n_estimators = n_estimators
         self.checkpoint = checkpoint
         self.device = device
@@ -286,14 +233,6 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         self.verbose = verbose
 
     # -- sklearn plumbing ---------------------------------------------------------------------------------
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.input_tags.allow_nan = True
-        tags.input_tags.categorical = True
-        tags.input_tags.string = True
-        tags.non_deterministic = False
-        return tags
-
     def _check_params(self) -> None:
         if not isinstance(self.official, (bool, np.bool_)):
             raise ValueError(f"official must be True or False, got {self.official!r}")
@@ -313,10 +252,12 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         t = self.softmax_temperature
         if not (t == "auto" if isinstance(t, str) else isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0):
             raise ValueError(f"softmax_temperature must be a number > 0 or 'auto', got {t!r}")
-        norms = self._norm_list()
-        if (not isinstance(norms, (tuple, list)) or not norms
-                or any(not isinstance(n, str) or n not in NORM_METHODS for n in norms)):
-            raise ValueError(f"norm_methods must be a non-empty sequence of {NORM_METHODS}, got {self.norm_methods!r}")
+        self._check_official_params(official=bool(self.official), classes=True)
+        if not self.official:
+            norms = self._norm_list()
+            if (not isinstance(norms, (tuple, list)) or not norms
+                    or any(not isinstance(n, str) or n not in NORM_METHODS for n in norms)):
+                raise ValueError(f"norm_methods must be a non-empty sequence of {NORM_METHODS}, got {self.norm_methods!r}")
         fs = self.finetune_steps
         if not (isinstance(fs, (int, np.integer)) and not isinstance(fs, bool) and fs >= 0):
             raise ValueError(f"finetune_steps must be an int >= 0, got {fs!r}")
@@ -327,57 +268,9 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         if not (fr is None or fr == "auto" or isinstance(fr, (int, np.integer)) and not isinstance(fr, bool) and fr >= 1):
             raise ValueError(f"feature_reduction must be 'auto', None or a positive int (principal components), got {fr!r}")
 
-    def _resolve_device(self) -> torch.device:
-        """``device`` as a torch device; a clear error for a malformed one or an accelerator this machine lacks."""
-        if not self.device:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N' (a torch device), got {self.device!r}") from e
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device={self.device!r} but CUDA is not available on this machine; use device='cpu' "
-                                 "or None (CUDA when available, else CPU)")
-            if dev.index is not None and dev.index >= torch.cuda.device_count():
-                raise ValueError(f"device={self.device!r} but this machine has {torch.cuda.device_count()} CUDA "
-                                 "device(s)")
-        elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-            raise ValueError(f"device={self.device!r} but MPS is not available on this machine; use device='cpu'")
-        return dev
-
     def _norm_list(self):
         """``norm_methods`` as a sequence (a single name is accepted too)."""
         return (self.norm_methods,) if isinstance(self.norm_methods, str) else self.norm_methods
-
-    def _validate_X(self, X, *, reset: bool):
-        import pandas as pd
-
-        if X is None:
-            raise ValueError("X is None; expected a 2-D array or DataFrame")
-        if hasattr(X, "toarray") or type(X).__module__.startswith("scipy.sparse"):
-            raise TypeError("TabICLClassifier does not accept sparse input; pass a dense array or DataFrame")
-        if not isinstance(X, pd.DataFrame):
-            arr = np.asarray(X)
-            if arr.dtype.kind in "cV":
-                raise ValueError(f"Complex data not supported (got dtype {arr.dtype}); pass real numbers or strings")
-            if arr.ndim != 2:
-                raise ValueError(
-                    f"Expected 2D array, got {'scalar' if arr.ndim == 0 else f'{arr.ndim}D'} array instead: "
-                    f"shape {arr.shape}. Reshape your data with array.reshape(-1, 1) for one feature or "
-                    "array.reshape(1, -1) for one sample."
-                )
-            if arr.dtype.kind == "O":
-                for v in arr.ravel()[:1000]:
-                    if not isinstance(v, (str, bytes, bool, int, float, np.generic, type(None))):
-                        raise TypeError(f"argument must be a string or a real number, got a {type(v).__name__}")
-        validate_data(self, X, skip_check_array=True, reset=reset)
-        df = to_frame(X)
-        if df.shape[0] == 0:
-            raise ValueError(f"Found array with 0 sample(s) (shape={df.shape}) while a minimum of 1 is required.")
-        if df.shape[1] == 0:
-            raise ValueError(f"Found array with 0 feature(s) (shape={df.shape}) while a minimum of 1 is required.")
-        return df
 
     # -- fit --------------------------------------------------------------------------------------------
     def fit(self, X, y):
@@ -400,6 +293,8 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
         Xv, is_cat = self._pre.fit_transform(df)
         self._device = self._resolve_device()
         model = _get_model(self.checkpoint, self._device)
+        if model.config.regression:
+            raise ValueError(f"checkpoint {self.checkpoint!r} is a regression checkpoint: use tabular.TabICLRegressor")
         self._max_classes = model.config.max_classes
         y_enc = y_enc.astype(np.int64)
         trained_width = model.card.get("pretrained_max_features")
@@ -465,8 +360,6 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
 
         With a holdout ``split = (a, b)`` (``b`` disjoint from ``rows``) the weights are scored on it (rows ``a``
         as context, the ensemble's log-loss of rows ``b``) and the best-scoring ones are kept."""
-        import copy
-
         from sklearn.metrics import log_loss
 
         G = len(self._tree.groups)
@@ -838,17 +731,13 @@ class TabICLClassifier(ClassifierMixin, BaseEstimator):
     def _fit_official(self, df, y_enc: np.ndarray) -> "TabICLClassifier":
         from tabular.official_pipeline import OfficialEnsemble
 
-        self._device = self._resolve_device()
-        model = _get_model(self.checkpoint, self._device, official=True)
-        if model.config.input_standardize:
-            raise ValueError("official=True needs an official TabICL checkpoint (a tabicl-classifier-*.ckpt file, or "
-                             "one converted by tabular.convert); this checkpoint is the project's own")
+        model = self._official_model(regression=False)
         t = 0.9 if self.softmax_temperature == "auto" else float(self.softmax_temperature)
         self.temperature_ = t
-        self._official = OfficialEnsemble(model, n_estimators=int(self.n_estimators), norm_methods=self._norm_list(),
-                                          softmax_temperature=t, random_state=self.random_state,
-                                          memory_budget_mb=float(self.memory_budget_mb), device=self._device)
+        self._official = OfficialEnsemble(model, class_shuffle_method=self.class_shuffle_method, softmax_temperature=t,
+                                          average_logits=bool(self.average_logits), **self._official_kwargs())
         self._official.fit(df, y_enc, len(self.classes_))
+        self.context_nbytes_ = self._official.context_nbytes()
         return self
 
     def predict_proba(self, X) -> np.ndarray:

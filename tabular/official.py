@@ -14,8 +14,10 @@ package would), builds the matching :class:`TabICLConfig` — the same model cla
 
 Versions: ``v1`` (``tabicl-classifier-v1-20250208.ckpt`` and ``v1.1-20250506``: the same architecture, trained on
 different priors) and ``v2`` (``tabicl-classifier-v2-20260212.ckpt``: grouped, target-aware column embedding
-without affine heads, query-aware scalable softmax, split-half rotary). Regression checkpoints (``max_classes=0``)
-and other variants are refused with the list of what is supported.
+without affine heads, query-aware scalable softmax, split-half rotary). Either architecture as a regression model
+(``max_classes=0``: the label embeddings read the standardized target, the decoder emits ``num_quantiles``
+quantiles; ``tabicl-regressor-v2-20260212.ckpt``) is built with ``TabICLConfig(max_classes=0)``; the card's
+``task`` says which. Other variants are refused with the list of what is supported.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ KNOWN_FILES = {
     "tabicl-classifier-v1-20250208.ckpt": "v1",
     "tabicl-classifier-v1.1-20250506.ckpt": "v1.1",
     "tabicl-classifier-v2-20260212.ckpt": "v2",
+    "tabicl-regressor-v2-20260212.ckpt": "v2-regressor",
 }
 #: Sizes ``tabicl.TabICL`` (2.2.0) uses for keys a checkpoint's config omits.
 CLASS_DEFAULTS = {"embed_dim": 128, "col_num_blocks": 3, "col_nhead": 8, "col_num_inds": 128, "row_num_blocks": 3,
@@ -56,7 +59,8 @@ class UnsupportedCheckpoint(ValueError):
 
 
 def _refuse(path, what: str) -> UnsupportedCheckpoint:
-    return UnsupportedCheckpoint(f"{str(path)!r}: {what}; supported official TabICL classifier checkpoints: {_SUPPORTED_LINE}")
+    return UnsupportedCheckpoint(f"{str(path)!r}: {what}; supported official TabICL checkpoints (classification or "
+                                 f"regression): {_SUPPORTED_LINE}")
 
 
 def _ssmax(value) -> str:
@@ -73,8 +77,10 @@ def _resolved(config: dict, state: dict) -> dict:
     in_dim = state["col_embedder.in_linear.weight"].shape[1] if "col_embedder.in_linear.weight" in state else 1
     group = get("col_feature_group", "same" if in_dim > 1 else False)
     has_ssmax = lambda prefix: any(k.startswith(prefix) and ".ssmax_layer." in k for k in state)  # noqa: E731
+    icl_labels = state.get("icl_predictor.y_encoder.weight")  # (D, max_classes), or (D, 1) for regression
+    from_weights = 10 if icl_labels is None else (0 if icl_labels.shape[1] == 1 else icl_labels.shape[1])
     return {
-        "max_classes": get("max_classes", 10),
+        "max_classes": get("max_classes", from_weights),
         "affine": get("col_affine", "col_embedder.out_w.weight" in state),
         "group": group,
         "group_size": get("col_feature_group_size", 3) if group else 1,
@@ -91,8 +97,6 @@ def _resolved(config: dict, state: dict) -> dict:
 def detect_version(config: dict, state: dict, path="checkpoint") -> str:
     """``"v1"`` or ``"v2"`` for an official config + state dict; :class:`UnsupportedCheckpoint` otherwise."""
     sw = _resolved(config, state)
-    if sw["max_classes"] == 0:
-        raise _refuse(path, "a regression checkpoint (max_classes=0)")
     if not sw["norm_first"] or sw["bias_free_ln"] or sw["activation"] != "gelu":
         raise _refuse(path, "post-norm, bias-free LayerNorm or a non-GELU activation")
     v1 = (sw["affine"], bool(sw["group"]), sw["target_aware"], sw["col_ssmax"], sw["icl_ssmax"], sw["interleaved"])
@@ -114,7 +118,7 @@ def official_config(config: dict, state: dict, path="checkpoint") -> tuple[TabIC
     embed, ff = get("embed_dim"), get("ff_factor")
     n_cls = get("row_num_cls")
     cfg = TabICLConfig(
-        max_classes=sw["max_classes"], embed_dim=embed, col_blocks=get("col_num_blocks"),
+        max_classes=sw["max_classes"], num_quantiles=config.get("num_quantiles", 999), embed_dim=embed, col_blocks=get("col_num_blocks"),
         col_heads=get("col_nhead"), col_inducing=get("col_num_inds"), row_blocks=get("row_num_blocks"),
         row_heads=get("row_nhead"), n_cls=n_cls, rope_base=float(get("row_rope_base")),
         icl_blocks=get("icl_num_blocks"), icl_heads=get("icl_nhead"), icl_ffn=embed * n_cls * ff,
@@ -208,7 +212,11 @@ def read_official(path: str | os.PathLike, ckpt: dict) -> tuple[TabICL, dict]:
     except (KeyError, RuntimeError) as e:
         raise _refuse(path, f"weights do not match the {version} architecture ({str(e).splitlines()[0][:200]})") from None
     release = KNOWN_FILES.get(path.name, version)
+    task = "regression" if cfg.regression else "classification"
+    if path.name not in KNOWN_FILES and cfg.regression:
+        release = f"{version}-regressor"
     card = {"source": "official TabICL checkpoint", "file": path.name, "version": version, "release": release,
+            "task": task,
             "official_config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))},
             # v1's pretraining tables had up to 100 features (TabICL paper); v2's width is not recorded here
             "pretrained_max_features": 100 if version == "v1" else None}

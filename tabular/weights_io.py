@@ -69,9 +69,12 @@ def _config(read, path: Path, what: str) -> TabICLConfig:
 
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> TabICL:
     """Load a model written by :func:`save_model`, a pretraining checkpoint ``.pt`` or an official TabICL checkpoint
-    ``.ckpt`` (v1, v1.1, v2: :mod:`tabular.official`), in eval mode; its card (the metadata ``extra`` written with
+    ``.ckpt`` (v1, v1.1, v2, v2-regressor: :mod:`tabular.official`; by release name from the local Hugging Face cache:
+    :mod:`tabular.checkpoints`), in eval mode; its card (the metadata ``extra`` written with
     it) is ``model.card``."""
-    path = Path(path)
+    from tabular.checkpoints import resolve_checkpoint
+
+    path = resolve_checkpoint(path)  # an official release name ("v2", ...) -> its file in the Hugging Face cache
     if not path.is_file():
         raise FileNotFoundError(f"TabICL checkpoint {str(path)!r} does not exist (expected a .safetensors, .pt or .ckpt file)")
     if path.suffix == ".safetensors":
@@ -94,7 +97,7 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu") -
     elif path.suffix == ".ckpt":
         from tabular.official import read_official
 
-        what = "an official TabICL classifier checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, -v2-20260212)"
+        what = "an official TabICL checkpoint (tabicl-classifier-v1-20250208.ckpt, -v1.1-20250506, -v2-20260212, tabicl-regressor-v2-20260212.ckpt)"
         ckpt = torch_load(path, what=what, weights_only=True)  # a third-party file: tensors and plain data only
         model, card = read_official(path, ckpt)
         model.card = card

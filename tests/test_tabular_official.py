@@ -44,6 +44,7 @@ def official_ckpt(tmp_path, release: str, *, config: dict | None = None, seed: i
         for name, p in model.named_parameters():
             if not name.endswith("rope.freqs"):
                 p.add_(torch.randn_like(p) * 0.1)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / FILES.get(release, f"{release}.ckpt")
     saved = {k: v for k, v in cfg.items() if k not in drop}
     torch.save({"config": saved, "state_dict": model.state_dict(), "curr_step": 0}, path)
@@ -93,7 +94,6 @@ def test_a_config_without_the_switches_is_read_off_the_weights(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(max_classes=0, num_quantiles=9), "regression"),
     (dict(col_feature_group="valid"), "no released version"),
     (dict(col_ssmax="ssmax", icl_ssmax="ssmax"), "no released version"),
 ])
@@ -159,12 +159,13 @@ def test_predict_proba_matches_the_official_classifier(tmp_path, release):
 
 
 def test_official_mode_refuses_what_it_does_not_cover(tmp_path):
-    _, path = official_ckpt(tmp_path, "v1")
     X = np.random.default_rng(0).normal(size=(40, 3))
-    with pytest.raises(ValueError, match="at most 10 classes"):
-        TabICLClassifier(checkpoint=path, official=True, device="cpu").fit(X, np.arange(40) % 12)
     with pytest.raises(ValueError, match="official TabICL checkpoint"):
         TabICLClassifier(official=True, device="cpu").fit(X, np.arange(40) % 2)  # the project's own default
+    _, path = official_ckpt(tmp_path, "custom", config={**TINY, **SWITCHES["v2"], "max_classes": 0, "num_quantiles": 9})
+    for official in (True, False):
+        with pytest.raises(ValueError, match="regression checkpoint: use tabular.TabICLRegressor"):
+            TabICLClassifier(checkpoint=path, official=official, device="cpu").fit(X, np.arange(40) % 2)
 
 
 def test_the_project_pipeline_runs_official_weights(tmp_path):
