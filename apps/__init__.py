@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AppSpec", "REGISTRY", "get_app"]
+__all__ = ["AppSpec", "REGISTRY", "STATUS_MAX", "get_app"]
+
+#: the longest status line the overview and the README table take (characters)
+STATUS_MAX = 200
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,10 +25,16 @@ class AppSpec:
     summary: str  # one line for the overview tab
     package: str  # where its code lives
     ui_module: str | None  # module exposing `build_ui()`; None while the app has no demo yet
-    # What works today, said plainly in one sentence short enough for a table cell; details (numbers, setups)
-    # belong in the package README. The single source of the status: the hub's overview tab and the root
-    # README's apps table (written by `python -m apps.readme_table`, checked by tests/test_hub.py) both show it.
+    # What runs today and the headline number, in one short line (at most STATUS_MAX characters); details (numbers,
+    # setups, targets met or not) belong in the package README's results. The single source of the status: the
+    # hub's overview tab and the root README's apps table (written by `python -m apps.readme_table`, checked by
+    # tests/test_hub.py) both show it.
     status: str
+    # Where the numbers behind the status are: "<README path>#<heading>" (the hub's overview shows that section).
+    results: str | None = None
+    # What the tab's "your own model" field takes (a folder or file of the real architecture); None: no such field.
+    # `python -m apps --app KEY --model PATH` serves the tab with that model filled in.
+    own_model: str | None = None
     example_expect: str = "Done"  # text that `#{key}-status` shows after the bundled example ran
 
 
@@ -36,7 +45,8 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="One attention() entry point with reference, SDPA, chunked and Triton backends; block-sparse top-k attention.",
         package="core/, kernels/",
         ui_module="apps.attention.ui",
-        status="works; Triton kernels verified in Triton's CPU interpreter only; a one-command GPU validation is prepared (make gpu-check) but has not run on a GPU yet",
+        status='works on CPU (reference, SDPA, chunked) and any transformers model (attn_implementation="longctx"); Triton kernels checked in the interpreter, not yet on a GPU',
+        results="core/README.md#Benchmark (CPU)",
     ),
     AppSpec(
         key="tabicl",
@@ -44,7 +54,9 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="In-context classification of large tables, scikit-learn compatible.",
         package="tabular/",
         ui_module="apps.tabicl.ui",
-        status="works, with its own CPU-trained checkpoint or the official TabICL v1, v1.1 and v2 checkpoints (predict_proba within 1e-7 of the official package); accuracy target met on the report suite (0.916 vs HistGradientBoosting 0.913), not on the reserved tables with its own checkpoint (0.798 vs 0.855); 500K × 100 tables predicted with 4.9 GB peak memory",
+        status="works with its own checkpoint and the official TabICL checkpoints (within 1e-7 of the official package); 0.916 vs HistGradientBoosting 0.913 on the report suite",
+        results="tabular/README.md#Results",
+        own_model="an official TabICL checkpoint (.ckpt) or a tabular.convert output (.safetensors)",
     ),
     AppSpec(
         key="querent",
@@ -52,7 +64,9 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Query-aware sparse attention over gigapixel whole-slide images, with the slide pipeline around it.",
         package="pathology/",
         ui_module="apps.querent.ui",
-        status="works on synthetic slides; 12.7× faster forward than exact dense attention at 64K patches (8.8× in the sparse-regime run); where it is sparse (~10K patches, 14% of regions per query) above dense on the co-occurrence label (+0.095 AUC [+0.039, +0.145], two seeds), while no model learns the spatial label; 64K memory target met only against materialised dense attention",
+        status="works on synthetic slides; on 120-slide cohorts AUC 0.855 vs mean pooling 0.774 (500-patch bags)",
+        results="pathology/README.md#Results",
+        own_model="a pathology.train output folder (its fold models)",
     ),
     AppSpec(
         key="infinite_video",
@@ -60,7 +74,9 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Continuous-time long-term memory for video Q-formers: any video length in bounded memory.",
         package="video/",
         ui_module="apps.infinite_video.ui",
-        status="works on synthetic long-video QA in bounded memory and on local InstructBLIP-Video models (hf:DIR); on answer-balanced questions with the mean-over-chunks read-out the training-free sticky memory is within 3 points of uniform sampling and non-sticky memory at 4K-16K frames (not the +10 targeted), and MovieChat scores higher",
+        status="works on synthetic long videos and local InstructBLIP-Video models; the memory is within 3 points of uniform sampling (the +10 target is not met)",
+        results="video/README.md#Results",
+        own_model="a local InstructBLIP-Video folder, as hf:DIR",
     ),
     AppSpec(
         key="decision_mixer",
@@ -68,8 +84,9 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Offline RL with dynamic token selection, datasets and training runs.",
         package="rl/",
         ui_module="apps.decision_mixer.ui",
-        status=("works on Hopper, HalfCheetah and Walker2d; in the decisive run (3 wide Hopper datasets, 10 seeds) "
-                "DM − DT is −1.4 [−7.2, +5.0] normalized, so the +5 target is not met"),
+        status="works on Hopper, HalfCheetah and Walker2d; DM − DT −1.4 [−7.2, +5.0] normalized on three Hopper datasets (the +5 target is not met)",
+        results="rl/README.md#Results",
+        own_model="an rl.train output folder or a policy .safetensors file",
     ),
     AppSpec(
         key="comemo",
@@ -77,7 +94,9 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Dual-path vision-language model (image context + gated cross-attention memory) with RoPE-DHR.",
         package="apps/comemo/",
         ui_module="apps.comemo.ui",
-        status="working, also on local InternVL models (CoMemo.from_hf); the shipped comemo model (reference memory layout) answers the needle question about 1-8 images (0.925-0.975); RoPE-DHR beats 1-D positions beyond the trained length on tiled images (5 seeds, from a single-tile start); in the 5-seed control against the same network with its memory gates frozen at 0, middle-third retrieval at 64 images is -0.05 (95% t interval -0.30 to +0.20): the +10-point target is not met",
+        status="works with its small model (exact match 0.925-0.975 on 2-8 images) and local InternVL models; the memory-path target is not met",
+        results="apps/comemo/README.md#Benchmark",
+        own_model="a local InternVL folder or an apps.comemo.convert output folder",
     ),
     AppSpec(
         key="emloc",
@@ -85,7 +104,9 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Training-free multimodal long-context compression of demonstrations under a JS-divergence bound.",
         package="apps/emloc/",
         ui_module="apps.emloc.ui",
-        status="works with a small shipped host that learns in context and on local Qwen2-VL, Qwen2.5-VL and InternVL models (compress_hf); on a task recency cannot solve, EMLoC keeps 23-25% of the cache but is level with keeping only the answer tokens and 1.4-3.9 points below H2O and SnapKV given the same kept answers (targets not met)",
+        status="works with its small host and local Qwen2-VL / Qwen2.5-VL / InternVL models; keeps 23-25% of the cache, level with keeping the answers only (target not met)",
+        results="apps/emloc/README.md#Benchmark 2",
+        own_model="a local Qwen2-VL / Qwen2.5-VL / InternVL folder, with a demonstrations CSV",
     ),
     AppSpec(
         key="ncal",
@@ -93,7 +114,9 @@ REGISTRY: tuple[AppSpec, ...] = (
         summary="Neural-collapse regularization for long-tailed educational text classification.",
         package="apps/ncal/",
         ui_module="apps.ncal.ui",
-        status="works on TMWPL and PMTD with small shipped models (test macro-F1 0.631 and 0.469) and trains local decoder LLMs with LoRA (--encoder hf:DIR --head lm); TF-IDF + class-weighted logistic regression (0.715 / 0.541) beats every loss, tc at its validation-chosen lambda is level with ce (+0.04 / +0.85 points, intervals across 0; with a randomly initialised encoder +0.47 / +0.24, which is itself 10 points above the pretrained one on TMWPL), so no target is met",
+        status="works on TMWPL and PMTD (test macro-F1 0.631 / 0.469) and on local LLMs with LoRA; TC is level with cross-entropy (target not met)",
+        results="apps/ncal/README.md#Benchmark",
+        own_model="an apps.ncal.train output folder (a LoRA adapter or a small model)",
     ),
 )
 

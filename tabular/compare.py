@@ -108,7 +108,7 @@ def baseline_models(seed: int) -> dict:
 
 def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, n_estimators: int = 4,
                      checkpoint=None, baselines: bool = True, max_rows: int = 20_000, finetune_steps: int = 0,
-                     verbose: bool = False) -> dict:
+                     verbose: bool = False, official: bool = False) -> dict:
     """Fit TabICL (and baselines) on a stratified split of ``df`` and score them on the held-out part.
 
     Args:
@@ -122,6 +122,8 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         max_rows: tables larger than this are subsampled (keeps the demo responsive).
         finetune_steps: TabICL's ``finetune_steps`` (0 = purely in context).
         verbose: TabICL's progress bars (fine-tuning steps, predictions) on standard error.
+        official: with an official checkpoint, the official package's preprocessing and ensembling
+            (``TabICLClassifier(official=True)``).
 
     Returns:
         ``{"models": [{"model", "accuracy", "seconds"}...], "classes", "confusion", "proba_head", "n_train",
@@ -155,7 +157,7 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
     rows = []
     t0 = time.perf_counter()
     clf = TabICLClassifier(n_estimators=n_estimators, random_state=seed, checkpoint=checkpoint,
-                           finetune_steps=finetune_steps, verbose=verbose)
+                           finetune_steps=finetune_steps, verbose=verbose, official=official)
     with warnings.catch_warnings(record=True) as caught:  # e.g. a table wider than the pretraining tables
         warnings.simplefilter("always", UserWarning)
         proba = clf.fit(Xtr, ytr).predict_proba(Xte)

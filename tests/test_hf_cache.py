@@ -4,6 +4,7 @@ local loading. Tiny random transformers models built from configs; no weights an
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -337,6 +338,20 @@ def test_load_refuses_hub_ids_and_bad_folders(tmp_path):
         H.load("Qwen/Qwen2-VL-2B-Instruct")
     with pytest.raises(FileNotFoundError, match="no model folder"):
         H.load(tmp_path / "absent")
+    # a mistyped relative path is a missing folder (with the near miss), not "a hub id"
+    (tmp_path / "runs" / "qwen2vl-tiny").mkdir(parents=True)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(FileNotFoundError, match="no model folder.*did you mean runs/qwen2vl-tiny"):
+            H.load("runs/qwen2vl-tiyn")
+    finally:
+        os.chdir(cwd)
+    if not torch.cuda.is_available():  # a missing GPU is one line, before the weights are read
+        from core.infra.cli import UsageError
+
+        with pytest.raises(UsageError, match="no CUDA GPU"):
+            H.load(tmp_path / "runs" / "qwen2vl-tiny", device="cuda")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):

@@ -132,3 +132,61 @@ def test_readme_table_links_only_committed_readmes(tmp_path):
     assert "| TabICL |" in apps_table(specs, root=tmp_path), "an untracked README is not linked"
     subprocess.run(["git", "-C", str(tmp_path), "add", "tabular/README.md"], check=True, capture_output=True)
     assert "| [TabICL](tabular/README.md) |" in apps_table(specs, root=tmp_path), "a tracked README is linked"
+
+
+def test_status_lines_are_short_and_results_sections_exist():
+    """The overview shows one short status line per app and the README section its numbers are in: a renamed
+    heading or a missing README fails here, not as an empty accordion in the hub."""
+    from apps import STATUS_MAX
+    from apps.hub import overview_markdown, results_section
+
+    md = overview_markdown()
+    for s in REGISTRY:
+        assert len(s.status) <= STATUS_MAX, f"{s.key}: status of {len(s.status)} characters; move details to the README"
+        assert "\n" not in s.status
+        assert s.results, f"{s.key}: no results section named"
+        section = results_section(s)
+        assert section and section.count("\n") >= 3, f"{s.key}: {s.results} names no README section"
+        assert s.results.split("#")[0] in md
+
+
+def test_results_section_stops_at_the_next_heading(tmp_path):
+    from dataclasses import replace
+
+    from apps.hub import results_section
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "README.md").write_text("# X\n## Use\nusage\n## Results\nr1\n### sub\nr2\n## Limits\nl\n")
+    spec = replace(get_app("tabicl"), results="x/README.md#Results")
+    text = results_section(spec, root=tmp_path)
+    assert text.startswith("### Results") and "r1" in text and "r2" in text and "Limits" not in text and "usage" not in text
+    assert results_section(replace(spec, results="x/README.md#Nope"), root=tmp_path) is None
+    assert results_section(replace(spec, results="y/README.md#Results"), root=tmp_path) is None
+
+
+def test_python_m_apps_hub_is_the_hub_command():
+    r = subprocess.run([sys.executable, "-m", "apps.hub", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0 and "--port" in r.stdout and "--app" in r.stdout and "--model" in r.stdout
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "x"], "needs --app"),
+    (["--app", "attention", "--model", "README.md"], "takes no model"),
+    (["--app", "tabicl", "--model", "no/such/file.ckpt"], "no such file"),
+])
+def test_model_option_is_checked_before_serving(argv, words):
+    r = subprocess.run([sys.executable, "-m", "apps", *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and words in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("spec", [s for s in REGISTRY if s.own_model], ids=lambda s: s.key)
+def test_own_model_fills_the_tab(spec, tmp_path):
+    """Each app with a real-model path has an own-model field; ``--model`` (here build_single's ``model``) fills it."""
+    pytest.importorskip("gradio")
+    from apps.hub import build_single
+
+    demo = build_single(spec.key, "/some/model/dir")
+    fields = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == f"{spec.key}-own-model"]
+    assert len(fields) == 1, f"{spec.key}: no #{spec.key}-own-model field"
+    assert fields[0].value.endswith("/some/model/dir")

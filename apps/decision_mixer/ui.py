@@ -59,17 +59,31 @@ def _figures(result, env_id: str, layer_ids: list[int]):
     return fig_r, fig_m
 
 
-def run_episode(checkpoint: str, env_id: str, target_return: float, max_steps: int, seed: int):
-    """Run one rendered episode; returns (video path, return figure, routing figure, status text)."""
+def run_episode(checkpoint: str, env_id: str, target_return: float, max_steps: int, seed: int,
+                own_policy: str | None = None):
+    """Run one rendered episode with a shipped policy, or ``own_policy`` (an ``rl.train`` output folder or a policy
+    ``.safetensors``; it runs on the environment it was trained on); returns (video path, return figure, routing
+    figure, status text)."""
     import torch
 
     from rl.evaluate import rollout, write_video
 
     paths = _checkpoints()
-    path = paths.get(checkpoint, checkpoint)
-    if not path or not Path(path).exists():
-        raise ValueError(f"unknown checkpoint {checkpoint!r}; shipped: {sorted(paths)} (or give a training directory)")
-    model, info = _load(path)
+    own = (own_policy or "").strip()
+    if own:
+        path = str(Path(own).expanduser())
+        if not Path(path).exists():
+            raise ValueError(f"no policy at {own}; give an rl.train output folder or a policy .safetensors file")
+        try:
+            model, info = _load(path)
+        except (KeyError, TypeError, RuntimeError) as err:
+            raise ValueError(f"{own} is not a policy written by rl.train ({type(err).__name__}: {err})") from None
+        env_id = info["env"]
+    else:
+        path = paths.get(checkpoint, checkpoint)
+        if not path or not Path(path).exists():
+            raise ValueError(f"unknown checkpoint {checkpoint!r}; shipped: {sorted(paths)} (or give a training directory)")
+        model, info = _load(path)
     if info["env"] != env_id:
         raise ValueError(f"checkpoint {checkpoint!r} was trained on {info['env']}, not {env_id}; pick {info['env']}")
     max_steps = int(max_steps)
@@ -81,12 +95,14 @@ def run_episode(checkpoint: str, env_id: str, target_return: float, max_steps: i
     out = Path(tempfile.mkdtemp(prefix="dm-demo-")) / "episode.mp4"
     video = write_video(result.frames, out, fps=25)
     fig_r, fig_m = _figures(result, env_id, list(info["model"].get("routed_layers", [])))
-    status = (f"Done: {info['algo'].upper()} on {env_id}, {int(result.lengths[0])} steps, return "
+    which = f"your policy {Path(path).name}" if own else checkpoint
+    status = (f"Done: {info['algo'].upper()} ({which}) on {env_id}, {int(result.lengths[0])} steps, return "
               f"{result.returns[0]:.1f} (target {float(target_return):g}).")
     return str(video), fig_r, fig_m, status
 
 
-def build_ui() -> None:
+def build_ui(model: str | None = None) -> None:
+    """The tab; ``model`` fills the own-policy field (``python -m apps --app decision_mixer --model PATH``)."""
     import gradio as gr
 
     from rl.envs import SUPPORTED_ENVS
@@ -102,8 +118,13 @@ def build_ui() -> None:
         target = gr.Number(value=EXAMPLE["target_return"], label="target return")
         steps = gr.Slider(10, 1000, value=EXAMPLE["max_steps"], step=10, label="max steps")
         seed = gr.Number(value=EXAMPLE["seed"], precision=0, label="seed")
+    with gr.Accordion("Your own model: a policy trained with rl.train", open=model is not None):
+        gr.Markdown("An `rl.train` output folder (or its policy `.safetensors`); the episode runs on the environment "
+                    "it was trained on. Leave empty to use the policy chosen above.")
+        own = gr.Textbox(value=model or "", label="policy folder or file", elem_id=f"{KEY}-own-model",
+                         placeholder="/path/to/runs/dm_hopper")
     with gr.Row():
-        run = gr.Button("Run episode", variant="primary")
+        run = gr.Button("Run episode", variant="primary", elem_id=f"{KEY}-run")
         example = gr.Button("Run the bundled example", elem_id=f"{KEY}-example")
     status = gr.Markdown(elem_id=f"{KEY}-status")
     with gr.Row():
@@ -112,9 +133,9 @@ def build_ui() -> None:
             ret_plot = gr.Plot(label="return over time")
             map_plot = gr.Plot(label="router selection")
 
-    def _run(c, e, t, s, sd):
+    def _run(c, e, t, s, sd, o=None):
         try:
-            return run_episode(c, e, t, s, sd)
+            return run_episode(c, e, t, s, sd, o)
         except (ValueError, FileNotFoundError) as err:
             raise gr.Error(str(err)) from err
 
@@ -124,5 +145,5 @@ def build_ui() -> None:
         return _run(names[0], EXAMPLE["env"], EXAMPLE["target_return"], EXAMPLE["max_steps"], EXAMPLE["seed"])
 
     outs = [video, ret_plot, map_plot, status]
-    run.click(_run, [ckpt, env, target, steps, seed], outs, api_name=f"{KEY}_run")
+    run.click(_run, [ckpt, env, target, steps, seed, own], outs, api_name=f"{KEY}_run")
     example.click(_example, None, outs, api_name=f"{KEY}_example")

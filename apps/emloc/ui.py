@@ -4,13 +4,16 @@ accuracy and latency of both on the episode's queries."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import time
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_ui", "run_episode", "keep_ratio_figure", "kept_map_figure", "EXAMPLE", "KEY"]
+__all__ = ["build_ui", "run_episode", "run_own_model", "keep_ratio_figure", "kept_map_figure", "EXAMPLE", "KEY"]
 
 KEY = "emloc"
 EXAMPLE = {"num_demos": 64, "delta": 0.005, "seed": 0}
@@ -132,6 +135,75 @@ def run_episode(num_demos, delta, seed):
     return keep_img, map_img, table, status
 
 
+OWN_MAX_DEMOS = 64  # the tab's limit with a real VLM (the recipe, apps.emloc.recipes.qwen2vl, takes any number)
+OWN_MAX_QUERIES = 20
+
+
+@functools.lru_cache(maxsize=2)
+def _vlm(folder: str, mtime: float):
+    import torch
+
+    from core.hf import load
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    return load(folder)
+
+
+def _check_vlm_folder(model: str | None) -> Path:
+    model = (model or "").strip()
+    if not model:
+        raise ValueError("give a local VLM folder (Qwen2-VL, Qwen2.5-VL or InternVL, saved with its processor)")
+    p = Path(model).expanduser()
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise ValueError(f"{model} is not a transformers model folder (no config.json); give a local Qwen2-VL, "
+                         "Qwen2.5-VL or InternVL folder saved with save_pretrained and its processor")
+    return p
+
+
+def run_own_model(model: str | None, data: str | None, num_demos, delta, seed):
+    """Your own VLM on your own labelled images: ``data`` is a CSV with the columns ``image`` (a path relative to
+    the CSV), ``label`` and optionally ``split`` (``train`` rows are demonstrations, others queries), as
+    ``apps.emloc.recipes.qwen2vl --data`` reads it. Compresses ``num_demos`` demonstrations with EMLoC under ``delta``
+    and answers up to ``OWN_MAX_QUERIES`` queries; returns (keep-ratio image, result markdown, status markdown)."""
+    from apps.emloc.hf import compress_hf
+    from apps.emloc.recipes.qwen2vl import episode, read_data
+    from core.infra.cli import UsageError
+
+    folder = _check_vlm_folder(model)
+    if not (data or "").strip():
+        raise ValueError("give the demonstrations as a CSV file (columns image,label[,split])")
+    K, d, s = _check(num_demos, delta, seed)
+    K = min(K, OWN_MAX_DEMOS)
+    try:
+        train, test = read_data(Path(data))
+        pool = sum(len(v) for v in train.values())
+        queries = 1 if test is None else 0
+        demos, qs, classes = episode(train, test, 0, min(K, pool - (len(train) if test is None else 0)), max(queries, 1), s)
+    except UsageError as err:
+        raise ValueError(str(err).replace("--data ", "")) from None
+    loaded = _vlm(str(folder), os.path.getmtime(folder / "config.json"))
+    if loaded.processor is None:
+        raise ValueError(f"{folder} has no processor (a chat template and an image processor are needed)")
+    t = time.perf_counter()
+    ctx = compress_hf(loaded.model, demos, processor=loaded.processor, delta=d, seed=s, image_size=(224, 224))
+    t_c = time.perf_counter() - t
+    qs = qs[:OWN_MAX_QUERIES]
+    correct = sum(ctx.predict(p, classes) == c for p, c in qs)
+    frac = ctx.keep_fraction()
+    table = "\n".join([
+        f"**{len(demos)} demonstrations** of {len(classes)} labels from your CSV; {len(qs)} queries; chance {1 / len(classes):.2f}.",
+        "",
+        "| context | cache entries kept | accuracy | compression |",
+        "|---|---|---|---|",
+        f"| EMLoC (δ = {d:g}) | {100 * frac:.0f}% | {correct / len(qs):.2f} | {t_c:.1f} s |",
+    ])
+    keep_img = keep_ratio_figure(ctx.keep_ratios(), ctx.num_tokens)
+    status = (f"Done: your model {folder.name}: EMLoC kept {100 * frac:.0f}% of the cache; accuracy "
+              f"{correct / len(qs):.2f} on {len(qs)} queries.")
+    return keep_img, table, status
+
+
 _HOST = None
 
 
@@ -144,7 +216,8 @@ def _host():
     return _HOST
 
 
-def build_ui() -> None:
+def build_ui(model: str | None = None) -> None:
+    """The tab; ``model`` fills the own-model field (``python -m apps --app emloc --model DIR``)."""
     import gradio as gr
 
     gr.Markdown("## EMLoC\nMany labelled demonstrations compressed once into a short KV prefix, layer by layer, "
@@ -172,5 +245,26 @@ def build_ui() -> None:
         except ValueError as e:
             raise gr.Error(str(e)) from e
 
+    with gr.Accordion("Your own model: a local VLM and your labelled images", open=model is not None):
+        gr.Markdown("A transformers Qwen2-VL, Qwen2.5-VL or InternVL folder (saved with its processor) and a CSV of "
+                    "demonstrations: columns `image` (path relative to the CSV), `label`, optionally `split` "
+                    f"(`train` rows are demonstrations, the others queries). Up to {OWN_MAX_DEMOS} demonstrations "
+                    "here; `python -m apps.emloc.recipes.qwen2vl` takes any number.")
+        with gr.Row():
+            own = gr.Textbox(value=model or "", label="model folder", elem_id=f"{KEY}-own-model",
+                             placeholder="/path/to/Qwen2-VL-2B-Instruct")
+            own_csv = gr.Textbox(label="demonstrations CSV", elem_id=f"{KEY}-own-data", placeholder="/path/to/demos.csv")
+        own_run = gr.Button("Compress and answer with this model", elem_id=f"{KEY}-own-run")
+        own_status = gr.Markdown(elem_id=f"{KEY}-own-status")
+        own_result = gr.Markdown()
+        own_img = gr.Image(label="keep ratio per layer (your model)", type="numpy")
+
+    def _own(m, c, k_, d_, s_):
+        try:
+            return run_own_model(m, c, k_, d_, s_)
+        except (ValueError, FileNotFoundError) as e:
+            raise gr.Error(str(e)) from e
+
+    own_run.click(_own, [own, own_csv, k, d, s], [own_img, own_result, own_status], api_name=f"{KEY}_own")
     run.click(_run, [k, d, s], outs, api_name=f"{KEY}_run")
     example.click(lambda: _run(EXAMPLE["num_demos"], EXAMPLE["delta"], EXAMPLE["seed"]), None, outs, api_name=f"{KEY}_example")

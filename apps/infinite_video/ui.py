@@ -195,7 +195,8 @@ def run_free_text(video: str | None, upload: str | None, model: str, question: s
             f"Q-former outputs averaged over chunks.")
 
 
-def build_ui() -> None:
+def build_ui(model: str | None = None) -> None:
+    """The tab; ``model`` fills the own-model field (``python -m apps --app infinite_video --model hf:DIR``)."""
     import gradio as gr
 
     from video.infinite import METHODS
@@ -230,16 +231,18 @@ def build_ui() -> None:
         e = EXAMPLE
         return _run(e["video"], None, e["question"], e["colour1"], e["colour2"], e["method"])
 
-    with gr.Accordion("Your own model: a local InstructBLIP-Video (free-text questions)", open=False):
+    with gr.Accordion("Your own model: a local InstructBLIP-Video (free-text questions)", open=model is not None):
         gr.Markdown("A transformers `InstructBlipVideoForConditionalGeneration` folder saved with its processor, "
                     "given as `hf:DIR`. Its Q-former's cross-attention reads the ∞-Video memory while the video "
                     "streams; the language model answers. The questions above keep using the shipped small model.")
         with gr.Row():
-            hf_model = gr.Textbox(label="model (hf:DIR)", placeholder="hf:/path/to/instructblip-video")
+            hf_model = gr.Textbox(value=(model if (model or "").startswith("hf:") or not model else f"hf:{model}"),
+                                  label="model (hf:DIR)", placeholder="hf:/path/to/instructblip-video",
+                                  elem_id=f"{KEY}-own-model")
             hf_question = gr.Textbox(label="question", placeholder="What happens in the video?")
             hf_alpha = gr.Slider(0.0, 1.0, value=0.75, step=0.05, label="alpha (1 = no memory)")
-        hf_run = gr.Button("Answer with this model")
-        hf_status = gr.Markdown(elem_id=f"{KEY}-hf-status")
+        hf_run = gr.Button("Answer with this model", elem_id=f"{KEY}-own-run")
+        hf_status = gr.Markdown(elem_id=f"{KEY}-own-status")
 
     def _ask(v, up, m, q, meth, a):
         try:

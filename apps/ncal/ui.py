@@ -72,8 +72,26 @@ def as_row(text) -> dict | None:
     return None
 
 
+def check_model(own: str | None):
+    """The own-model field: None (the shipped model chosen above) or an ``apps.ncal.train`` output folder (a small
+    model or a LoRA adapter with its ``ncal.json``); anything else is one ``ValueError`` line."""
+    from pathlib import Path
+
+    own = (own or "").strip()
+    if not own:
+        return None
+    p = Path(own).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"no model folder at {own}; give an apps.ncal.train output folder (with ncal.json and "
+                         "model.safetensors)")
+    if not (p / "ncal.json").is_file():
+        raise ValueError(f"{own} is not an apps.ncal.train output folder: it has no ncal.json (train one with "
+                         "`python -m apps.ncal.train --dataset ... --out DIR`)")
+    return str(p)
+
+
 def run_classify(model: str, text, speaker: str | None = None, previous: str = "",
-                 previous_speaker: str | None = None):
+                 previous_speaker: str | None = None, own_model: str | None = None):
     """Returns (probabilities {class: p}, status text).
 
     ``text`` is a problem or dialogue turn (validated; the dialogue fields apply to ``pmtd`` only), or a data row
@@ -81,14 +99,19 @@ def run_classify(model: str, text, speaker: str | None = None, previous: str = "
     gives a turn's context, so the dialogue fields are not used).
     """
     from apps.ncal.data import check_texts, format_turn
+    from apps.ncal.inputs import row_layout
     from apps.ncal.predict import cached_checkpoint, classify
 
+    own = check_model(own_model)
+    if own is not None:
+        model = own
+    layout = row_layout(cached_checkpoint(model).meta)
     row = as_row(text)
     if row is not None:
         inputs = [row]
     else:
         check_texts([text or ""])
-        if model == "pmtd":
+        if layout == "pmtd":
             text = format_turn(text, speaker=speaker or None, previous=previous or None,
                                previous_speaker=previous_speaker or None)
         inputs = [text]
@@ -96,11 +119,12 @@ def run_classify(model: str, text, speaker: str | None = None, previous: str = "
     meta = cached_checkpoint(model).meta
     best = max(probs, key=probs.get)
     t = meta.get("test") or {}
-    status = (f"Done: **{best}** ({probs[best]:.1%}). Model: {model} ({meta['loss']['name']} loss, "
+    name = f"your model {model}" if own is not None else model
+    status = (f"Done: **{best}** ({probs[best]:.1%}). Model: {name} ({meta['loss']['name']} loss, "
               f"{meta.get('steps', '?')} steps); its test accuracy {t.get('accuracy', float('nan')):.3f}, "
               f"macro-F1 {t.get('macro_f1', float('nan')):.3f}.")
     if row is not None:
-        status += f" Input: a data row, formatted as the {model} training data (the dialogue fields are not used)."
+        status += f" Input: a data row, formatted as the {name} training data (the dialogue fields are not used)."
     return probs, status
 
 
@@ -165,10 +189,13 @@ def curves_figure(model: str):
     return fig
 
 
-def build_ui() -> None:
+def build_ui(model: str | None = None) -> None:
+    """The tab; ``model`` fills the own-model field (``python -m apps --app ncal --model DIR``)."""
     import gradio as gr
 
     from apps.ncal.data import DATASETS
+
+    own_value = model
 
     gr.Markdown("## NCAL\nLong-tailed classification of Chinese educational text: maths word problems → TIMSS "
                 "cognitive level (TMWPL), teacher–student dialogue turns → dialogue act (PMTD). The shipped models "
@@ -184,8 +211,14 @@ def build_ui() -> None:
         speaker = gr.Dropdown(["", "teacher", "student"], value="", label="speaker (PMTD)")
         previous = gr.Textbox(label="previous turn (PMTD)", lines=1)
         prev_speaker = gr.Dropdown(["", "teacher", "student"], value="", label="previous speaker (PMTD)")
+    with gr.Accordion("Your own model: an apps.ncal.train output folder", open=own_value is not None):
+        gr.Markdown("A folder written by `python -m apps.ncal.train` (a small model, or a LoRA adapter of a local LLM "
+                    "trained with `--head lm`; the adapter finds its base model as its `ncal.json` records). Leave "
+                    "empty for the shipped model chosen above.")
+        own = gr.Textbox(value=own_value or "", label="model folder", elem_id=f"{KEY}-own-model",
+                         placeholder="/path/to/runs/ncal_tmwpl")
     with gr.Row():
-        run = gr.Button("Classify", variant="primary")
+        run = gr.Button("Classify", variant="primary", elem_id=f"{KEY}-run")
         example = gr.Button("Run the bundled example (a TMWPL test problem)", elem_id=f"{KEY}-example")
     status = gr.Markdown(elem_id=f"{KEY}-status")
     probs = gr.Label(label="class probabilities", num_top_classes=8)
@@ -205,9 +238,9 @@ def build_ui() -> None:
                 return f["text"], f["speaker"] or "", f["previous"] or "", f["previous_speaker"] or ""
         return gr.update(), gr.update(), gr.update(), gr.update()
 
-    def _run(m, t, sp, pv, psp):
+    def _run(m, t, sp, pv, psp, o=None):
         try:
-            return run_classify(m, t, sp or None, pv or "", psp or None)
+            return run_classify(m, t, sp or None, pv or "", psp or None, o)
         except (ValueError, FileNotFoundError) as err:
             raise gr.Error(str(err)) from err
 
@@ -219,5 +252,5 @@ def build_ui() -> None:
 
     model.change(_model_changed, model, [pick, cos_plot, nc_plot], api_name=f"{KEY}_model")
     pick.change(_picked, [model, pick], [text, speaker, previous, prev_speaker], api_name=f"{KEY}_pick")
-    run.click(_run, [model, text, speaker, previous, prev_speaker], [probs, status], api_name=f"{KEY}_run")
+    run.click(_run, [model, text, speaker, previous, prev_speaker, own], [probs, status], api_name=f"{KEY}_run")
     example.click(_example, None, [model, text, probs, status, cos_plot, nc_plot], api_name=f"{KEY}_example")

@@ -57,21 +57,30 @@ class Loaded:
 
 
 def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    from core.infra.device import resolve_device
+
+    return resolve_device(device, flag="device")
 
 
-def _resolve_dtype(dtype):
-    if dtype is None or dtype == "auto":
-        return "auto"
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    named = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
-    if dtype not in named:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(named)} or 'auto'")
-    return named[dtype]
+def _resolve_dtype(dtype, device: torch.device):
+    """None / "auto": bf16 on CUDA (fp16 without bf16 support), fp32 on the CPU (the project's convention,
+    :mod:`core.infra.device`); "checkpoint": the dtype the checkpoint was saved in; else as named."""
+    from core.infra.device import resolve_dtype
+
+    if isinstance(dtype, str) and dtype.lower() == "checkpoint":
+        return "auto"  # transformers' "auto": the checkpoint's own
+    return resolve_dtype(dtype, device, flag="dtype")
+
+
+def _near_misses(p: Path) -> list[str]:
+    """Folders beside the missing ``p`` whose names are close to its name (for "did you mean")."""
+    import difflib
+
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return []
+    names = [c.name for c in parent.iterdir() if c.is_dir()]
+    return [str(parent / n) for n in difflib.get_close_matches(p.name, names, n=3, cutoff=0.6)]
 
 
 def check_model_folder(path: str | os.PathLike) -> tuple[Path, dict]:
@@ -80,12 +89,19 @@ def check_model_folder(path: str | os.PathLike) -> tuple[Path, dict]:
     text = str(path)
     p = Path(path).expanduser()
     if not p.exists():
-        if _HUB_ID.match(text):
+        close = _near_misses(p)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        # a path whose first part exists here (runs/qwen2vl with runs/ present), or that is written as a path, is a
+        # mistyped folder, not a hub id
+        first = Path(text.split("/")[0]).expanduser()
+        looks_local = text.startswith((".", "/", "~")) or first.exists() or bool(close)
+        if _HUB_ID.match(text) and not looks_local:
             raise ValueError(
-                f"{text!r} looks like a Hugging Face hub id; nothing is downloaded here. Download it yourself, e.g. "
-                f"`huggingface-cli download {text} --local-dir ./{text.split('/')[-1]}`, and pass that folder"
+                f"no local folder {text!r}; if it is a Hugging Face hub id: nothing is downloaded here. Download it "
+                f"yourself, e.g. `huggingface-cli download {text} --local-dir ./{text.split('/')[-1]}`, and pass that folder"
             )
-        raise FileNotFoundError(f"no model folder at {text}")
+        where = f"{text} (resolved to {p.resolve()})" if not p.is_absolute() else text
+        raise FileNotFoundError(f"no model folder at {where}{hint}")
     if not p.is_dir():
         raise ValueError(f"{text} is a file; pass the model folder (with config.json and the weights)")
     cfg_file = p / "config.json"
@@ -160,8 +176,10 @@ def load(
         path: a folder with ``config.json`` and weights (``save_pretrained`` output or a downloaded snapshot).
         kind: ``"auto"`` (the class in the config's ``architectures``), ``"causal-lm"``, ``"image-text-to-text"``
             or ``"base"``.
-        dtype: ``torch.float32`` / ``"bfloat16"`` / ... or None/``"auto"`` (the checkpoint's own).
-        device: where to put the model; None: CUDA when available, else CPU.
+        dtype: ``torch.float32`` / ``"bfloat16"`` / ... ; None/``"auto"``: bf16 on CUDA, fp32 on the CPU
+            (:mod:`core.infra.device`); ``"checkpoint"``: the dtype the checkpoint was saved in.
+        device: where to put the model; None/``"auto"``: CUDA when available, else CPU. A device this machine
+            lacks (``"cuda"`` without a GPU) is a one-line ``UsageError``.
         attn: attention implementation; ``"longctx"`` (registered on first use) runs every attention call on
             :mod:`core.attention`; ``"sdpa"``/``"eager"`` are transformers' own.
         processor: also load the processor or tokenizer.
@@ -170,6 +188,8 @@ def load(
     Returns:
         :class:`Loaded` (unpacks as ``model, processor``).
     """
+    dev = _resolve_device(device)  # a missing GPU is refused before anything is read
+    torch_dtype = _resolve_dtype(dtype, dev)
     p, config = check_model_folder(path)
     cls = _model_class(kind, config, str(path))
     if attn == "longctx":
@@ -177,10 +197,10 @@ def load(
 
         register()
     try:
-        kwargs = {"dtype": _resolve_dtype(dtype), "attn_implementation": attn, **model_kwargs}
+        kwargs = {"dtype": torch_dtype, "attn_implementation": attn, **model_kwargs}
         model = cls.from_pretrained(str(p), local_files_only=True, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"could not load {path} as {cls.__name__}: {err}") from None
-    model.to(_resolve_device(device)).eval()
+    model.to(dev).eval()
     proc = _load_processor(p) if processor else None
     return Loaded(model=model, processor=proc, path=p)
