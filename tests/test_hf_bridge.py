@@ -203,6 +203,12 @@ def test_attention_options_are_validated():
         H.set_attention_options(model, chunk=3)
     assert H.set_attention_options(model, backend="reference") == 2
     assert H.set_attention_options(model) == 2
+    # values are checked when set, not deep inside a later forward
+    with pytest.raises(ValueError, match="'flash' is not an attention backend; accepted: auto, "):
+        H.set_attention_options(model, backend="flash")
+    for bad in ({"q_chunk_size": 0}, {"k_chunk_size": 2.5}, {"memory_budget": -1}):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            H.set_attention_options(model, **bad)
 
 
 def bf16_parity_errors(family: str, device: str) -> tuple[float, float]:

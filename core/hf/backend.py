@@ -430,6 +430,20 @@ def is_registered() -> bool:
 _OPTION_NAMES = ("backend", "memory_budget", "q_chunk_size", "k_chunk_size")
 
 
+def _check_option_values(options: dict) -> None:
+    """Refuse, when set (not deep inside a later forward), a backend that is not registered or a size that is not a
+    positive int."""
+    from core.attention import BACKENDS
+
+    backend = options.get("backend")
+    if backend is not None and backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not an attention backend; accepted: auto, {', '.join(BACKENDS)}")
+    for name in ("memory_budget", "q_chunk_size", "k_chunk_size"):
+        v = options.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int (or None), got {v!r}")
+
+
 def set_attention_options(model: torch.nn.Module, **options) -> int:
     """Per-module :func:`core.attention.attention` options for a model's ``"longctx"`` calls (no process-wide
     switch): ``backend`` (``"auto"``, ``"chunked"``, ``"sdpa"``, ``"reference"``, ``"triton"``), ``memory_budget``,
@@ -438,6 +452,7 @@ def set_attention_options(model: torch.nn.Module, **options) -> int:
     bad = sorted(set(options) - set(_OPTION_NAMES))
     if bad:
         raise ValueError(f"unknown attention options {bad}; accepted: {list(_OPTION_NAMES)}")
+    _check_option_values(options)
     n = 0
     for mod in model.modules():
         if type(mod).__name__.endswith("Attention"):
