@@ -188,8 +188,8 @@ def compare_on_table(df, target: str, *, test_size: float = 0.3, seed: int = 0, 
         "n_test": int(len(yte)),
         "features": int(X.shape[1]),
         "tabicl_warnings": notes,
-        "tabicl_reduction": clf.feature_reduction_,
-        "tabicl_finetune_loss": [float(v) for v in clf.finetune_loss_],
+        "tabicl_reduction": getattr(clf, "feature_reduction_", None),  # None in official mode too
+        "tabicl_finetune_loss": [float(v) for v in getattr(clf, "finetune_loss_", [])],
     }
 
 

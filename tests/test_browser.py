@@ -342,3 +342,65 @@ def test_app_tab_runs_its_example(page, hub_config, spec):
         assert re.search(r"[\u4e00-\u9fff]", checked), f"NCAL: no Chinese character was checked ({checked!r})"
     assert not _visible_errors(page), _visible_errors(page)
     assert not page.page_errors, page.page_errors
+
+
+@pytest.fixture(scope="module")
+def own_models(tmp_path_factory):
+    """Tiny model folders and files of every app's real architecture (or training output), as a user brings them."""
+    from tests._own_models import write_own_models
+
+    return write_own_models(tmp_path_factory.mktemp("own_models"))
+
+
+def _own_field_ids(page, key: str) -> tuple[str, str]:
+    """(run button, status) of the tab's own-model path: its own button/status where it has them, else the tab's."""
+    run = f"#{key}-own-run" if page.locator(f"#{key}-own-run").count() else f"#{key}-run"
+    status = f"#{key}-own-status" if page.locator(f"#{key}-own-status").count() else f"#{key}-status"
+    return run, status
+
+
+def _fill(page, elem_id: str, value: str) -> None:
+    page.locator(f"#{elem_id} textarea, #{elem_id} input").first.fill(value)
+
+
+OWN_APPS = [s for s in APPS if s.own_model and s.key != "comemo"]
+
+
+@pytest.mark.parametrize("spec", OWN_APPS, ids=lambda s: s.key)
+def test_app_tab_runs_your_own_model(page, own_models, spec, tmp_path):
+    """Each tab with a real-model path answers with a model folder or file the user brings, and refuses a wrong
+    folder with one line."""
+    if spec.key not in own_models:
+        pytest.fail(f"{spec.key}: no tiny own model written for its tab (tests/_own_models.py)")
+    _dismiss_toasts(page)
+    page.get_by_role("tab", name=spec.title, exact=True).click()
+    tab = page.locator(f"#tab-{spec.key}")
+    tab.get_by_text("Your own model", exact=False).first.click()
+    page.locator(f"#{spec.key}-own-model").wait_for(state="visible", timeout=30_000)
+    inputs = own_models[spec.key]
+    for field, value in inputs.items():
+        _fill(page, f"{spec.key}-own-model" if field == "model" else f"{spec.key}-{field}", value)
+    run, status_sel = _own_field_ids(page, spec.key)
+    page.locator(run).click()
+    outcome = page.wait_for_function(
+        """([sel]) => {
+            const el = document.querySelector(sel);
+            if (el && el.innerText.includes("Done")) return "done";
+            if (document.querySelector('.toast-body.error')) return "error";
+            return false;
+        }""", arg=[status_sel], timeout=EXAMPLE_TIMEOUT_MS).json_value()
+    _shot(page, f"{spec.key}-own-model")
+    status = page.locator(status_sel).inner_text()
+    assert outcome == "done", f"{spec.title} with your own model failed: {_visible_errors(page)} / status: {status!r}"
+    assert "your" in status.lower() or "Done: read" in status, f"{spec.title}: the status does not say which model ran"
+    assert not page.page_errors, page.page_errors
+    # a wrong folder: one line saying what is accepted
+    wrong = tmp_path / "not_a_model"
+    wrong.mkdir()
+    _fill(page, f"{spec.key}-own-model", ("hf:" if spec.key == "infinite_video" else "") + str(wrong))
+    page.locator(run).click()
+    page.locator(".toast-body.error").first.wait_for(timeout=120_000)
+    errors = _visible_errors(page)
+    assert errors and all("Traceback" not in e for e in errors), errors
+    assert any(str(wrong.name) in e or "not" in e.lower() for e in errors), errors
+    _dismiss_toasts(page)

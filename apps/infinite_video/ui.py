@@ -190,7 +190,7 @@ def run_free_text(video: str | None, upload: str | None, model: str, question: s
     lm.config = replace(lm.config, method=method, alpha=float(alpha))
     answer = lm.answer(path, question.strip(), max_new_tokens=int(max_new_tokens))
     res = lm.last_result
-    return (f"**Q:** {question.strip()}  \n**A:** {answer or '(empty)'}\n\nRead {res.frames_read} of {res.num_frames} "
+    return (f"**Q:** {question.strip()}  \n**A:** {answer or '(empty)'}\n\nDone: read {res.frames_read} of {res.num_frames} "
             f"frames in {res.num_chunks} chunk(s) of {lm.chunk_size} with `{method}` (alpha {alpha}); the LLM saw the "
             f"Q-former outputs averaged over chunks.")
 
@@ -239,7 +239,7 @@ def build_ui(model: str | None = None) -> None:
             hf_model = gr.Textbox(value=(model if (model or "").startswith("hf:") or not model else f"hf:{model}"),
                                   label="model (hf:DIR)", placeholder="hf:/path/to/instructblip-video",
                                   elem_id=f"{KEY}-own-model")
-            hf_question = gr.Textbox(label="question", placeholder="What happens in the video?")
+            hf_question = gr.Textbox(label="question", placeholder="What happens in the video?", elem_id=f"{KEY}-own-question")
             hf_alpha = gr.Slider(0.0, 1.0, value=0.75, step=0.05, label="alpha (1 = no memory)")
         hf_run = gr.Button("Answer with this model", elem_id=f"{KEY}-own-run")
         hf_status = gr.Markdown(elem_id=f"{KEY}-own-status")

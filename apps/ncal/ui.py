@@ -206,7 +206,7 @@ def build_ui(model: str | None = None) -> None:
     with gr.Row():
         model = gr.Dropdown(list(DATASETS), value=EXAMPLE["model"], label="model")
         pick = gr.Dropdown([p[0] for p in picks0], value=None, label="or pick a test item ([true class] text)")
-    text = gr.Textbox(label="problem or dialogue turn (or a JSONL row of the dataset)", lines=3)
+    text = gr.Textbox(label="problem or dialogue turn (or a JSONL row of the dataset)", lines=3, elem_id=f"{KEY}-text")
     with gr.Row():
         speaker = gr.Dropdown(["", "teacher", "student"], value="", label="speaker (PMTD)")
         previous = gr.Textbox(label="previous turn (PMTD)", lines=1)
