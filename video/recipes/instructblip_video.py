@@ -36,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 from core.infra.cli import UsageError, capped_int, fraction, nonempty_path, nonnegative_int, positive_int, run_cli
+from core.infra.device import add_device_options, device_from_args
 from core.infra.fileio import check_writable
 from core.infra.guard import check_outputs
 from core.infra.jobs import atomic_write, settings_diff
@@ -167,8 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=capped_int(4096, why="tokens of one answer"), default=16,
                    help="tokens generated per answer")
     p.add_argument("--limit", type=nonnegative_int, default=0, help="first N videos only (0 = all)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="model dtype (default: the checkpoint's)")
+    add_device_options(p)
     p.add_argument("--overwrite", action="store_true", help="discard results made with other settings")
     return p
 
@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     check_outputs([("--out", args.out)], inputs=[args.model, args.videos, args.questions])
+from core.infra.device import add_device_options, device_from_args
     from video.hf import HF_METHODS, HFVideoConfig, InfiniteVideoLM
     from video.io import is_video_file
 
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     check_writable(out, what="--out", folder=True)
     cfg = HFVideoConfig(method=methods[0], chunk_size=args.chunk_size, fps=args.fps, alpha=args.alpha,
                         num_basis=args.num_basis)
-    lm = InfiniteVideoLM.from_hf(args.model, config=cfg, device=args.device, dtype=args.dtype)
+    lm = InfiniteVideoLM.from_hf(args.model, config=cfg, device=device, dtype=dtype)
     settings = {**lm.settings(), "chunk_size": lm.chunk_size, "max_new_tokens": args.max_new_tokens,
                 "questions": Path(args.questions).name}
     settings["reader"].pop("method")

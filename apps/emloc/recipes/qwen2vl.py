@@ -38,6 +38,7 @@ from pathlib import Path
 from core.infra.cli import (UsageError, nonempty_path_obj, nonnegative_int, positive_float, positive_int, run_cli,
                             seed_int)
 from core.infra.guard import check_outputs
+from core.infra.device import add_device_options, device_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="What is in the image?", help="the question of every demonstration and query")
     p.add_argument("--image-size", default="224,224", help="W,H every image is resized to")
     p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available)")
+    add_device_options(p)
     p.add_argument("--save-memory", action="store_true", help="also write OUT/memory.safetensors (the main policy)")
     return p
 
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    device, dtype = device_from_args(args)  # a missing GPU: one line, exit 2, before any work
     from core.infra.fileio import check_writable, write_json_atomic
 
     check_outputs([("--out", args.out)], inputs=[args.model, args.data])
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from apps.emloc.hf import compress_hf
     from core.hf import load
 
-    model, processor = load(args.model, dtype=args.dtype, device=args.device)
+    model, processor = load(args.model, dtype=dtype, device=device)
     if processor is None:
         raise UsageError(f"--model {args.model} has no processor (a chat template and an image processor are needed)")
     results, main_fraction = [], None

@@ -1,0 +1,38 @@
+"""Every real-model CLI takes ``--device auto|cpu|cuda|...`` and ``--dtype auto|...`` (core.infra.device): a device
+this machine lacks is one line on stderr and exit 2, before any work (no torch traceback, no output written)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from core.infra.cli import run_cli
+
+# module -> the least arguments its parser needs besides --device (paths need not exist: the device is checked first)
+REAL_MODEL_CLIS = {
+    "video.recipes.instructblip_video": ["--model", "m", "--videos", "v", "--questions", "q.json"],
+    "apps.emloc.recipes.qwen2vl": ["--model", "m", "--data", "d.csv"],
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("module", sorted(REAL_MODEL_CLIS))
+def test_missing_gpu_is_one_line_exit_2(module, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(module).main
+    argv = [*REAL_MODEL_CLIS[module], "--out", str(tmp_path / "out"), "--device", "cuda"]
+    assert run_cli(main, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA GPU" in err[0] and "--device" in err[0], err
+    assert not (tmp_path / "out").exists(), "nothing may be written before the device is checked"
+
+
+@pytest.mark.parametrize("module", sorted(REAL_MODEL_CLIS))
+def test_device_and_dtype_options_are_the_shared_ones(module):
+    p = importlib.import_module(module).build_parser()
+    actions = {a.dest: a for a in p._actions}
+    assert actions["device"].default == "auto" and actions["dtype"].default == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args([*REAL_MODEL_CLIS[module], "--dtype", "int8"])
