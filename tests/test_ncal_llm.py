@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -225,3 +226,41 @@ def test_llm_recipe_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert run_cli(main, argv[:-2] + ["--limit-train", "12"]) == 2  # another sample in the same folder is refused
     assert run_cli(main, ["--model", str(tmp_path / "none"), "--dataset", "pmtd", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_an_adapter_finds_its_base_model_after_a_move(tmp_path, capsys):
+    """An adapter records its base model absolutely and relative to itself: moved together they still load; the
+    base moved alone is an error naming ncal.json and --base-model, and --base-model (CLI and Python) finds it."""
+    import shutil
+
+    from apps.ncal import NCALClassifier
+    from apps.ncal.model import load_checkpoint
+    from apps.ncal.predict import main as predict_main
+    from apps.ncal.train import train
+    from core.infra.cli import run_cli
+
+    base = make_tiny_llm(tmp_path / "proj" / "base", "qwen2")
+    tr, te = toy_examples((6, 4, 3)), toy_examples((2, 2, 2), seed=1)
+    train(_cfg(tmp_path / "proj" / "adapter", base, epochs=1, grad_share_every=0), progress=False,
+          examples=(tr, te, CLASSES))
+    meta = json.loads((tmp_path / "proj" / "adapter" / "ncal.json").read_text())
+    assert meta["encoder"]["source_relative"] == "../base"
+    texts = [e.text for e in te]
+    before = load_checkpoint(tmp_path / "proj" / "adapter")
+    p0 = NCALClassifier.load(tmp_path / "proj" / "adapter").predict_proba(texts)
+
+    shutil.move(tmp_path / "proj", tmp_path / "moved")  # both together: the relative path finds the base
+    p1 = NCALClassifier.load(tmp_path / "moved" / "adapter").predict_proba(texts)
+    np.testing.assert_allclose(p1, p0, atol=1e-6)
+    del before
+
+    shutil.move(tmp_path / "moved" / "base", tmp_path / "elsewhere")  # the base alone
+    with pytest.raises(FileNotFoundError, match=r"ncal\.json: its base model is not at .*--base-model"):
+        load_checkpoint(tmp_path / "moved" / "adapter")
+    p2 = NCALClassifier.load(tmp_path / "moved" / "adapter", base_model=tmp_path / "elsewhere").predict_proba(texts)
+    np.testing.assert_allclose(p2, p0, atol=1e-6)
+    argv = ["--checkpoint", str(tmp_path / "moved" / "adapter"), "--text", texts[0], "--json"]
+    assert run_cli(predict_main, argv) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "ncal.json" in err[0] and "--base-model" in err[0], err
+    assert run_cli(predict_main, [*argv, "--base-model", str(tmp_path / "elsewhere")]) == 0

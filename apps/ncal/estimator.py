@@ -116,11 +116,13 @@ class NCALClassifier(ClassifierMixin, BaseEstimator):
         self.n_features_in_ = 1
 
     @classmethod
-    def load(cls, name_or_path: str | Path, *, device: str | None = None) -> "NCALClassifier":
-        """A fitted classifier from a shipped model name (``tmwpl``, ``pmtd``) or a checkpoint folder."""
+    def load(cls, name_or_path: str | Path, *, device: str | None = None,
+             base_model: str | Path | None = None) -> "NCALClassifier":
+        """A fitted classifier from a shipped model name (``tmwpl``, ``pmtd``) or a checkpoint folder
+        (``base_model``: an adapter's base model folder, when not where its ``ncal.json`` says)."""
         from apps.ncal.model import load_checkpoint
 
-        ckpt = load_checkpoint(resolve_checkpoint(name_or_path), device=device)
+        ckpt = load_checkpoint(resolve_checkpoint(name_or_path), device=device, base_model=base_model)
         s = ckpt.meta.get("settings", {})
         est = cls(loss=ckpt.meta["loss"]["name"], epochs=s.get("epochs", 4), seed=s.get("seed", 0), device=device)
         est._set_checkpoint(ckpt, np.asarray(sorted(ckpt.classes)))

@@ -27,14 +27,15 @@ CHECKPOINT_FILES = ("ncal.json", "model.safetensors", "tokenizer.json")
 __all__ = ["build_parser", "main", "evaluate_checkpoint", "format_report"]
 
 
-def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 64) -> dict:
+def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 64, base_model: str | None = None,
+                        progress: bool = False) -> dict:
     """Metrics of a checkpoint on a labelled file or shipped test split (see module docs)."""
     from apps.ncal.data import DATASETS, load_split, read_jsonl
     from apps.ncal.estimator import resolve_checkpoint
     from apps.ncal.metrics import classification_metrics, collapse_metrics
     from apps.ncal.model import infer, load_checkpoint
 
-    ckpt = load_checkpoint(resolve_checkpoint(checkpoint))
+    ckpt = load_checkpoint(resolve_checkpoint(checkpoint), base_model=base_model)
     classes = tuple(ckpt.classes)
     context = ckpt.meta.get("context", "past")
     if str(data).lower() in DATASETS:
@@ -43,7 +44,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 64) -> 
             raise ValueError(f"dataset {data!r} has classes {list(ds_classes)}, the checkpoint {list(classes)}")
     else:
         examples = read_jsonl(data, classes=classes, context=context)
-    probs, feats = infer(ckpt.model, ckpt.tokenizer, [e.text for e in examples], batch_size=batch_size)
+    probs, feats = infer(ckpt.model, ckpt.tokenizer, [e.text for e in examples], batch_size=batch_size,
+                         progress=progress)
     idx = {c: k for k, c in enumerate(classes)}
     y = [idx[e.label] for e in examples]
     m = classification_metrics(y, probs.argmax(1).tolist(), list(classes), ckpt.meta.get("bins"))
@@ -74,9 +76,12 @@ def format_report(m: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.ncal.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint folder or shipped name (tmwpl, pmtd)")
+    p.add_argument("--base-model", default=None, metavar="DIR",
+                   help="an adapter's base model folder, when not where its ncal.json says (it was moved)")
     p.add_argument("--data", required=True, help="labelled JSONL or shipped name (its test split)")
     p.add_argument("--out", default=None, help="write the metrics as JSON here")
     p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar over the batches")
     add_run_options(p, threads=False)
     return p
 
@@ -93,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpt = resolve_checkpoint(args.checkpoint)
         check_output(args.out, inputs=[ckpt, *(Path(ckpt) / f for f in CHECKPOINT_FILES)])
         check_writable(args.out, what="--out")  # before the evaluation it would record
-    m = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size)
+    m = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size, base_model=args.base_model,
+                            progress=not args.no_progress)
     print(format_report(m))  # the CLI's output
     if not all(math.isfinite(m[k]) for k in ("accuracy", "macro_f1")):
         raise PartialFailure(f"the metrics are not finite (accuracy {m['accuracy']}, macro-F1 {m['macro_f1']})")

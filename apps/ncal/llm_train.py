@@ -224,7 +224,9 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     if valid_ex is not None and last_valid is None:
         meta["valid"] = _evaluate(model, prompter, valid_ex, classes, bins, device, cfg.batch_size)
     save_safetensors(out / "model.safetensors", {k: v.float() for k, v in model.trainable_state().items()})
-    write_json_atomic(out / "ncal.json", meta)
+    from apps.ncal.model import record_base
+
+    write_json_atomic(out / "ncal.json", record_base(meta, out))
     return meta
 
 

@@ -13,6 +13,7 @@ A checkpoint is a folder:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,11 @@ from core.collapse import ETFClassifier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NCALModel", "Checkpoint", "build_encoder", "save_checkpoint", "load_checkpoint", "infer"]
+__all__ = ["NCALModel", "Checkpoint", "build_encoder", "save_checkpoint", "load_checkpoint", "infer", "record_base",
+           "locate_base"]
+
+#: encoder kinds whose weights are a local transformers model folder (``source: "hf:DIR"``) read again at load
+BASE_KINDS = ("hf", "hf-lm")
 
 
 class NCALModel(nn.Module):
@@ -93,6 +98,44 @@ def _weights_to_save(model: NCALModel) -> dict[str, torch.Tensor]:
     return keep
 
 
+def record_base(meta: dict, folder: str | Path) -> dict:
+    """``meta`` with the base model's path also recorded relative to ``folder`` (``encoder.source_relative``), so
+    an adapter moved together with its base model (or copied with the same layout) still finds it."""
+    spec = meta.get("encoder") or {}
+    if spec.get("kind") in BASE_KINDS and str(spec.get("source", "")).startswith("hf:"):
+        base = Path(spec["source"][3:]).expanduser().resolve()
+        spec = {**spec, "source_relative": os.path.relpath(base, Path(folder).resolve())}
+        meta = {**meta, "encoder": spec}
+    return meta
+
+
+def locate_base(spec: dict, folder: str | Path, base_model: str | os.PathLike | None = None) -> dict:
+    """The encoder description with ``source`` pointing at a base-model folder that exists: ``base_model`` when
+    given, else the recorded path, else the recorded path relative to the adapter's ``folder``; a clear error naming
+    ``ncal.json`` and ``--base-model`` when none is there."""
+    if spec.get("kind") not in BASE_KINDS:
+        if base_model is not None:
+            raise ValueError(f"{Path(folder) / 'ncal.json'}: this model has no base model (encoder kind "
+                             f"{spec.get('kind')!r}); --base-model applies to adapters of a local transformers model")
+        return spec
+    recorded = str(spec.get("source", ""))[3:]
+    if base_model is not None:
+        p = Path(base_model).expanduser()
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"--base-model {base_model}: not a transformers model folder (no config.json); "
+                                    f"{Path(folder) / 'ncal.json'} was trained on {recorded}")
+        return {**spec, "source": f"hf:{p}"}
+    tried = [Path(recorded).expanduser()]
+    if spec.get("source_relative"):
+        tried.append(Path(folder) / spec["source_relative"])
+    for p in tried:
+        if (p / "config.json").is_file():
+            return {**spec, "source": f"hf:{p}"}
+    raise FileNotFoundError(
+        f"{Path(folder) / 'ncal.json'}: its base model is not at {' nor '.join(str(p) for p in tried)} (moved or "
+        "deleted?); pass --base-model DIR (Python: base_model=DIR) with the local folder of that model")
+
+
 def save_checkpoint(folder: str | Path, model: NCALModel, tokenizer, meta: dict) -> Path:
     """Write ``model.safetensors``, ``ncal.json`` (and ``tokenizer.json`` for the character encoder) atomically."""
     folder = Path(folder)
@@ -100,16 +143,19 @@ def save_checkpoint(folder: str | Path, model: NCALModel, tokenizer, meta: dict)
     save_safetensors(folder / "model.safetensors", _weights_to_save(model))
     if isinstance(tokenizer, CharTokenizer):
         tokenizer.save(folder / "tokenizer.json")
-    write_json_atomic(folder / "ncal.json", meta)
+    write_json_atomic(folder / "ncal.json", record_base(meta, folder))
     return folder
 
 
-def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = None) -> Checkpoint:
-    """Load a checkpoint folder (module docs). ``FileNotFoundError`` names the missing file."""
+def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = None,
+                    base_model: str | os.PathLike | None = None) -> Checkpoint:
+    """Load a checkpoint folder (module docs). ``FileNotFoundError`` names the missing file. ``base_model``: where
+    the base model of an adapter (``hf:`` encoder, ``--head lm``) is now, when not where ``ncal.json`` says."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no NCAL checkpoint folder at {folder}")
     meta = read_json(folder / "ncal.json")
+    meta = {**meta, "encoder": locate_base(meta["encoder"], folder, base_model)}
     if meta["encoder"].get("kind") == "hf-lm":  # a decoder LLM that generates the class name (apps.ncal.llm)
         from apps.ncal.llm_train import build_lm
 
@@ -144,16 +190,20 @@ def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = N
 
 @torch.no_grad()
 def infer(model: NCALModel, tokenizer, texts: list[str], *, batch_size: int = 64,
-          device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          device: torch.device | str | None = None, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probabilities (N, K), features (N, D))`` for texts, in input order, on CPU, in float32.
 
-    Texts are batched by length (less padding); the model is put in eval mode.
+    Texts are batched by length (less padding); the model is put in eval mode. ``progress``: a tqdm bar over the
+    batches on stderr (an LLM takes minutes over a test set).
     """
+    from tqdm.auto import tqdm
+
     model.eval()
     device = device or next(model.parameters()).device
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     probs, feats = [None] * len(texts), [None] * len(texts)
-    for s in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    for s in tqdm(starts, desc="classify", unit="batch", disable=not progress or len(starts) < 2, dynamic_ncols=True):
         idx = order[s:s + batch_size]
         b = tokenizer.batch([texts[i] for i in idx], device=device)
         f_BD, logits_BK = model(b["input_ids"], b["attention_mask"])

@@ -30,15 +30,16 @@ __all__ = ["build_parser", "main", "classify", "cached_checkpoint", "read_rows",
 
 
 @lru_cache(maxsize=4)
-def cached_checkpoint(name_or_path: str):
-    """Load (once per process) a checkpoint by shipped name or folder."""
+def cached_checkpoint(name_or_path: str, base_model: str | None = None):
+    """Load (once per process) a checkpoint by shipped name or folder (``base_model``: an adapter's base model
+    folder, when not where its ``ncal.json`` says)."""
     from apps.ncal.estimator import resolve_checkpoint
     from apps.ncal.model import load_checkpoint
 
-    return load_checkpoint(resolve_checkpoint(name_or_path))
+    return load_checkpoint(resolve_checkpoint(name_or_path), base_model=base_model)
 
 
-def classify(checkpoint: str, inputs) -> list[dict[str, float]]:
+def classify(checkpoint: str, inputs, *, base_model: str | None = None) -> list[dict[str, float]]:
     """``[{class: probability}, ...]`` per input (classes in the checkpoint's order).
 
     ``inputs``: strings (model inputs, used as they are) and/or rows of the model's training layout as dicts (or a
@@ -47,16 +48,16 @@ def classify(checkpoint: str, inputs) -> list[dict[str, float]]:
     from apps.ncal.inputs import model_inputs, row_layout
     from apps.ncal.model import infer
 
-    ckpt = cached_checkpoint(str(checkpoint))
+    ckpt = cached_checkpoint(str(checkpoint), base_model)
     texts = model_inputs(inputs, layout=row_layout(ckpt.meta), context=ckpt.meta.get("context", "past"))
     probs, _ = infer(ckpt.model, ckpt.tokenizer, texts)
     return [{c: float(p) for c, p in zip(ckpt.classes, row)} for row in probs.tolist()]
 
 
-def read_rows(checkpoint: str, path: str) -> list[str]:
+def read_rows(checkpoint: str, path: str, *, base_model: str | None = None) -> list[str]:
     """The model inputs of a JSONL file of rows, formatted as the checkpoint's training data (errors name the line)."""
     out = []
-    for where, text, err in read_row_inputs(checkpoint, path):
+    for where, text, err in read_row_inputs(checkpoint, path, base_model=base_model):
         if err is not None:
             raise err
         out.append(text)
@@ -65,14 +66,15 @@ def read_rows(checkpoint: str, path: str) -> list[str]:
     return out
 
 
-def read_row_inputs(checkpoint: str, path: str) -> list[tuple[str, str | None, ValueError | None]]:
+def read_row_inputs(checkpoint: str, path: str, *, base_model: str | None = None,
+                    ) -> list[tuple[str, str | None, ValueError | None]]:
     """``(where, model input, None)`` per row of a JSONL file, or ``(where, None, error)`` for a row that cannot be
     read (not UTF-8, not a JSON object, a missing field); ``where`` is ``"<file> line <n>"``, blank lines are
     skipped. Raises for the file as a whole: missing, or a checkpoint without a row layout."""
     from apps.ncal.data import format_record
     from apps.ncal.inputs import accepted, row_layout
 
-    meta = cached_checkpoint(str(checkpoint)).meta
+    meta = cached_checkpoint(str(checkpoint), base_model).meta
     layout = row_layout(meta)
     if layout is None:
         raise ValueError(f"checkpoint {checkpoint!r} was fitted on texts and records no row layout; give --text "
@@ -119,6 +121,8 @@ def _accepted_rows(layout: str | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m apps.ncal.predict", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="shipped name (tmwpl, pmtd) or checkpoint folder")
+    p.add_argument("--base-model", default=None, metavar="DIR",
+                   help="an adapter's base model folder, when not where its ncal.json says (it was moved)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", action="append", help="text to classify, used as it is (repeat for several)")
     src.add_argument("--rows", default=None, help="JSONL file of rows in the layout of the model's training data")
@@ -137,12 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from apps.ncal.data import format_turn
     from apps.ncal.inputs import row_layout
 
-    layout = row_layout(cached_checkpoint(str(args.checkpoint)).meta)  # an unknown checkpoint is refused first
+    base = str(args.base_model) if args.base_model else None
+    layout = row_layout(cached_checkpoint(str(args.checkpoint), base).meta)  # an unknown checkpoint is refused first
     if args.rows is not None:
         if args.speaker or args.previous or args.previous_speaker:
             parser.error("--speaker/--previous/--previous-speaker apply to --text; a row carries its own context")
         tally = InputTally("row")
-        items = read_row_inputs(args.checkpoint, args.rows)
+        items = read_row_inputs(args.checkpoint, args.rows, base_model=base)
     else:
         tally = InputTally("text")
         items = []
@@ -160,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err is not None:
             tally.fail(where, err, accepted=what)
     texts = [t for _, t, err in items if err is None]
-    probs = iter(classify(args.checkpoint, texts) if texts else [])
+    probs = iter(classify(args.checkpoint, texts, base_model=base) if texts else [])
     out = [next(probs) if err is None else None for _, _, err in items]
     if args.json:
         print(json.dumps(out, ensure_ascii=False))
