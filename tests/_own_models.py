@@ -93,11 +93,26 @@ def video_model(root: Path) -> Path:
     return save_tiny_instructblip_video(root / "instructblip_video")
 
 
+def comemo_release(root: Path) -> tuple[Path, Path]:
+    """The tiny CoMemo release of the parity fixtures, converted (``apps.comemo.convert``), and one 2x2-tiled image."""
+    from PIL import Image
+
+    from apps.comemo.convert import convert
+
+    out = root / "comemo_converted"
+    convert(Path(__file__).parent / "fixtures" / "comemo" / "release", out)
+    img = root / "comemo_image.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8)).save(img)
+    return out, img
+
+
 def write_own_models(root: Path) -> dict[str, dict[str, str]]:
     """Every app's own-model input under ``root``: ``{key: {"model": ..., extra field elem-id suffix: value}}``."""
     root = Path(root)
     vlm, demos = emloc_vlm(root / "emloc")
+    comemo, image = comemo_release(root)
     return {
+        "comemo": {"model": str(comemo), "files": str(image), "own-question": "Describe the image."},
         "tabicl": {"model": str(tabicl_checkpoint(root / "tabicl"))},
         "querent": {"model": str(querent_run(root / "querent"))},
         "decision_mixer": {"model": str(dm_run(root / "rl"))},

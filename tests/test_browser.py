@@ -360,10 +360,16 @@ def _own_field_ids(page, key: str) -> tuple[str, str]:
 
 
 def _fill(page, elem_id: str, value: str) -> None:
-    page.locator(f"#{elem_id} textarea, #{elem_id} input").first.fill(value)
+    """Type ``value`` into a Gradio text field and leave it (Gradio takes the value on blur/change: a click on a
+    button right after ``fill`` can otherwise send the old value)."""
+    box = page.locator(f"#{elem_id} textarea, #{elem_id} input").first
+    box.fill(value)
+    box.press("Tab")
+    page.wait_for_timeout(300)
+    assert box.input_value() == value
 
 
-OWN_APPS = [s for s in APPS if s.own_model and s.key != "comemo"]
+OWN_APPS = [s for s in APPS if s.own_model]
 
 
 @pytest.mark.parametrize("spec", OWN_APPS, ids=lambda s: s.key)
@@ -379,7 +385,11 @@ def test_app_tab_runs_your_own_model(page, own_models, spec, tmp_path):
     page.locator(f"#{spec.key}-own-model").wait_for(state="visible", timeout=30_000)
     inputs = own_models[spec.key]
     for field, value in inputs.items():
-        _fill(page, f"{spec.key}-own-model" if field == "model" else f"{spec.key}-{field}", value)
+        if field == "files":  # an upload field: the file chooser's input
+            page.locator(f"#{spec.key}-files input[type=file]").set_input_files(value)
+            page.wait_for_timeout(1500)  # let the upload finish
+        else:
+            _fill(page, f"{spec.key}-own-model" if field == "model" else f"{spec.key}-{field}", value)
     run, status_sel = _own_field_ids(page, spec.key)
     page.locator(run).click()
     outcome = page.wait_for_function(

@@ -4,9 +4,12 @@ attention mass per image on both paths, and the answer."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import time
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +216,53 @@ def ask_sample(task, num_images, needle, seed):
     return (question, *ask(images, question, expected=answer, needle=pos))
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_model(folder: str, mtime: float):
+    import torch
+
+    from apps.comemo.api import CoMemo
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    return CoMemo.from_hf(folder)
+
+
+def check_hf_folder(model: str | None) -> Path:
+    """The own-model field: a local InternVL folder or an ``apps.comemo.convert`` output folder (with
+    ``config.json`` and a processor); anything else is one ``ValueError`` line naming what is accepted."""
+    model = (model or "").strip()
+    if not model:
+        raise ValueError("give a local InternVL folder or an apps.comemo.convert output folder")
+    p = Path(model).expanduser()
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise ValueError(f"{model} is not a model folder (no config.json); give a transformers InternVL folder or the "
+                         "output of `python -m apps.comemo.convert RELEASE_DIR OUT_DIR` (a released CoMemo-2B/9B)")
+    return p
+
+
+def ask_own_model(model: str | None, files, question: str, max_new_tokens: int = 32) -> str:
+    """Answer ``question`` about the uploaded images with your own model (``CoMemo.from_hf(DIR).answer``: the folder's
+    chat template and processor, tile grids derived, RoPE-DHR on); returns the status markdown."""
+    folder = check_hf_folder(model)
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("the question is empty; type one")
+    if not files:
+        raise ValueError("upload at least one image (the 'Or upload images' field above)")
+    paths = [getattr(f, "name", f) for f in files]
+    if len(paths) > MAX_UPLOADS:
+        raise ValueError(f"{len(paths)} images uploaded; this tab takes at most {MAX_UPLOADS}")
+    images = [str(p) for p in paths]  # answer() reads them with the folder's own processor
+    try:
+        cm = _hf_model(str(folder), os.path.getmtime(folder / "config.json"))
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise ValueError(f"{model} could not be loaded as InternVL/CoMemo ({type(err).__name__}: {err})") from None
+    t = time.perf_counter()
+    answer = cm.answer(images, question.strip(), max_new_tokens=int(max_new_tokens))
+    return (f"**Answer:** {answer or '(empty)'}\n\nDone: your model {folder.name} answered about {len(images)} "
+            f"image(s) in {time.perf_counter() - t:.1f} s (RoPE-DHR positions, memory path before every "
+            f"{cm.every}th layer).")
+
+
 _MODEL = None
 
 
@@ -225,7 +275,8 @@ def _model():
     return _MODEL
 
 
-def build_ui() -> None:
+def build_ui(model: str | None = None) -> None:
+    """The tab; ``model`` fills the own-model field (``python -m apps --app comemo --model DIR``)."""
     import gradio as gr
 
     gr.Markdown("## CoMemo\nA small vision-language model with two paths for images: their tokens in the decoder's "
@@ -243,7 +294,8 @@ def build_ui() -> None:
             draw = gr.Button("Draw and ask", variant="primary")
         with gr.Column():
             gr.Markdown("**Or upload images**")
-            files = gr.File(file_count="multiple", file_types=["image"], label=f"images (at most {MAX_UPLOADS}, in order)")
+            files = gr.File(file_count="multiple", file_types=["image"], label=f"images (at most {MAX_UPLOADS}, in order)",
+                            elem_id=f"{KEY}-files")
             question = gr.Textbox(value=NEEDLE_QUESTION, label="question")
             go = gr.Button("Ask about the uploaded images")
     example = gr.Button(f"Run the example ({EXAMPLE['num_images']} images, digit in image {EXAMPLE['needle']})",
@@ -257,6 +309,24 @@ def build_ui() -> None:
         attn_img = gr.Image(label="attention per image, both paths", type="numpy")
         gates_img = gr.Image(label="memory-path gates", type="numpy")
     outs = [answer, tiles_img, dhr_img, gates_img, attn_img, status]
+    with gr.Accordion("Your own model: a local InternVL or a converted CoMemo release", open=model is not None):
+        gr.Markdown("A transformers InternVL folder, or a released CoMemo-2B/9B converted with "
+                    "`python -m apps.comemo.convert RELEASE_DIR OUT_DIR`; it answers about the uploaded images above "
+                    "with its own chat template and tiling.")
+        with gr.Row():
+            own = gr.Textbox(value=model or "", label="model folder", elem_id=f"{KEY}-own-model",
+                             placeholder="/path/to/CoMemo-2B-converted")
+            own_q = gr.Textbox(value="Describe the image.", label="question", elem_id=f"{KEY}-own-question")
+        own_run = gr.Button("Answer with this model", elem_id=f"{KEY}-own-run")
+        own_status = gr.Markdown(elem_id=f"{KEY}-own-status")
+
+    def _own(m, files_, q):
+        try:
+            return ask_own_model(m, files_, q)
+        except (ValueError, FileNotFoundError) as e:
+            raise gr.Error(str(e)) from e
+
+    own_run.click(_own, [own, files, own_q], own_status, api_name=f"{KEY}_own")
 
     def _sample(task_, n_, pos_, seed_):
         try:
