@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    device, dtype = device_from_args(args)  # a missing GPU: one line, exit 2, before any work
     check_outputs([("--out", args.out)], inputs=[args.model, args.videos, args.questions])
-from core.infra.device import add_device_options, device_from_args
     from video.hf import HF_METHODS, HFVideoConfig, InfiniteVideoLM
     from video.io import is_video_file
 
