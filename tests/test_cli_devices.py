@@ -14,15 +14,25 @@ from core.infra.cli import run_cli
 REAL_MODEL_CLIS = {
     "video.recipes.instructblip_video": ["--model", "m", "--videos", "v", "--questions", "q.json"],
     "apps.emloc.recipes.qwen2vl": ["--model", "m", "--data", "d.csv"],
+    "apps.comemo.recipes.internvl": ["--model", "m", "--data", "d"],
+    "apps.comemo.predict": ["--model", "m", "--images", "a.png", "--question", "q"],
 }
+WRITES_NO_OUT = {"apps.comemo.predict"}  # answers on stdout: no --out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 @pytest.mark.parametrize("module", sorted(REAL_MODEL_CLIS))
 def test_missing_gpu_is_one_line_exit_2(module, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # inputs that exist, so a command that checks its paths first still reaches the device check
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "data.jsonl").write_text('{"images": ["a.png"], "question": "q", "answer": "a"}\n')
+    (tmp_path / "a.png").write_bytes(b"")
     main = importlib.import_module(module).main
-    argv = [*REAL_MODEL_CLIS[module], "--out", str(tmp_path / "out"), "--device", "cuda"]
+    out = [] if module in WRITES_NO_OUT else ["--out", str(tmp_path / "out")]
+    argv = [*REAL_MODEL_CLIS[module], *out, "--device", "cuda"]
     assert run_cli(main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA GPU" in err[0] and "--device" in err[0], err

@@ -44,6 +44,7 @@ def _is_hf_folder(path: Path | None) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    resolve_device(args.device)  # a missing GPU: one line, exit 2, before anything is read
     from apps.comemo.api import CoMemo
     from apps.comemo.batch import load_image
 

@@ -255,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from core.infra.guard import check_output
 
+    from core.infra.device import resolve_device
+
     args = build_parser().parse_args(argv)
+    resolve_device(args.device)  # a missing GPU: one line, exit 2, before anything is read
     check_output(args.out, inputs=[args.model, args.data])
     samples = load_data(args.data)
     if args.lr is None:
@@ -278,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if not args.resume:
         _architecture(args)
-    from core.infra.device import resolve_device
-
     rank, world, device = distributed_setup(str(resolve_device(args.device)))
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
