@@ -16,6 +16,7 @@ REAL_MODEL_CLIS = {
     "apps.emloc.recipes.qwen2vl": ["--model", "m", "--data", "d.csv"],
     "apps.comemo.recipes.internvl": ["--model", "m", "--data", "d"],
     "apps.comemo.predict": ["--model", "m", "--images", "a.png", "--question", "q"],
+    "tabular.predict": ["--checkpoint", "v2", "--train", "train.csv", "--test", "test.csv", "--target", "y"],
 }
 WRITES_NO_OUT = {"apps.comemo.predict"}  # answers on stdout: no --out
 
