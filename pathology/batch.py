@@ -41,6 +41,7 @@ import numpy as np
 from core.infra.cli import (UsageError, capped_int, check_memory, fraction, nonempty_path, positive_float, positive_int,
                             run_cli, worker_count)
 from core.infra.fileio import check_writable, open_image
+from core.infra.device import add_device_options, resolve_device
 from core.infra.guard import check_outputs
 from core.infra.jobs import (
     Item,
@@ -409,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=worker_count, default=0,
                    help="DataLoader workers reading tiles (default 0; at most 4 per CPU core)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="patches per encoder batch")
-    p.add_argument("--device", default=None, help="encoder device (default cuda if available else cpu)")
+    add_device_options(p, dtype=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_job_arguments(p, item="slide")
     return p
@@ -417,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    device = str(resolve_device(args.device))  # a missing GPU is one line before any work
     check_outputs([("--out", args.out)], inputs=[args.slides, args.weights])
     if args.slide_mpp is not None and args.mpp < args.slide_mpp * 0.95:
         raise UsageError(f"--mpp {args.mpp:g} is finer than --slide-mpp {args.slide_mpp:g}: patches would be upsampled; "
@@ -434,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       weights=args.weights, encoder_kwargs=args.encoder_kwargs,
                       strict=not args.allow_partial_weights, shard=job.shard, skip_errors=job.skip_errors,
                       overwrite=job.overwrite, time_limit=job.time_limit, stale_after=job.stale_after,
-                      workers=args.workers, batch_size=args.batch_size, device=args.device,
+                      workers=args.workers, batch_size=args.batch_size, device=device,
                       progress=not args.no_progress)
     list_slides(cfg.slides)
     check_writable(cfg.out, what="--out", folder=True)

@@ -164,9 +164,9 @@ class ClsMeanPool(nn.Module):
 
 
 def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    from core.infra.device import resolve_device
+
+    return resolve_device(device)
 
 
 def _default(weights: str | None, device: torch.device, strict: bool) -> PatchEncoder:

@@ -30,6 +30,7 @@ import torch
 
 from core.infra.cli import (PartialFailure, fraction, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli, worker_count)
+from core.infra.device import add_device_options, resolve_device
 from core.infra.guard import check_outputs
 from pathology.mil import MODEL_NAMES
 from pathology.querent import POS_ENCODINGS, QuerentConfig
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Querent/dense positions: sine-cosine added to the input, 2-D RoPE in every layer, both, none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=worker_count, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_options(p, dtype=False)
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder for metrics and models")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -129,6 +130,7 @@ def _write_csv(path: str, rows: list[dict]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    device = str(resolve_device(args.device))  # a missing GPU is one line before any work
     check_outputs([("--out", args.out)], inputs=[args.features, args.labels, args.splits])
     if args.splits is None and args.folds < 2:
         raise SystemExit(f"--folds must be >= 2 (or give --splits), got {args.folds}")
@@ -152,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tcfg = TrainConfig(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_slides=args.batch_slides,
                        max_patches=args.max_patches or None, standardize=not args.no_standardize,
                        class_weights=args.class_weights == "balanced", val_fraction=args.val_fraction,
-                       patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=args.device,
+                       patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=device,
                        monitor=args.monitor, smooth=args.smooth, feature_dropout=args.feature_dropout)
     splits = read_splits(args.splits) if args.splits else None
     os.makedirs(args.out, exist_ok=True)

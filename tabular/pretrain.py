@@ -38,6 +38,7 @@ from core.infra.cli import (fraction, nonempty_path_obj, nonnegative_float, nonn
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import check_writable, torch_load, torch_save_atomic
+from core.infra.device import add_device_options, resolve_device
 from core.infra.guard import check_outputs
 from tabular.model import CONFIGS, TabICL, TabICLConfig
 from tabular.prior import PriorConfig, TablePrior
@@ -377,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a new run folder from exported weights (.safetensors written by this script): model, "
                         "step and tables seen from its card; fresh optimizer state")
     p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads per process")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    add_device_options(p, dtype=False)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -388,6 +389,7 @@ _RECIPE_KEYS = ("batch_size", "lr", "weight_decay", "warmup", "cosine", "clip", 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    resolve_device(args.device)  # a missing GPU is one line before any work
     check_outputs([("--out", args.out), ("--export", args.export)], inputs=[args.init_from])
     if args.export is not None:
         check_writable(args.export, what="--export")

@@ -17,12 +17,24 @@ REAL_MODEL_CLIS = {
     "apps.comemo.recipes.internvl": ["--model", "m", "--data", "d"],
     "apps.comemo.predict": ["--model", "m", "--images", "a.png", "--question", "q"],
     "tabular.predict": ["--checkpoint", "v2", "--train", "train.csv", "--test", "test.csv", "--target", "y"],
+    "apps.ncal.train": ["--dataset", "tmwpl"],
+    "apps.ncal.recipes.llm": ["--model", "m", "--dataset", "tmwpl"],
+    "apps.ncal.evaluate": ["--checkpoint", "tmwpl", "--data", "tmwpl"],
+    "apps.ncal.predict": ["--checkpoint", "tmwpl", "--text", "a question"],
 }
-WRITES_NO_OUT = {"apps.comemo.predict"}  # answers on stdout: no --out
+# training and feature-extraction CLIs: --device only (they train in float32 / their own mixed precision)
+DEVICE_ONLY_CLIS = {
+    "apps.comemo.train": ["--variant", "comemo", "--stage", "1"],
+    "tabular.pretrain": [],
+    "apps.ncal.pretrain": [],
+    "pathology.train": ["--features", "d", "--labels", "labels.csv"],
+    "pathology.batch": ["--slides", "d"],
+}
+WRITES_NO_OUT = {"apps.comemo.predict", "apps.ncal.predict"}  # answers on stdout: no --out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-@pytest.mark.parametrize("module", sorted(REAL_MODEL_CLIS))
+@pytest.mark.parametrize("module", sorted(REAL_MODEL_CLIS) + sorted(DEVICE_ONLY_CLIS))
 def test_missing_gpu_is_one_line_exit_2(module, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # inputs that exist, so a command that checks its paths first still reaches the device check
@@ -33,7 +45,8 @@ def test_missing_gpu_is_one_line_exit_2(module, tmp_path, capsys, monkeypatch):
     (tmp_path / "a.png").write_bytes(b"")
     main = importlib.import_module(module).main
     out = [] if module in WRITES_NO_OUT else ["--out", str(tmp_path / "out")]
-    argv = [*REAL_MODEL_CLIS[module], *out, "--device", "cuda"]
+    (tmp_path / "labels.csv").write_text("slide_id,label\na,0\n")
+    argv = [*{**REAL_MODEL_CLIS, **DEVICE_ONLY_CLIS}[module], *out, "--device", "cuda"]
     assert run_cli(main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA GPU" in err[0] and "--device" in err[0], err
@@ -47,3 +60,12 @@ def test_device_and_dtype_options_are_the_shared_ones(module):
     assert actions["device"].default == "auto" and actions["dtype"].default == "auto"
     with pytest.raises(SystemExit):
         p.parse_args([*REAL_MODEL_CLIS[module], "--dtype", "int8"])
+
+
+@pytest.mark.parametrize("module", sorted(DEVICE_ONLY_CLIS))
+def test_training_clis_take_the_shared_device_option(module):
+    p = importlib.import_module(module).build_parser()
+    actions = {a.dest: a for a in p._actions}
+    assert actions["device"].default == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args([*DEVICE_ONLY_CLIS[module], "--out", "o", "--device", "gpu0"])

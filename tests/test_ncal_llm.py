@@ -208,6 +208,34 @@ def test_lm_head_refuses_what_it_cannot_do(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_lm_head_max_steps_and_base_weight_dtype(tmp_path):
+    """--max-steps stops the lm head's run after N optimizer steps (evaluated and saved); the base weights follow
+    --dtype (auto: fp32 on the CPU; bf16 as asked) with float32 adapters; a description written before --dtype
+    existed (fp16 flag) loads in fp32 on the CPU; full fine-tuning refuses half-precision weights."""
+    from apps.ncal.llm_train import build_lm, lm_spec
+    from apps.ncal.model import load_checkpoint
+    from apps.ncal.train import train
+
+    d = make_tiny_llm(tmp_path / "m", "qwen2")
+    tr, te = toy_examples((10, 5, 3)), toy_examples((2, 2, 2), seed=1)  # 3 steps per epoch
+    meta = train(_cfg(tmp_path / "a", d, max_steps=2, grad_share_every=0), progress=False, examples=(tr, te, CLASSES))
+    assert meta["steps"] == 2 and meta["test"]["n"] == 6 and meta["encoder"]["dtype"] == "auto"
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in lines] == [(1, 2)]
+    ck = load_checkpoint(tmp_path / "a", dtype="bfloat16")
+    base = {p.dtype for n, p in ck.model.named_parameters() if "lora_" not in n}
+    adapters = {p.dtype for n, p in ck.model.named_parameters() if "lora_" in n}
+    assert base == {torch.bfloat16} and adapters == {torch.float32}
+    spec = lm_spec(_cfg(tmp_path / "b", d), CLASSES, "toy")
+    model, _ = build_lm(spec, device="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    legacy = {k: v for k, v in spec.items() if k != "dtype"} | {"fp16": True}
+    model, _ = build_lm(legacy, device="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="full fine-tuning"):
+        train(_cfg(tmp_path / "c", d, lora_r=0, dtype="bfloat16"), progress=False, examples=(tr, te, CLASSES))
+
+
 def test_llm_recipe_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
     from apps.ncal.data import DATASETS
     from apps.ncal.recipes.llm import main

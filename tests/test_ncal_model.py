@@ -268,3 +268,27 @@ def test_hf_lora_trains_only_adapters(tmp_path):
     enc_keys = [k for k in saved if k.startswith("encoder.")]
     assert enc_keys and all("lora" in k for k in enc_keys)
     load_checkpoint(tmp_path / "run")
+
+
+def test_max_steps_ends_the_run_evaluated_and_saved(tmp_path, tiny_encoder_dir):
+    """--max-steps: a smoke run stops inside an epoch after N optimizer steps, its schedule ends there (the learning
+    rate reaches 0), it is evaluated and saved like a full run, and another N in the same folder is refused."""
+    from apps.ncal.model import load_checkpoint
+    from apps.ncal.train import main, train
+    from apps.ncal.weights_io import load_state
+
+    tr, te = _toy(seed=0), _toy((3, 3, 3), seed=1)  # 5 steps per epoch
+    meta = train(_train_cfg(tmp_path / "run", tiny_encoder_dir, max_steps=3), progress=False,
+                 examples=(tr, te, CLASSES))
+    assert meta["steps"] == 3 and meta["test"]["n"] == 9
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in lines] == [(1, 3)]
+    st = load_state(tmp_path / "run" / "last.pt")
+    assert st["step"] == 3 and st["scheduler"]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)
+    assert load_checkpoint(tmp_path / "run").classes == list(CLASSES)
+    with pytest.raises(ValueError, match="other settings"):
+        train(_train_cfg(tmp_path / "run", tiny_encoder_dir, max_steps=4), progress=False, examples=(tr, te, CLASSES))
+    with pytest.raises(ValueError, match="max_steps must be >= 1"):
+        _train_cfg(tmp_path / "x", tiny_encoder_dir, max_steps=0)
+    with pytest.raises(SystemExit):
+        main(["--dataset", "tmwpl", "--out", str(tmp_path / "y"), "--max-steps", "0"])

@@ -48,6 +48,7 @@ from core.infra.cli import (nonempty_path_obj, nonnegative_float, nonnegative_in
 from core.infra.distributed import agreed_stop, finish
 from core.infra.distributed import setup as distributed_setup
 from core.infra.fileio import torch_load, torch_save_atomic, write_text_atomic
+from core.infra.device import add_device_options, resolve_device
 from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=50, help="write last.pt every N steps")
     p.add_argument("--max-minutes", type=nonnegative_float, help="stop (and checkpoint) after this many minutes")
     p.add_argument("--threads", type=thread_count, help="torch CPU threads")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    add_device_options(p, dtype=False)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -333,6 +334,7 @@ def _tokenizer(args) -> CoMemoTokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    resolve_device(args.device)  # a missing GPU is one line before any work
     check_outputs([("--out", args.out)], inputs=[args.init_from, args.encoder_weights])
     if args.encoder_weights is not None:
         if not args.encoder_weights.is_file():

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core.infra.cli import PartialFailure, add_run_options, configure_run, positive_int, run_cli
+from core.infra.device import add_device_options, device_from_args
 from core.infra.guard import check_output
 
 logger = logging.getLogger(__name__)
@@ -28,14 +29,14 @@ __all__ = ["build_parser", "main", "evaluate_checkpoint", "format_report"]
 
 
 def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 64, base_model: str | None = None,
-                        progress: bool = False) -> dict:
+                        progress: bool = False, device=None, dtype=None) -> dict:
     """Metrics of a checkpoint on a labelled file or shipped test split (see module docs)."""
     from apps.ncal.data import DATASETS, load_split, read_jsonl
     from apps.ncal.estimator import resolve_checkpoint
     from apps.ncal.metrics import classification_metrics, collapse_metrics
     from apps.ncal.model import infer, load_checkpoint
 
-    ckpt = load_checkpoint(resolve_checkpoint(checkpoint), base_model=base_model)
+    ckpt = load_checkpoint(resolve_checkpoint(checkpoint), base_model=base_model, device=device, dtype=dtype)
     classes = tuple(ckpt.classes)
     context = ckpt.meta.get("context", "past")
     if str(data).lower() in DATASETS:
@@ -82,12 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the metrics as JSON here")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--no-progress", action="store_true", help="no progress bar over the batches")
+    add_device_options(p)
     add_run_options(p, threads=False)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    device, dtype = device_from_args(args)  # a missing GPU is one line before any work
     configure_run(args)
     from core.infra.fileio import check_writable, write_json_atomic
 
@@ -99,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_output(args.out, inputs=[ckpt, *(Path(ckpt) / f for f in CHECKPOINT_FILES)])
         check_writable(args.out, what="--out")  # before the evaluation it would record
     m = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size, base_model=args.base_model,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, device=device, dtype=dtype)
     print(format_report(m))  # the CLI's output
     if not all(math.isfinite(m[k]) for k in ("accuracy", "macro_f1")):
         raise PartialFailure(f"the metrics are not finite (accuracy {m['accuracy']}, macro-F1 {m['macro_f1']})")

@@ -13,7 +13,9 @@ Loss per micro-batch: LM cross-entropy on the gold label tokens (``cb``: each ex
 class-balanced weight), plus ``λ · tc_loss`` (``tc``, with the feature bank) or ``λ · dot_regression_loss`` to a
 fixed simplex ETF (``etf``) of the features. AdamW, linear warm-up over ``warmup_frac`` of the optimizer steps
 then linear decay to 0 (the published recipe's Trainer schedule), gradient clipping at 1, ``grad_accum``
-micro-batches per step. On CUDA with ``fp16``: fp16 base weights, float32 adapters, autocast and loss scaling.
+micro-batches per step. Base weights in ``cfg.dtype`` (``auto``: bf16 on CUDA, fp32 on the CPU; see
+:mod:`core.infra.device`), adapters in float32, autocast in the base dtype on CUDA, loss scaling with fp16. With
+``max_steps`` the run (and its learning-rate schedule) ends after that many optimizer steps.
 """
 
 from __future__ import annotations
@@ -48,11 +50,16 @@ def lm_spec(cfg, classes, ds_name: str) -> dict:
             "max_prompt_tokens": cfg.max_prompt_tokens, "score": cfg.score,
             "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
                      "targets": list(LORA_TARGETS)},
-            "fp16": bool(cfg.fp16)}
+            "dtype": cfg.dtype}
 
 
-def build_lm(spec: dict, *, device=None):
-    """``(LMClassifier, LMPrompter)`` from an ``hf-lm`` encoder description (adapters freshly initialised)."""
+def build_lm(spec: dict, *, device=None, dtype=None):
+    """``(LMClassifier, LMPrompter)`` from an ``hf-lm`` encoder description (adapters freshly initialised).
+
+    ``device``: None = auto (CUDA when present). Base weights in ``dtype``, else the description's ``dtype``
+    (``auto``: bf16 on CUDA, fp32 on the CPU); descriptions written before ``dtype`` existed say ``fp16``."""
+    from core.infra.device import resolve_device, resolve_dtype
+
     from apps.ncal.hf_encoder import parse_hf_source
     from apps.ncal.llm import LMClassifier, LMPrompter, LoraSpec
 
@@ -62,11 +69,13 @@ def build_lm(spec: dict, *, device=None):
     lo = spec.get("lora") or {}
     lora = LoraSpec(r=lo.get("r", 8), alpha=lo.get("alpha", 32), dropout=lo.get("dropout", 0.1),
                     targets=tuple(lo.get("targets") or ())) if lo.get("r", 0) > 0 else None
-    dev = torch.device(device or "cpu")
-    dtype = torch.float16 if spec.get("fp16") and dev.type == "cuda" else torch.float32
+    dev = resolve_device(device)
+    if dtype is None:
+        dtype = spec.get("dtype") or ("float16" if spec.get("fp16") and dev.type == "cuda" else "auto")
+    dtype = resolve_dtype(dtype, dev)
     model = LMClassifier(path, prompter.label_ids, pad_id=prompter.pad_id, lora=lora, dtype=dtype,
                          score=spec.get("score", "sum"))
-    model.spec = spec
+    model.spec, model.base_dtype = spec, dtype
     return model.to(dev), prompter
 
 
@@ -93,8 +102,9 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     from apps.ncal.llm import pad
     from apps.ncal.train import _batches, class_stats, prepare_data
 
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    use_amp = bool(cfg.fp16) and device.type == "cuda"
+    from core.infra.device import resolve_device
+
+    device = resolve_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     train_ex, valid_ex, test_ex, classes, ds_name, valid_split = prepare_data(cfg, examples)
@@ -102,17 +112,27 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
 
     random.seed(cfg.seed); np.random.seed(cfg.seed); torch.manual_seed(cfg.seed)
     spec = lm_spec(cfg, classes, ds_name)
-    model, prompter = build_lm(spec, device=device)
+    dtype = cfg.dtype
+    if cfg.lora_r == 0:  # every weight trains: float32 master weights (half weights would lose the updates)
+        if cfg.dtype not in ("auto", "float32", "fp32"):
+            raise ValueError(f"full fine-tuning (lora_r 0) trains float32 weights; dtype {cfg.dtype!r} needs LoRA "
+                             "(--lora-r N) or --dtype float32")
+        dtype = "float32"
+    model, prompter = build_lm(spec, device=device, dtype=dtype)
+    base_dtype = model.base_dtype
+    use_amp = device.type == "cuda" and base_dtype in (torch.float16, torch.bfloat16)
     loss_fn = LongTailLoss(LossConfig(name=cfg.loss, tc_lambda=cfg.tc_lambda, bank_size=cfg.bank_size),
                            counts_K, model.feature_dim).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and base_dtype == torch.float16)
     prompts = [prompter.prompt_ids(e.text) for e in train_ex]
     y_all = torch.tensor([label_idx[e.label] for e in train_ex])
     n_micro = math.ceil(len(prompts) / cfg.batch_size)
     steps_per_epoch = math.ceil(n_micro / cfg.grad_accum)
     total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
     warm = max(1, int(round(cfg.warmup_frac * total)))
     tc_from = int(round(cfg.tc_start * total))
 
@@ -125,7 +145,9 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     if (out / "last.pt").exists():
         st = load_state(out / "last.pt")
         same = {k: v for k, v in settings.items() if k not in ("out", "device", "ckpt_every")}
-        old = {k: st["settings"].get(k) for k in same}
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        # settings added after a checkpoint was written count as their defaults
+        old = {k: st["settings"].get(k, defaults.get(k)) for k in same}
         if old != same:
             diff = {k: (old.get(k), v) for k, v in same.items() if old.get(k) != v}
             raise ValueError(f"{out}/last.pt was written with other settings (old, new): {diff}; use a new --out")
@@ -149,7 +171,7 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     def micro_loss(idx, tc_on: bool):
         b = pad_prompts([prompts[i] for i in idx])
         y_B = y_all[idx].to(device)
-        with torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
+        with torch.autocast("cuda", dtype=base_dtype, enabled=use_amp):
             w = loss_fn.cb_weight_K[y_B] if cfg.loss == "cb" else None
             task, feats = model.lm_loss(b["input_ids"], b["attention_mask"], y_B, weight_B=w)
         reg = None
@@ -176,6 +198,8 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
             model.train(); loss_fn.train()
             run_loss, run_reg, run_n, shares = 0.0, 0.0, 0, []
             for s in range(step % steps_per_epoch, steps_per_epoch):
+                if step >= total:  # --max-steps ends the run inside an epoch
+                    break
                 t0 = time.time()
                 tc_on = step >= tc_from
                 group = micro[s * cfg.grad_accum:(s + 1) * cfg.grad_accum]

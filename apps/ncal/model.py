@@ -148,9 +148,14 @@ def save_checkpoint(folder: str | Path, model: NCALModel, tokenizer, meta: dict)
 
 
 def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = None,
-                    base_model: str | os.PathLike | None = None) -> Checkpoint:
+                    base_model: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None) -> Checkpoint:
     """Load a checkpoint folder (module docs). ``FileNotFoundError`` names the missing file. ``base_model``: where
-    the base model of an adapter (``hf:`` encoder, ``--head lm``) is now, when not where ``ncal.json`` says."""
+    the base model of an adapter (``hf:`` encoder, ``--head lm``) is now, when not where ``ncal.json`` says.
+    ``device``: None = auto (CUDA when present); ``dtype``: an LLM adapter's base weights (None = auto: bf16 on
+    CUDA, fp32 on the CPU; the character encoder always runs in fp32)."""
+    from core.infra.device import resolve_device
+
+    device = resolve_device(device)
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no NCAL checkpoint folder at {folder}")
@@ -159,7 +164,7 @@ def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = N
     if meta["encoder"].get("kind") == "hf-lm":  # a decoder LLM that generates the class name (apps.ncal.llm)
         from apps.ncal.llm_train import build_lm
 
-        model, prompter = build_lm(meta["encoder"], device=device)
+        model, prompter = build_lm(meta["encoder"], device=device, dtype=dtype)
         sd = load_safetensors(folder / "model.safetensors", what="the NCAL weights written by apps.ncal.train")
         want = set(model.trainable_state())
         if set(sd) != want:
@@ -184,7 +189,7 @@ def load_checkpoint(folder: str | Path, *, device: torch.device | str | None = N
     bad = [k for k in missing if not k.startswith("encoder.")]
     if bad:
         raise ValueError(f"{folder}/model.safetensors lacks head weights: {bad}")
-    model.to(device or "cpu").eval()
+    model.to(device).eval()
     return Checkpoint(model=model, tokenizer=tok, meta=meta)
 
 

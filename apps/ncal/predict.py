@@ -23,23 +23,32 @@ from functools import lru_cache
 from pathlib import Path
 
 from core.infra.cli import InputTally, add_run_options, configure_run, run_cli
+from core.infra.device import add_device_options, device_from_args
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["build_parser", "main", "classify", "cached_checkpoint", "read_rows", "read_row_inputs"]
 
 
-@lru_cache(maxsize=4)
-def cached_checkpoint(name_or_path: str, base_model: str | None = None):
+def cached_checkpoint(name_or_path: str, base_model: str | None = None, *, device=None, dtype=None):
     """Load (once per process) a checkpoint by shipped name or folder (``base_model``: an adapter's base model
-    folder, when not where its ``ncal.json`` says)."""
+    folder, when not where its ``ncal.json`` says; ``device``/``dtype``: None = auto, :mod:`core.infra.device`)."""
+    from core.infra.device import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    return _load(name_or_path, base_model, str(dev), str(resolve_dtype(dtype, dev)).removeprefix("torch."))
+
+
+@lru_cache(maxsize=4)
+def _load(name_or_path: str, base_model: str | None, device: str, dtype: str):
     from apps.ncal.estimator import resolve_checkpoint
     from apps.ncal.model import load_checkpoint
 
-    return load_checkpoint(resolve_checkpoint(name_or_path), base_model=base_model)
+    return load_checkpoint(resolve_checkpoint(name_or_path), base_model=base_model, device=device, dtype=dtype)
 
 
-def classify(checkpoint: str, inputs, *, base_model: str | None = None) -> list[dict[str, float]]:
+def classify(checkpoint: str, inputs, *, base_model: str | None = None, device=None,
+             dtype=None) -> list[dict[str, float]]:
     """``[{class: probability}, ...]`` per input (classes in the checkpoint's order).
 
     ``inputs``: strings (model inputs, used as they are) and/or rows of the model's training layout as dicts (or a
@@ -48,7 +57,7 @@ def classify(checkpoint: str, inputs, *, base_model: str | None = None) -> list[
     from apps.ncal.inputs import model_inputs, row_layout
     from apps.ncal.model import infer
 
-    ckpt = cached_checkpoint(str(checkpoint), base_model)
+    ckpt = cached_checkpoint(str(checkpoint), base_model, device=device, dtype=dtype)
     texts = model_inputs(inputs, layout=row_layout(ckpt.meta), context=ckpt.meta.get("context", "past"))
     probs, _ = infer(ckpt.model, ckpt.tokenizer, texts)
     return [{c: float(p) for c, p in zip(ckpt.classes, row)} for row in probs.tolist()]
@@ -66,7 +75,7 @@ def read_rows(checkpoint: str, path: str, *, base_model: str | None = None) -> l
     return out
 
 
-def read_row_inputs(checkpoint: str, path: str, *, base_model: str | None = None,
+def read_row_inputs(checkpoint: str, path: str, *, base_model: str | None = None, device=None, dtype=None,
                     ) -> list[tuple[str, str | None, ValueError | None]]:
     """``(where, model input, None)`` per row of a JSONL file, or ``(where, None, error)`` for a row that cannot be
     read (not UTF-8, not a JSON object, a missing field); ``where`` is ``"<file> line <n>"``, blank lines are
@@ -74,7 +83,7 @@ def read_row_inputs(checkpoint: str, path: str, *, base_model: str | None = None
     from apps.ncal.data import format_record
     from apps.ncal.inputs import accepted, row_layout
 
-    meta = cached_checkpoint(str(checkpoint), base_model).meta
+    meta = cached_checkpoint(str(checkpoint), base_model, device=device, dtype=dtype).meta
     layout = row_layout(meta)
     if layout is None:
         raise ValueError(f"checkpoint {checkpoint!r} was fitted on texts and records no row layout; give --text "
@@ -130,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--previous", default=None, help="the previous dialogue turn (PMTD context)")
     p.add_argument("--previous-speaker", default=None, choices=("teacher", "student"))
     p.add_argument("--json", action="store_true", help="print JSON")
+    add_device_options(p)
     add_run_options(p, threads=False, log_level="WARNING")
     return p
 
@@ -137,17 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    device, dtype = device_from_args(args)  # a missing GPU is one line before any work
     configure_run(args)
     from apps.ncal.data import format_turn
     from apps.ncal.inputs import row_layout
 
     base = str(args.base_model) if args.base_model else None
-    layout = row_layout(cached_checkpoint(str(args.checkpoint), base).meta)  # an unknown checkpoint is refused first
+    layout = row_layout(cached_checkpoint(str(args.checkpoint), base, device=device, dtype=dtype).meta)  # an unknown checkpoint is refused first
     if args.rows is not None:
         if args.speaker or args.previous or args.previous_speaker:
             parser.error("--speaker/--previous/--previous-speaker apply to --text; a row carries its own context")
         tally = InputTally("row")
-        items = read_row_inputs(args.checkpoint, args.rows, base_model=base)
+        items = read_row_inputs(args.checkpoint, args.rows, base_model=base, device=device, dtype=dtype)
     else:
         tally = InputTally("text")
         items = []
@@ -165,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err is not None:
             tally.fail(where, err, accepted=what)
     texts = [t for _, t, err in items if err is None]
-    probs = iter(classify(args.checkpoint, texts, base_model=base) if texts else [])
+    probs = iter(classify(args.checkpoint, texts, base_model=base, device=device, dtype=dtype) if texts else [])
     out = [next(probs) if err is None else None for _, _, err in items]
     if args.json:
         print(json.dumps(out, ensure_ascii=False))

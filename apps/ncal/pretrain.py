@@ -33,6 +33,7 @@ from apps.ncal.tokenizer import CharTokenizer
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
 from core.infra.cli import (add_run_options, configure_run, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli)
+from core.infra.device import add_device_options, resolve_device
 from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (after a checkpoint) past this wall time in this call")
     p.add_argument("--ckpt-every", type=positive_int, default=200, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    add_device_options(p, dtype=False)
     p.add_argument("--limit-texts", type=positive_int, default=None, help="use only the first N texts (tests)")
     add_run_options(p)
     return p
@@ -141,11 +142,11 @@ def _val_loss(enc, head, tok, texts, device, gen) -> float:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)  # a missing GPU is one line before any work
     check_outputs([("--out", args.out)])
     configure_run(args)
     from tqdm.auto import tqdm
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts = pretrain_texts()

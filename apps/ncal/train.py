@@ -61,6 +61,7 @@ from apps.ncal.weights_io import load_state, save_state
 from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli)
 from core.infra.distributed import finish
+from core.infra.device import add_device_options, device_from_args, resolve_device
 from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
@@ -98,13 +99,14 @@ class TrainConfig:
     valid_frac: float = 0.0  # stratified share of train held out for validation (0 = none; fixed split seed)
     ckpt_every: int = 200  # steps between full-state checkpoints (also at every epoch end)
     nc_train_sample: int = 1024  # train examples whose features give the train NC1/NC2 each epoch
-    device: str | None = None  # default: cuda if available
+    device: str | None = None  # None/"auto": CUDA when present (core.infra.device)
+    max_steps: int | None = None  # stop after this many optimizer steps (a smoke run; the schedule spans them)
     # the LLM recipe (head "lm": the class name generated as text by a local decoder LLM, apps.ncal.llm)
     head: str = "auto"  # "auto" (linear head; the fixed ETF for the etf loss) or "lm" (needs an hf: encoder)
     grad_accum: int = 1  # micro-batches per optimizer step (lm head)
     lora_alpha: int = 32  # LoRA α (lm head; LoRA rank: lora_r)
     lora_dropout: float = 0.1  # LoRA dropout (lm head)
-    fp16: bool = False  # lm head on CUDA: fp16 base weights + autocast + loss scaling (adapters stay fp32)
+    dtype: str = "auto"  # lm head base weights: auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16
     instruction: str | None = None  # lm head: the prompt's instruction (None: the dataset's default)
     max_prompt_tokens: int = 2048  # lm head: prompt cut-off (the text's end is cut)
     score: str = "sum"  # lm head: class score = sum (or mean) of the class name's token log-probabilities
@@ -131,6 +133,8 @@ class TrainConfig:
                              f"{self.max_prompt_tokens}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or None for every epoch), got {self.max_steps!r}")
         if not 0.0 <= self.tc_start < 1.0:
             raise ValueError(f"tc_start must be in [0, 1) (a share of the training steps), got {self.tc_start!r}")
         if self.grad_share_every < 0:
@@ -261,7 +265,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(cfg.device)
     if world > 1:
         import torch.distributed as dist
 
@@ -291,6 +295,8 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     n_batches = math.ceil(len(texts) / cfg.batch_size)
     steps_per_epoch = math.ceil(n_batches / world)
     total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
     warm = max(1, int(cfg.warmup_frac * total))
     tc_from = int(round(cfg.tc_start * total))  # first step whose loss has the TC term
 
@@ -343,6 +349,8 @@ def train(cfg: TrainConfig, *, progress: bool = True,
             model.train(); loss_fn.train()
             run_loss, run_n, run_tc, shares = 0.0, 0, 0.0, []
             for bi in range(step % steps_per_epoch, steps_per_epoch):
+                if step >= total:  # --max-steps ends the run inside an epoch
+                    break
                 t0 = time.time()
                 idx = batches[bi % len(batches)]
                 b = tok.batch([texts[i] for i in idx], device=device)
@@ -445,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, help="lm head: micro-batches per step")
     p.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha, help="lm head: LoRA alpha")
     p.add_argument("--lora-dropout", type=_share_before_end, default=d.lora_dropout, help="lm head: LoRA dropout")
-    p.add_argument("--fp16", action="store_true", help="lm head on CUDA: fp16 weights, autocast and loss scaling")
+    p.add_argument("--fp16", action="store_true", help="lm head: the same as --dtype float16 (loss scaling on CUDA)")
     p.add_argument("--instruction", default=None, help="lm head: the prompt's instruction (default: the dataset's)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=d.max_prompt_tokens, help="lm head: prompt cut-off")
     p.add_argument("--score", default=d.score, choices=("sum", "mean"),
@@ -459,13 +467,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-frac", type=fraction, default=d.valid_frac,
                    help="stratified share of train held out for validation (0 = none; same split for every seed)")
     p.add_argument("--ckpt-every", type=positive_int, default=d.ckpt_every)
-    p.add_argument("--device", default=None)
+    p.add_argument("--max-steps", type=positive_int, default=None,
+                   help="stop after N optimizer steps, evaluate and save (a smoke run; default: every epoch)")
+    add_device_options(p)
     add_run_options(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    device, _ = device_from_args(args)  # a missing GPU is one line before any work
     check_outputs([("--out", args.out)], inputs=[args.dataset, args.test, args.encoder])
     configure_run(args)
     cfg = TrainConfig(dataset=args.dataset, out=args.out, test=args.test, loss=args.loss, seed=args.seed,
@@ -473,9 +484,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       grad_share_every=args.grad_share_every, encoder=args.encoder,
                       lora_r=args.lora_r if args.lora_r is not None else (8 if args.head == "lm" else 0),
                       pool=args.pool, context=args.context, epochs=args.epochs, batch_size=args.batch_size,
-                      lr=args.lr, valid_frac=args.valid_frac, ckpt_every=args.ckpt_every, device=args.device,
+                      lr=args.lr, valid_frac=args.valid_frac, ckpt_every=args.ckpt_every, device=str(device),
                       head=args.head, grad_accum=args.grad_accum, lora_alpha=args.lora_alpha,
-                      lora_dropout=args.lora_dropout, fp16=args.fp16, instruction=args.instruction,
+                      lora_dropout=args.lora_dropout, dtype="float16" if args.fp16 else args.dtype,
+                      instruction=args.instruction, max_steps=args.max_steps,
                       max_prompt_tokens=args.max_prompt_tokens, score=args.score, warmup_frac=args.warmup_frac)
     meta = train(cfg)
     finish()  # under torchrun: every rank waits for rank 0's evaluation, then the group is torn down

@@ -20,11 +20,14 @@ __all__ = ["setup", "agreed_stop", "finish"]
 
 
 def setup(device_arg: str | None = None) -> tuple[int, int, torch.device]:
-    """``(rank, world, device)``: ``device_arg`` or CUDA when available; under ``torchrun`` each rank takes the
-    CUDA device of its ``LOCAL_RANK`` and the process group is initialised."""
+    """``(rank, world, device)``: ``device_arg`` (None or ``"auto"``: CUDA when available; a device this machine
+    lacks is a one-line ``UsageError``, :func:`core.infra.device.resolve_device`); under ``torchrun`` each rank
+    takes the CUDA device of its ``LOCAL_RANK`` and the process group is initialised."""
+    from core.infra.device import resolve_device
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = torch.device(device_arg) if device_arg else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device_arg)
     if world > 1:
         import torch.distributed as dist
 

@@ -3,8 +3,9 @@
 Fine-tunes the model in ``DIR`` (a local folder: ``config.json``, weights, a tokenizer, ideally with a chat
 template; nothing is downloaded) to generate the class name, with the published settings: LoRA r = 8, α = 32,
 dropout 0.1 on q/k/v/o, 5 epochs, batch 8 × gradient accumulation 4, lr 2e-4, linear warm-up over 5% of the
-steps then linear decay, fp16 on CUDA, TC (λ = 0.1) on the last real prompt token's hidden state. Prediction is
-constrained to the class set (:mod:`apps.ncal.llm`). Writes an ``apps.ncal.train`` run folder (resumable, test
+steps then linear decay, TC (λ = 0.1) on the last real prompt token's hidden state. The release trains in fp16 on
+CUDA; here ``--dtype auto`` is bf16 on CUDA and fp32 on the CPU (``--dtype float16`` for the release's). Prediction
+is constrained to the class set (:mod:`apps.ncal.llm`). Writes an ``apps.ncal.train`` run folder (resumable, test
 metrics per epoch in ``metrics.jsonl``) that ``apps.ncal.evaluate`` / ``predict`` / ``NCALClassifier`` load.
 
 ``--limit-train N`` / ``--limit-test N`` (a fixed random sample) and ``--epochs`` shrink a run for a smoke test.
@@ -24,6 +25,7 @@ from pathlib import Path
 from apps.ncal.data import CONTEXTS
 from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float,
                             nonnegative_int, positive_float, positive_int, run_cli, seed_int)
+from core.infra.device import add_device_options, device_from_args
 from core.infra.guard import check_outputs
 
 logger = logging.getLogger(__name__)
@@ -59,22 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=positive_int, default=r["lora_alpha"])
     p.add_argument("--lora-dropout", type=fraction, default=r["lora_dropout"])
     p.add_argument("--max-prompt-tokens", type=positive_int, default=r["max_prompt_tokens"])
-    p.add_argument("--fp16", default="auto", choices=("auto", "on", "off"), help="auto: on with CUDA")
     p.add_argument("--context", default="past", choices=CONTEXTS, help="PMTD context")
     p.add_argument("--valid-frac", type=fraction, default=0.0, help="stratified hold-out of train (0: none)")
     p.add_argument("--limit-train", type=positive_int, default=None, help="train on a fixed sample of N items (smoke runs)")
     p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on a fixed sample of N test items")
     p.add_argument("--ckpt-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
-    p.add_argument("--device", default=None)
+    p.add_argument("--max-steps", type=positive_int, default=None, help="stop after N optimizer steps (smoke runs)")
+    add_device_options(p)
     add_run_options(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    device, _ = device_from_args(args)  # a missing GPU is one line before any work
     configure_run(args)
-    import torch
-
     from apps.ncal.data import load_split
     from apps.ncal.train import TrainConfig, train
     from core.hf import check_model_folder
@@ -83,8 +84,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model_dir, _ = check_model_folder(args.model)  # a bad folder is refused before anything is written
     if args.valid_frac >= 1:
         raise ValueError(f"--valid-frac must be below 1, got {args.valid_frac}")
-    cuda = torch.cuda.is_available() and (args.device is None or str(args.device).startswith("cuda"))
-    fp16 = args.fp16 == "on" or (args.fp16 == "auto" and cuda)
     out = Path(args.out or f"runs/ncal_llm/{args.dataset}_{args.loss}_{args.seed}")
     recipe = {"model": str(model_dir.resolve()), "limit_train": args.limit_train, "limit_test": args.limit_test}
     if (out / "recipe.json").is_file() and json.loads((out / "recipe.json").read_text(encoding="utf-8")) != recipe:
@@ -92,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cfg = TrainConfig(dataset=args.dataset, out=str(out), loss=args.loss, tc_lambda=args.tc_lambda, seed=args.seed,
                       encoder=f"hf:{model_dir}", head="lm", lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                       lora_dropout=args.lora_dropout, epochs=args.epochs, batch_size=args.batch_size,
-                      grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, fp16=fp16,
+                      grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, dtype=args.dtype,
                       max_prompt_tokens=args.max_prompt_tokens, context=args.context, valid_frac=args.valid_frac,
-                      ckpt_every=args.ckpt_every, device=args.device)
+                      ckpt_every=args.ckpt_every, device=str(device),
+                      max_steps=args.max_steps)
     tr, classes = load_split(args.dataset, "train", context=args.context)
     te, _ = load_split(args.dataset, "test", context=args.context)
     tr, te = _sample(tr, args.limit_train, 0), _sample(te, args.limit_test, 1)
