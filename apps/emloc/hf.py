@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,37 +44,23 @@ import torch
 from apps.emloc.hf_inputs import (
     DEFAULT_PROMPT,
     Piece,
-    demo_pieces,
     answer_ids,
+    demo_pieces,
     embed,
     load_image,
     positions,
     query_piece,
+    suffix_pieces,
 )
-from core.kv_compress import POLICIES, Observation, js_divergence
-from core.kv_observe import _pool, _topk_slots
+from apps.emloc.hf_search import PRESETS, HFChunkReport, SearchConfig, _crop, _forward, emloc_chunk, suffix_logits
+from core.kv_compress import POLICIES, Observation
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compress_hf", "HFContext", "HF_MEMORY_FORMAT", "HFChunkReport", "suffix_logits"]
+__all__ = ["compress_hf", "HFContext", "HF_MEMORY_FORMAT", "HFChunkReport", "SearchConfig", "PRESETS", "suffix_logits"]
 
 HF_MEMORY_FORMAT = "longctx.emloc.hf-memory.v1"
 REFERENCE_CHUNK_DEMOS = 4  # the reference's demonstrations per chunk (20 on ImageNet)
-
-
-@dataclass
-class HFChunkReport:
-    """What EMLoC did to one chunk: ``num_tokens``; per layer the accepted ratio (1.0 = whole), the JS divergence
-    in force after that layer's decision and the chunk tokens kept per KV head; the memory length per layer before
-    the chunk; ``offset`` (the chunk's first position) and ``next_position`` (its maximum + 1)."""
-
-    num_tokens: int
-    ratios: list[float] = field(default_factory=list)
-    js: list[float] = field(default_factory=list)
-    kept: list[int] = field(default_factory=list)
-    memory: list[int] = field(default_factory=list)
-    offset: int = 0
-    next_position: int = 0
 
 
 def _ensure_longctx(model) -> None:
@@ -86,112 +71,6 @@ def _ensure_longctx(model) -> None:
         register()
         logger.info("emloc: switching %s to attn_implementation='longctx'", type(model).__name__)
         model.set_attn_implementation("longctx")
-
-
-def _forward(model, embeds: torch.Tensor, pos: torch.Tensor, cache):
-    from core.hf.positions import prefill
-
-    return prefill(model, inputs_embeds=embeds, position_ids=pos.to(embeds.device), cache=cache)
-
-
-def _crop(cache, n: int) -> None:
-    for layer in cache.layers:
-        layer.crop(-n)
-
-
-@torch.no_grad()
-def suffix_logits(model, cache, suffixes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], offset: int, *,
-                  record=None) -> torch.Tensor:
-    """Logits ``(N, vocab)`` at the observed positions of each suffix ``(embeds (1, S, D), own positions, observe
-    (S,))`` encoded on its own after ``cache`` at positions ``offset + own``; the cache is left as it was.
-    ``record``: an open :func:`core.hf.probe` (its attention lists get one entry per suffix)."""
-    out = []
-    for emb, pos, obs in suffixes:
-        o = _forward(model, emb, pos + offset, cache)
-        _crop(cache, emb.shape[1])
-        out.append(o.logits[0, obs.to(o.logits.device)].float())
-    return torch.cat(out)
-
-
-def _js(p: torch.Tensor, q: torch.Tensor) -> float:
-    return float(js_divergence(p, q).mean())
-
-
-def _importance(rec, L: int, H: int, mem: list[int], n: int, suffixes) -> list[torch.Tensor]:
-    """Per layer ``(1, H_kv, n)``: attention of the suffixes' observed positions to the chunk's tokens."""
-    out = []
-    for l in range(L):
-        total = None
-        for a, (_, _, obs) in zip(rec.attention[l], suffixes):
-            p = a[0][:, obs.to(a.device)]  # (H_q, n_obs, S_k)
-            m = mem[l]
-            chunk = p[..., m : m + n] / p[..., m:].sum(-1, keepdim=True).clamp_min(1e-30)  # memory left out
-            s = chunk.sum(1)  # (H_q, n)
-            s = s.view(H, -1, n).sum(1)  # (H_kv, n): the head's query group
-            total = s if total is None else total + s
-        out.append(total[None])
-    return out
-
-
-def _specs(full, mem: list[int], n: int, chunk_keep: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """prune_cache specs: the memory whole, the chunk's kept tokens per head (or all)."""
-    specs = []
-    for (layer, m, keep) in zip(full.layers, mem, chunk_keep):
-        S = layer.keys.shape[2]
-        if keep is None:
-            specs.append(torch.arange(S))
-            continue
-        B, H = keep.shape[:2]
-        prior = torch.arange(m, device=keep.device)[None, None].expand(B, H, m)
-        specs.append(torch.cat([prior, keep + m], dim=-1))
-    return specs
-
-
-@torch.no_grad()
-def _emloc_chunk(model, memory, chunk: list[Piece], offset: int, *, delta: float, ratios: Sequence[float],
-                 smooth_kernel: int, embeds: list[torch.Tensor], own_pos: list[torch.Tensor]):
-    """Prefill one chunk after ``memory``, search per-layer keep ratios under the JS bound; the new memory and a report."""
-    from core.hf.cache import prune_cache
-    from core.hf.probes import probe
-
-    n = sum(p.input_ids.numel() for p in chunk)
-    answer = torch.cat([p.answer for p in chunk])
-    parts, nxt = [], offset  # each piece continues after the previous one's maximum position
-    for pp in own_pos:
-        parts.append(pp + nxt)
-        nxt = int((pp + nxt).max()) + 1
-    pos = torch.cat(parts, dim=-1)
-    emb = torch.cat(embeds, dim=1)
-    mem = [0] * len(model_layers(model)) if memory is None else [l.keys.shape[2] for l in memory.layers]
-    full = _forward(model, emb, pos, memory).past_key_values
-    L = len(full.layers)
-    H = full.layers[0].keys.shape[1]
-    suffixes = [(e, pp, p.observe) for e, pp, p in zip(embeds, own_pos, chunk)]
-    with probe(model, layers=list(range(L)), last_queries=None, hidden=False) as rec:
-        base = suffix_logits(model, full, suffixes, nxt, record=rec)
-    imp = _importance(rec, L, H, mem, n, suffixes)
-    del rec
-    n_ans = int(answer.sum())
-    chunk_keep: list[torch.Tensor | None] = [None] * L
-    report = HFChunkReport(num_tokens=n, ratios=[1.0] * L, js=[0.0] * L, kept=[n] * L, memory=mem, offset=offset,
-                           next_position=nxt)
-    current = 0.0
-    for l in reversed(range(L)):
-        score = _pool(imp[l], smooth_kernel, "avg").masked_fill(answer[None, None].to(imp[l].device), float("inf"))
-        vis = torch.ones_like(score, dtype=torch.bool)
-        for r in sorted(ratios):
-            k = max(n_ans, int(r * n))
-            if k >= n:
-                break
-            cand = _topk_slots(score, vis, k)
-            trial = list(chunk_keep)
-            trial[l] = cand
-            js = _js(base, suffix_logits(model, prune_cache(full, _specs(full, mem, n, trial)), suffixes, nxt))
-            if js <= delta:
-                chunk_keep, report.ratios[l], report.kept[l], current = trial, r, k, js
-                break
-        report.js[l] = current
-    return prune_cache(full, _specs(full, mem, n, chunk_keep)), report
 
 
 def model_layers(model) -> torch.nn.ModuleList:
@@ -220,6 +99,20 @@ class _CacheView:
         self.batch_size = self.layers[0].k.shape[0]
 
 
+class _Received:
+    """Probe reducer for the budgeted policies: per layer, the attention each key receives from the chosen query
+    rows (all for H2O, the last ``window`` for SnapKV / PyramidKV / FastV), summed as the policies sum it and kept
+    as ``(B, H_q, 1, S)``: one layer's scores at a time, never the ``S × S`` matrix of every layer."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows, self.out = rows, {}
+
+    def __call__(self, layer, query, key, pattern):
+        from core.hf.probes import received_attention
+
+        self.out[layer] = received_attention(query, key, rows=self.rows, **pattern)[:, :, None]
+
+
 def _budgeted(model, pieces: list[Piece], embeds, own_pos, policy: str, keep: float, window: int, seed: int,
               protect: bool):
     """One prefill of every demonstration, then ``policy`` at ``keep`` of the tokens per layer and KV head."""
@@ -233,29 +126,31 @@ def _budgeted(model, pieces: list[Piece], embeds, own_pos, policy: str, keep: fl
     pos, emb = torch.cat(parts, dim=-1), torch.cat(embeds, dim=1)
     S = emb.shape[1]
     if policy == "full":
-        return _forward(model, emb, pos, None).past_key_values, nxt, {}
+        return _forward(model, emb, pos, None, logits_to_keep=1).past_key_values, nxt, {}
     budget = int(round(keep * S))
     if budget < 1:
         raise ValueError(f"a budget of zero tokens: keep={keep} of {S} demonstration tokens rounds to 0")
     w = min(window, budget, S)
     L = len(model_layers(model))
-    needs_probe = policy in ("h2o", "snapkv", "pyramidkv", "fastv")
-    if needs_probe:
-        with probe(model, layers=list(range(L)), last_queries=None if policy == "h2o" else w, hidden=False) as rec:
-            cache = _forward(model, emb, pos, None).past_key_values
-        atts = [rec.attention[l][0] for l in range(L)]
-    else:
-        cache, atts = _forward(model, emb, pos, None).past_key_values, None
     qi = torch.arange(S) if policy == "h2o" else torch.arange(S - w, S)
+    if policy in ("h2o", "snapkv", "pyramidkv", "fastv"):
+        red = _Received(qi)
+        with probe(model, layers=list(range(L)), hidden=False, reduce=red):
+            cache = _forward(model, emb, pos, None, logits_to_keep=1).past_key_values
+        atts = [red.out[l] for l in range(L)]
+        del red
+    else:
+        cache, atts = _forward(model, emb, pos, None, logits_to_keep=1).past_key_values, None
     image = torch.cat([p.image for p in pieces])[None]
     obs = Observation(attentions=atts, query_index=qi, num_new=S, image_mask=image,
-                      protect=torch.cat([p.answer for p in pieces])[None] if protect else None)
+                      protect=torch.cat([p.observe for p in pieces])[None] if protect else None)
     opts = {}
     if policy == "random":
         opts["generator"] = torch.Generator().manual_seed(seed)
     if policy == "fastv":
         opts["k_layer"] = min(2, L - 1)
     idx = POLICIES[policy](_CacheView(cache), budget, obs, **opts)
+    del atts, obs
     specs = [torch.arange(l.keys.shape[2]) if i is None else i for l, i in zip(cache.layers, idx)]
     return prune_cache(cache, specs), nxt, {"keep": float(keep), "budget": budget, "window": w}
 
@@ -278,6 +173,13 @@ def _check_sizes(images, image_size, what: str) -> tuple[int, int]:
     return size
 
 
+def _search_config(preset: str, **overrides) -> SearchConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    opts = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    return SearchConfig(**opts)
+
+
 @torch.no_grad()
 def compress_hf(
     model,
@@ -295,7 +197,11 @@ def compress_hf(
     protect_answers: bool = False,
     image_size: tuple[int, int] | None = None,
     smooth_kernel: int = 5,
+    preset: str = "default",
+    precision: str | None = None,
+    always_keep: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    progress_bar: bool = False,
 ) -> HFContext:
     """Compress ``(image, label text)`` demonstrations for a transformers VLM into an :class:`HFContext`.
 
@@ -309,9 +215,13 @@ def compress_hf(
         policy: ``"emloc"``, ``"full"`` or a budgeted policy of :data:`core.kv_compress.POLICIES` (needs ``keep``).
         keep: for budgeted policies, the fraction of tokens kept per layer and KV head, in (0, 1].
         window: SnapKV/PyramidKV/FastV observation window (last tokens).
-        seed: for ``random``. protect_answers: budgeted policies keep the answer tokens first (as EMLoC does).
+        seed: for ``random``. protect_answers: budgeted policies keep the answer spans first (as EMLoC does).
         image_size: ``(width, height)`` every image is resized to; None: all must share the first one's size.
+        smooth_kernel: EMLoC's pooling width.
+        preset: ``"default"`` or ``"reference"`` (the reference's numerics; :data:`apps.emloc.hf_search.PRESETS`).
+        precision, always_keep: override the preset's switch (:class:`apps.emloc.hf_search.SearchConfig`).
         progress: called with ``(chunks_done, chunks_total)``.
+        progress_bar: tqdm bars over chunks and, inside each chunk, layers.
     """
     from core.hf.loading import Loaded
 
@@ -328,13 +238,12 @@ def compress_hf(
     for i, p in enumerate(pairs):
         if not (isinstance(p, (tuple, list)) and len(p) == 2) or p[1] is None:
             raise ValueError(f"demonstration {i} is not an (image, label text) pair")
+    cfg = None
     if policy == "emloc":
-        if not (isinstance(delta, (int, float)) and delta > 0 and math.isfinite(delta)):
-            raise ValueError(f"delta must be a number > 0 (JS divergence in nats, e.g. 0.005), got {delta!r}")
+        cfg = _search_config(preset, delta=delta, ratios=tuple(ratios) if ratios else ratios,
+                             smooth_kernel=smooth_kernel, precision=precision, always_keep=always_keep)
         if not (isinstance(chunk_demos, int) and chunk_demos >= 1):
             raise ValueError(f"chunk_demos must be a positive int, got {chunk_demos!r}")
-        if not ratios or any(not 0 < r < 1 for r in ratios):
-            raise ValueError(f"ratios must be numbers in (0, 1), got {ratios!r}")
     elif policy != "full" and (keep is None or not (isinstance(keep, (int, float)) and 0 < keep <= 1)):
         raise ValueError(f"policy {policy!r} needs keep, the fraction of tokens kept, in (0, 1]; got {keep!r}")
     images = _load_all([p[0] for p in pairs], "demonstration", image_size)
@@ -349,20 +258,30 @@ def compress_hf(
     settings = {"policy": policy, "prompt": prompt, "image_size": list(size), "resize": image_size is not None}
     reports: list[HFChunkReport] = []
     if policy == "emloc":
+        first = suffix_pieces(model, processor, images[:1], labels[:1], prompt)[0]  # without the template's header
+        suffixes = [(embed(model, first), positions(model, first), first.observe)]
+        suffixes += [(e, pp, p.observe) for e, pp, p in zip(embeds[1:], own_pos[1:], pieces[1:])]
+        L = len(model_layers(model))
         memory, offset = None, 0
         starts = list(range(0, len(pieces), chunk_demos))
+        bar = _bar(progress_bar, len(starts), "emloc chunks")
         for c, s in enumerate(starts):
             sl = slice(s, s + chunk_demos)
-            memory, rep = _emloc_chunk(model, memory, pieces[sl], offset, delta=float(delta), ratios=ratios,
-                                       smooth_kernel=smooth_kernel, embeds=embeds[sl], own_pos=own_pos[sl])
+            keep_mask = torch.cat([p.observe for p in pieces[sl]])
+            with _bar(progress_bar, L, f"chunk {c + 1} layers", leave=False) as layers_bar:
+                memory, rep = emloc_chunk(model, memory, embeds[sl], own_pos[sl], keep_mask, suffixes[sl], offset, cfg,
+                                          num_layers=L, progress=layers_bar)  # fmt: skip
             offset = rep.next_position
             reports.append(rep)
             logger.debug("emloc chunk %d: ratios %s js %s", c, rep.ratios, rep.js)
+            bar.update(1)
             if progress is not None:
                 progress(c + 1, len(starts))
+        bar.close()
         cache, nxt = memory, offset
-        settings.update(delta=float(delta), ratios=sorted(float(r) for r in ratios), chunk_demos=chunk_demos,
-                        observers="suffix", smooth_kernel=smooth_kernel)
+        settings.update(delta=float(cfg.delta), ratios=list(cfg.ratios), chunk_demos=chunk_demos, observers="suffix",
+                        smooth_kernel=cfg.smooth_kernel, preset=preset, precision=cfg.precision,
+                        always_keep=cfg.always_keep)  # fmt: skip
     else:
         cache, nxt, extra = _budgeted(model, pieces, embeds, own_pos, policy, keep, window, seed, protect_answers)
         settings.update(extra, protect_answers=bool(protect_answers) if policy != "full" else False)
@@ -370,6 +289,13 @@ def compress_hf(
             progress(1, 1)
     return HFContext(model=model, processor=processor, cache=cache, next_position=nxt, num_tokens=n_tok,
                      labels=sorted(set(labels)), settings=settings, reports=reports)
+
+
+def _bar(enabled: bool, total: int, desc: str, leave: bool = True):
+    """A tqdm bar (or a no-op with the same face when ``enabled`` is False)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=leave, disable=not enabled)
 
 
 @dataclass
@@ -463,7 +389,7 @@ class HFContext:
         from core.hf.cache import save_cache
 
         meta = {"emloc_format": HF_MEMORY_FORMAT, "settings": self.settings, "next_position": self.next_position,
-                "num_tokens": self.num_tokens, "labels": self.labels, "reports": [r.__dict__ for r in self.reports]}
+                "num_tokens": self.num_tokens, "labels": self.labels, "reports": [r.to_json() for r in self.reports]}
         save_cache(self.cache, path, self.model, metadata=meta)
 
     @classmethod

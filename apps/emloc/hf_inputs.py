@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PROMPT", "Piece", "load_image", "demo_pieces", "query_piece", "answer_ids", "embed", "positions",
+__all__ = ["DEFAULT_PROMPT", "Piece", "load_image", "demo_pieces", "suffix_pieces", "query_piece", "answer_ids", "embed", "positions",
            "language_model"]
 
 #: The question of every demonstration and query unless another is given.
@@ -41,9 +41,11 @@ class Piece:
 
     Attributes:
         input_ids: ``(S,)`` token ids.
-        answer: bool ``(S,)``, True = a label token (always kept; empty for a query).
-        observe: bool ``(S,)``, True = a position whose output the JS bound protects: the token before the label
-            (it predicts the label's first token) and every label token.
+        answer: bool ``(S,)``, True = a label token (empty for a query).
+        observe: bool ``(S,)``, True = the answer span, as the reference marks it: the token before the label (it
+            predicts the label's first token), every label token and the first token after the label (the
+            template's end of turn, ``<|im_end|>`` for Qwen2-VL). EMLoC always keeps these tokens, and the JS bound
+            protects the outputs at these positions.
         image: bool ``(S,)``, True = an image placeholder token.
         mm: the processor's image inputs for this piece (``pixel_values``, ``image_grid_thw``, ...).
         label: the label text ('' for a query).
@@ -157,8 +159,19 @@ def demo_pieces(model, processor, images: list, labels: list[str], prompt: str =
         answer[nb : nb + nl] = True
         observe = answer.clone()
         observe[nb - 1] = True
+        if ids_a.numel():
+            observe[nb + nl] = True  # the end of the turn after the label
         pieces.append(Piece(input_ids=ids, answer=answer, observe=observe, image=ids == img_id, mm=mm, label=label))
     return pieces
+
+
+def suffix_pieces(model, processor, images: list, labels: list[str], prompt: str = DEFAULT_PROMPT) -> list[Piece]:
+    """Each demonstration on its own as it follows other turns: without the template's header (the reference
+    re-encodes every demonstration of a chunk this way, the first one too, to observe the chunk)."""
+    out = []
+    for img, label in zip(images, labels):
+        out.append(demo_pieces(model, processor, [img, img], [label, label], prompt)[1])
+    return out
 
 
 def query_piece(model, processor, image, first_label: str, prompt: str = DEFAULT_PROMPT) -> Piece:

@@ -7,6 +7,11 @@ the block is open, the softmax attention probabilities of the last ``last_querie
 bias and soft cap the ``"longctx"`` attention function used, for the selected queries only: ``O(n · S_k)`` memory
 per layer, never the full score matrix.
 
+``probe(model, layers=..., reduce=fn)`` stores nothing: each attention call of a chosen layer hands ``fn(layer,
+query, key, pattern)`` the call's rotated ``(B, H_q, S_q, D)`` queries and ``(B, H_kv, S_k, D)`` keys and the mask
+``pattern`` (the keyword arguments of :func:`attention_probabilities`), so a caller reduces as it goes (one layer,
+one call at a time) and keeps only what it needs, e.g. :func:`received_attention`.
+
 Off (no open probe) costs one truth test of a list per attention call and no hooks: forward hooks exist only
 inside the ``with`` block.
 """
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["probe", "ProbeRecord", "active", "record"]
+__all__ = ["probe", "ProbeRecord", "active", "record", "attention_probabilities", "received_attention"]
 
 _ACTIVE: list[ProbeRecord] = []
 
@@ -29,6 +34,7 @@ class ProbeRecord:
     """What an open :func:`probe` collected: per layer index, one entry per forward call."""
 
     last_queries: int | None
+    reduce: object = None  # fn(layer, query, key, pattern) called instead of storing probabilities
     attention: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
     hidden: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
     _modules: dict[int, int] = field(default_factory=dict)  # id(attention module) -> layer index
@@ -80,7 +86,10 @@ def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, **pa
     """Called by the attention function for every attention call while a probe is open."""
     for rec in _ACTIVE:
         layer = rec._modules.get(id(module))
-        if layer is not None:
+        if layer is not None and rec.reduce is not None:
+            with torch.no_grad():
+                rec.reduce(layer, query.detach(), key.detach(), pattern)
+        elif layer is not None:
             with torch.no_grad():
                 probs = attention_probabilities(query.detach(), key.detach(), last_queries=rec.last_queries,
                                                 **pattern)  # fmt: skip
@@ -101,7 +110,7 @@ def _attention_module(layer: torch.nn.Module) -> torch.nn.Module:
 
 @contextmanager
 def probe(model: torch.nn.Module, layers, *, last_queries: int | None = None, attention: bool = True,
-          hidden: bool = True):  # fmt: skip
+          hidden: bool = True, reduce=None):  # fmt: skip
     """Record attention probabilities (needs ``attn_implementation="longctx"``) and/or hidden states of the chosen
     decoder layers while the block is open.
 
@@ -110,6 +119,8 @@ def probe(model: torch.nn.Module, layers, *, last_queries: int | None = None, at
         layers: decoder layer indices (negative counts from the end).
         last_queries: record the probabilities of this many last queries of each call (None: all queries).
         attention, hidden: what to record.
+        reduce: ``fn(layer, query, key, pattern)``, called for every attention call of a chosen layer instead of
+            storing its probabilities (see module docs).
 
     Yields:
         :class:`ProbeRecord`.
@@ -127,7 +138,7 @@ def probe(model: torch.nn.Module, layers, *, last_queries: int | None = None, at
             f"attention probes need attn_implementation='longctx', the model runs "
             f"{model.config._attn_implementation!r}; load it with core.hf.load(..., attn='longctx')"
         )
-    rec = ProbeRecord(last_queries=last_queries)
+    rec = ProbeRecord(last_queries=last_queries, reduce=reduce)
     handles = []
     if attention:
         rec._modules = {id(_attention_module(stack[i])): i for i in idx}
@@ -147,3 +158,55 @@ def probe(model: torch.nn.Module, layers, *, last_queries: int | None = None, at
             h.remove()
         if attention:
             _ACTIVE.remove(rec)
+
+
+def received_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    block: int = 256,
+    **pattern,
+) -> torch.Tensor:
+    """Attention each key receives, summed over the chosen query rows: fp32 ``(B, H_q, S_k)``.
+
+    The probabilities are those of :func:`attention_probabilities` (same masks), computed ``block`` query rows at
+    a time, so memory is ``O(block · S_k)`` per head instead of the ``S_q × S_k`` matrix.
+
+    Args:
+        query: ``(B, H_q, S_q, D)``; key: ``(B, H_kv, S_k, D)``.
+        rows: int indices of the query rows to sum over (None: all).
+        block: query rows per step.
+        pattern: ``causal``, ``window``, ``key_padding``, ``bias``, ``scale``, ``softcap`` as the attention used.
+    """
+    Sq, Sk = query.shape[2], key.shape[2]
+    rows = torch.arange(Sq, device=query.device) if rows is None else rows.to(query.device)
+    bias = pattern.pop("bias", None)
+    causal, window = pattern.pop("causal", False), pattern.pop("window", None)
+    G = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(G, dim=1)
+    scale = pattern.pop("scale", None)
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    softcap = pattern.pop("softcap", None)
+    key_padding = pattern.pop("key_padding", None)
+    total = torch.zeros(query.shape[0], query.shape[1], Sk, dtype=torch.float32, device=query.device)
+    kj = torch.arange(Sk, device=query.device)[None, :]
+    for start in range(0, rows.numel(), block):
+        r = rows[start : start + block]
+        s = torch.matmul(query[:, :, r].float(), k.transpose(-1, -2)) * scale  # (B, H_q, n, S_k)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            b = bias.float()
+            s = s + (b[..., r, :] if b.shape[-2] != 1 else b)
+        if causal:
+            qi = (r + (Sk - Sq))[:, None]  # bottom-right aligned
+            hide = kj > qi
+            if window is not None:
+                hide = hide | (kj <= qi - window)
+            s = s.masked_fill(hide, float("-inf"))
+        if key_padding is not None:
+            s = s.masked_fill(key_padding[:, None, None, :], float("-inf"))
+        total += torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2)
+        del s
+    return total
