@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from apps.emloc import HFContext, compress_hf  # noqa: E402
-from apps.emloc.hf_inputs import demo_pieces, embed, load_image  # noqa: E402
+from apps.emloc.hf_inputs import demo_pieces, embed, load_image, suffix_pieces  # noqa: E402
 from core.kv_compress import pyramid_budgets  # noqa: E402
 from tests import _hf_tiny as T  # noqa: E402
 
@@ -210,7 +210,11 @@ def test_js_bound_holds_on_every_chunk_by_an_independent_replay(family, delta):
     model, proc, demos = family
     ctx = compress_hf(model, demos, processor=proc, delta=delta, chunk_demos=4)
     assert len(ctx.reports) == math.ceil(len(demos) / 4)
-    pieces = demo_pieces(model, proc, [load_image(d[0], "d") for d in demos], [d[1] for d in demos])
+    imgs = [load_image(d[0], "d") for d in demos]
+    pieces = demo_pieces(model, proc, imgs, [d[1] for d in demos])
+    # observers: each demonstration as it follows other turns (the first one without the template's header)
+    observers = suffix_pieces(model, proc, imgs[:1], [demos[0][1]]) + pieces[1:]
+    assert observers[0].input_ids.numel() < pieces[0].input_ids.numel()
     checked = 0
     for c, rep in enumerate(ctx.reports):
         chunk = pieces[4 * c : 4 * c + 4]
@@ -228,7 +232,9 @@ def test_js_bound_holds_on_every_chunk_by_an_independent_replay(family, delta):
                             position_ids=torch.cat(pos, -1), cache=memory).past_key_values
             kept = prune_cache(ctx.cache, [torch.arange(m + k) for m, k in zip(rep.memory, rep.kept)])
             js = []
-            for p, o in zip(chunk, own):
+            for p in observers[4 * c : 4 * c + 4]:
+                o = (mrope_position_ids(model, p.input_ids[None], image_grid_thw=p.mm["image_grid_thw"])[0] if mrope
+                     else torch.arange(p.input_ids.numel())[None])
                 outs = []
                 for cache in (whole, kept):
                     trial = prune_cache(cache, [torch.arange(l.keys.shape[2]) for l in cache.layers])  # a copy
