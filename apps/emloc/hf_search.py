@@ -145,22 +145,24 @@ class _Importance:
         from core.hf.probes import received_attention
 
         m, n = self.mem[layer], self.n
-        k = key[:, :, m:]  # the chunk and the suffix (the memory left out)
+        start = m  # the softmax runs over the chunk and the suffix: the memory is left out
+        k = key[:, :, start:]
         bias = pattern.get("bias")
-        bias = None if bias is None else bias[..., m:]
+        bias = None if bias is None else bias[..., start:]
         pad = pattern.get("key_padding")
-        pad = None if pad is None else pad[:, m:]
+        pad = None if pad is None else pad[:, start:]
+        lo = m - start  # the chunk's first key among k
         if self.precision == "fp32":
             got = received_attention(query, k, rows=self.rows, causal=pattern.get("causal", True),
                                      window=pattern.get("window"), key_padding=pad, bias=bias,
-                                     scale=pattern.get("scale"), softcap=pattern.get("softcap"))[..., :n]  # fmt: skip
+                                     scale=pattern.get("scale"), softcap=pattern.get("softcap"))[..., lo : lo + n]
             prev = self.parts.get(layer)
             self.parts[layer] = [got if prev is None else prev[0] + got]
             return
-        self.parts.setdefault(layer, []).append(self._bf16_rows(query, k, bias, pad, pattern))
+        self.parts.setdefault(layer, []).append(self._bf16_rows(query, k, bias, pad, pattern)[..., lo : lo + n])
 
     def _bf16_rows(self, query, k, bias, pad, pattern) -> torch.Tensor:
-        """``(rows, H_q, n)`` bf16: scores in fp32, rounded to bf16, softmax in bf16 (the reference's)."""
+        """``(rows, H_q, S_k)`` bf16: scores in fp32, rounded to bf16, softmax in bf16 (the reference's)."""
         Sq, Sk, D = query.shape[2], k.shape[2], query.shape[-1]
         G = query.shape[1] // k.shape[1]
         q = query[:, :, self.rows.to(query.device)].float()
@@ -177,8 +179,8 @@ class _Importance:
         s = s.masked_fill(torch.arange(Sk, device=s.device)[None, :] > qi, float("-inf"))
         if pad is not None:
             s = s.masked_fill(pad[:, None, None, :], float("-inf"))
-        p = F.softmax(s, dim=-1, dtype=torch.bfloat16)[..., : self.n]  # (1, H_q, rows, n)
-        return p[0].permute(1, 0, 2)
+        p = F.softmax(s, dim=-1, dtype=torch.bfloat16)  # (1, H_q, rows, S_k)
+        return p[0].permute(1, 0, 2)  # (rows, H_q, S_k)
 
     def per_kv_head(self, layer: int, num_kv: int) -> torch.Tensor:
         """``(1, H_kv, n)`` summed over observers and each KV head's query group (bf16 or fp32)."""
