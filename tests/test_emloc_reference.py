@@ -146,3 +146,17 @@ def test_default_keeps_the_answer_span_in_every_pruned_layer(setup):
                 pruned += 1
                 assert all(span <= set(kept) for kept in heads)
     assert pruned >= 2
+
+
+def test_whole_model_replay_makes_the_same_choices(setup, reference_run):
+    """Trials replayed through every layer (``replay="whole"``) instead of from the searched one: the same ratios
+    and kept tokens, JS values equal up to rounding (the layers below the searched one are unchanged)."""
+    model, proc, demos, _ = setup
+    ctx = compress_hf(model, demos, processor=proc, preset="reference", replay="whole")
+    assert ctx.settings["replay"] == "whole" and reference_run.settings["replay"] == "partial"
+    for a, b in zip(ctx.reports, reference_run.reports):
+        assert a.ratios == b.ratios and a.indices == b.indices
+        assert [[t[:2] for t in tr] for tr in a.trials] == [[t[:2] for t in tr] for tr in b.trials]
+        for ta, tb in zip(a.trials, b.trials):
+            for x, y in zip(ta, tb):
+                assert abs(x[2] - y[2]) <= BF16_STEP * y[2]

@@ -200,6 +200,7 @@ def compress_hf(
     preset: str = "default",
     precision: str | None = None,
     always_keep: str | None = None,
+    replay: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     progress_bar: bool = False,
 ) -> HFContext:
@@ -219,7 +220,7 @@ def compress_hf(
         image_size: ``(width, height)`` every image is resized to; None: all must share the first one's size.
         smooth_kernel: EMLoC's pooling width.
         preset: ``"default"`` or ``"reference"`` (the reference's numerics; :data:`apps.emloc.hf_search.PRESETS`).
-        precision, always_keep: override the preset's switch (:class:`apps.emloc.hf_search.SearchConfig`).
+        precision, always_keep, replay: override the preset's switches (:class:`apps.emloc.hf_search.SearchConfig`).
         progress: called with ``(chunks_done, chunks_total)``.
         progress_bar: tqdm bars over chunks and, inside each chunk, layers.
     """
@@ -241,7 +242,8 @@ def compress_hf(
     cfg = None
     if policy == "emloc":
         cfg = _search_config(preset, delta=delta, ratios=tuple(ratios) if ratios else ratios,
-                             smooth_kernel=smooth_kernel, precision=precision, always_keep=always_keep)
+                             smooth_kernel=smooth_kernel, precision=precision, always_keep=always_keep,
+                             replay=replay)
         if not (isinstance(chunk_demos, int) and chunk_demos >= 1):
             raise ValueError(f"chunk_demos must be a positive int, got {chunk_demos!r}")
     elif policy != "full" and (keep is None or not (isinstance(keep, (int, float)) and 0 < keep <= 1)):
@@ -281,7 +283,7 @@ def compress_hf(
         cache, nxt = memory, offset
         settings.update(delta=float(cfg.delta), ratios=list(cfg.ratios), chunk_demos=chunk_demos, observers="suffix",
                         smooth_kernel=cfg.smooth_kernel, preset=preset, precision=cfg.precision,
-                        always_keep=cfg.always_keep)  # fmt: skip
+                        always_keep=cfg.always_keep, replay=cfg.replay)  # fmt: skip
     else:
         cache, nxt, extra = _budgeted(model, pieces, embeds, own_pos, policy, keep, window, seed, protect_answers)
         settings.update(extra, protect_answers=bool(protect_answers) if policy != "full" else False)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +60,8 @@ class SearchConfig:
     smooth_kernel: int = 5  # average pooling width over neighbouring tokens (zero padded), the reference's 5
     precision: str = "fp32"  # "fp32" or "bf16" (the reference's rounding; see module docs)
     always_keep: str = "strict"  # "strict" or "plus100" (the reference's; see module docs)
+    replay: str = "partial"  # trials replay the suffixes from the searched layer on ("partial", as the reference)
+    # or through the whole model ("whole": the same numbers up to rounding, about twice the work)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.delta, (int, float)) and self.delta > 0 and math.isfinite(self.delta)):
@@ -73,6 +75,8 @@ class SearchConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.always_keep not in ALWAYS_KEEP:
             raise ValueError(f"always_keep must be one of {ALWAYS_KEEP}, got {self.always_keep!r}")
+        if self.replay not in ("partial", "whole"):
+            raise ValueError(f"replay must be 'partial' or 'whole', got {self.replay!r}")
 
 
 @dataclass
@@ -108,17 +112,49 @@ def _crop(cache, n: int) -> None:
         layer.crop(-n)
 
 
+@contextmanager
+def _from_layer(model, start: int):
+    """While open, the decoder runs its layers ``start..`` only: its stack holds those (each layer keeps its own
+    ``layer_idx``, so the cache is read and written where it should be)."""
+    from apps.emloc.hf_inputs import language_model
+
+    if start == 0:
+        yield
+        return
+    lm = language_model(model)
+    whole = lm.layers
+    lm.layers = torch.nn.ModuleList(list(whole)[start:])
+    try:
+        yield
+    finally:
+        lm.layers = whole
+
+
+def _uniform_layers(model) -> bool:
+    """Whether every decoder layer is of one attention type (a replay from a middle layer needs it: the decoder
+    picks each layer's mask by its index in the stack)."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    types = getattr(cfg, "layer_types", None)
+    return not types or len(set(types)) == 1
+
+
 @torch.no_grad()
-def suffix_logits(model, cache, suffixes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], offset: int
-                  ) -> torch.Tensor:  # fmt: skip
+def suffix_logits(model, cache, suffixes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], offset: int, *,
+                  start: int = 0, inputs: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """Logits ``(N, vocab)`` at the observed positions of each suffix ``(embeds (1, S, D), own positions, observe
     (S,))`` encoded on its own after ``cache`` at positions ``offset + own`` (only those positions reach the
-    language-model head); the cache is left as it was."""
+    language-model head); the cache is left as it was.
+
+    ``start`` > 0 replays from decoder layer ``start`` on, from ``inputs`` (per suffix, the hidden states entering
+    that layer, as the unpruned pass computed them): exact when the layers below are as they were in that pass."""
     out = []
-    for emb, pos, obs in suffixes:
+    for i, (emb, pos, obs) in enumerate(suffixes):
         idx = obs.nonzero()[:, 0].to(emb.device)
-        o = _forward(model, emb, pos + offset, cache, logits_to_keep=idx)
-        _crop(cache, emb.shape[1])
+        x = emb if start == 0 else inputs[i]
+        with _from_layer(model, start):
+            o = _forward(model, x, pos + offset, cache, logits_to_keep=idx)
+        for layer in cache.layers[start:]:
+            layer.crop(-emb.shape[1])
         out.append(o.logits[0])
     return torch.cat(out)
 
@@ -249,11 +285,18 @@ def emloc_chunk(model, memory, embeds: list[torch.Tensor], own_pos: list[torch.T
     full = _forward(model, emb, pos, memory, logits_to_keep=1).past_key_values
     H = full.layers[0].keys.shape[1]
     red = _Importance(mem, n, cfg.precision)
-    base = []
-    with probe(model, layers=list(range(L)), hidden=False, reduce=red):
-        for s in suffixes:
+    partial = cfg.replay == "partial" and _uniform_layers(model)
+    base, hidden = [], [[] for _ in range(L)]  # hidden[l][i]: suffix i's hidden states entering layer l
+    with probe(model, layers=list(range(L)), hidden=partial, reduce=red) as rec:
+        for i, s in enumerate(suffixes):
             red.rows = s[2].nonzero()[:, 0]
             base.append(suffix_logits(model, full, [s], nxt))
+            if partial:
+                hidden[0].append(s[0])
+                for l in range(1, L):
+                    hidden[l].append(rec.hidden[l - 1][i])
+    if partial:
+        rec.hidden.clear()
     base = torch.cat(base)
     n_keep = int(keep.sum())
     chunk_keep: list[torch.Tensor | None] = [None] * L
@@ -271,7 +314,9 @@ def emloc_chunk(model, memory, embeds: list[torch.Tensor], own_pos: list[torch.T
             cand = score.topk(k, dim=-1).indices.sort(dim=-1).values  # (1, H_kv, k)
             trial = list(chunk_keep)
             trial[l] = cand
-            logits = suffix_logits(model, prune_cache(full, _specs(full, mem, n, trial)), suffixes, nxt)
+            start = l if partial else 0
+            logits = suffix_logits(model, prune_cache(full, _specs(full, mem, n, trial)), suffixes, nxt, start=start,
+                                   inputs=hidden[l] if partial else None)  # fmt: skip
             if cfg.precision == "bf16":
                 js_t = js_bf16(logits, base)
                 js, ok = float(js_t), bool(js_t <= cfg.delta)  # the bound rounded to bf16, as the reference compares
