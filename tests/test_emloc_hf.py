@@ -408,3 +408,53 @@ def test_label_scores_are_the_models_own_log_probabilities_of_the_answer(setup):
         want = sum(float(lp[t - 1, ids[t]]) for t in range(ids.numel() - 2, ids.numel()))  # ("\n" has no token here)
         assert abs(float(score) - want) < 1e-4, (label, float(score), want)
     assert ctx.predict(query, ["cat", "dog", "bird"]) == ["cat", "dog", "bird"][int(got.argmax())]
+
+
+def test_recipe_memory_answers_from_the_predict_cli(saved, capsys):
+    """``apps.emloc.predict --memory OUT/memory.safetensors --model DIR`` answers with the recipe's saved memory: the
+    same label and scores as ``HFContext.load(...).label_scores``; a bad image is named and the rest answered."""
+    import json
+
+    from apps.emloc.cli import predict_main
+    from apps.emloc.recipes.qwen2vl import main
+    from core.hf import load
+    from core.infra.cli import run_cli
+
+    out = saved / "out_predict"
+    assert main(["--model", str(saved / "model"), "--data", str(saved / "data"), "--out", str(out), "--demos", "6",
+                 "--queries", "1", "--image-size", "56,56", "--save-memory", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    images = [saved / "data" / "cat" / "4.png", saved / "data" / "dog" / "4.png"]
+    bad = saved / "not_an_image.png"
+    bad.write_text("no")
+    code = run_cli(predict_main, ["--memory", str(out / "memory.safetensors"), "--model", str(saved / "model"),
+                                  "--images", *map(str, images), str(bad), "--device", "cpu"])
+    cap = capsys.readouterr()
+    assert code == 1 and "not_an_image.png" in cap.err
+    lines = [json.loads(l) for l in cap.out.strip().splitlines()]
+    assert [l["image"] for l in lines] == [str(p) for p in images]
+    model, proc = load(saved / "model", dtype="float32", device="cpu")
+    ctx = HFContext.load(out / "memory.safetensors", model, proc)
+    for line, img in zip(lines, images):
+        want = torch.softmax(ctx.label_scores(img), -1)
+        assert line["label"] == ctx.labels[int(want.argmax())]
+        assert line["scores"] == {l: round(float(v), 4) for l, v in zip(ctx.labels, want)}
+
+
+def test_a_transformers_folder_points_compress_to_the_recipe_and_memories_to_their_model(saved, tmp_path, capsys):
+    from apps.emloc.cli import compress_main, predict_main
+    from core.infra.cli import run_cli
+
+    assert run_cli(compress_main, ["--demos", str(saved / "data"), "--out", str(tmp_path / "m.safetensors"),
+                                   "--model", str(saved / "model")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "apps.emloc.recipes.qwen2vl" in err[0] and "apps.emloc.predict" in err[0]
+    assert not (tmp_path / "m.safetensors").exists()
+    from core.hf import load
+
+    model, proc = load(saved / "model", dtype="float32", device="cpu")
+    memory = tmp_path / "hf_memory.safetensors"
+    compress_hf(model, [(saved / "data" / "cat" / "0.png", "cat")], processor=proc, policy="full").save(memory)
+    assert run_cli(predict_main, ["--memory", str(memory), "--images", str(saved / "data" / "cat" / "0.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model DIR" in err[0]

@@ -18,6 +18,7 @@ from apps.emloc.cli_common import load_host
 from apps.emloc.io import IMAGE_SUFFIXES, read_demos, read_image
 from core.infra.cli import (InputTally, UsageError, capped_int, nonempty_path_obj, open_fraction, positive_float,
                             positive_int)
+from core.infra.device import add_device_options, device_from_args
 from core.kv_compress import POLICIES
 from core.infra.fileio import check_writable
 from core.infra.guard import check_output
@@ -39,9 +40,12 @@ apps.emloc.predict`` answers queries with it.
 PREDICT_DOC = """Answer query images against a compressed memory: ``python -m apps.emloc.predict``.
 
     python -m apps.emloc.predict --memory memory.safetensors --images a.png b.png DIR ... [--model PATH]
+    python -m apps.emloc.predict --memory OUT/memory.safetensors --model MODEL_DIR --images q.jpg ...
 
 Prints one JSON line per image (``{"image", "label", "scores"}``: the label ids of the demonstrations and
-their softmax probabilities). A memory made by another model than ``--model`` is refused.
+their softmax probabilities). A memory made by another model than ``--model`` is refused. With a transformers
+model folder as ``--model`` (the memory the recipe ``python -m apps.emloc.recipes.qwen2vl --save-memory`` writes),
+the labels are the demonstrations' label texts and the scores the softmax over their log-probabilities.
 
 An image that cannot be read (missing, corrupt, a folder without images) is named on stderr and the others are
 still answered; the exit code is then 1 (2 when no image could be read).
@@ -87,6 +91,12 @@ def compress_main(argv: list[str] | None = None) -> int:
 
     args = build_compress_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.model is not None and is_transformers_folder(args.model):
+        raise UsageError(
+            f"--model {args.model} is a transformers model folder; this command compresses for the host model. For a "
+            f"vision-language model run `python -m apps.emloc.recipes.qwen2vl --model {args.model} --data DATA --out OUT "
+            f"--save-memory` (it writes OUT/memory.safetensors), then `python -m apps.emloc.predict --memory "
+            f"OUT/memory.safetensors --model {args.model} --images ...`")
     check_output(args.out, inputs=[args.demos, args.model])  # never the shipped host, never an input
     check_writable(args.out, what="--out")  # before the compression it would record
     if args.policy not in ("emloc", "full") and args.keep is None:
@@ -115,9 +125,55 @@ def build_predict_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--memory", required=True, type=Path, help="memory file from python -m apps.emloc.compress")
     p.add_argument("--images", required=True, nargs="+", help="image files or folders of images")
-    p.add_argument("--model", type=Path, default=None, help="host weights (default: the shipped host)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="host weights (default: the shipped host), or the transformers model folder that made the memory")
     p.add_argument("--batch-size", type=positive_int, default=64)
+    add_device_options(p)
     return p
+
+
+def is_transformers_folder(path: Path) -> bool:
+    """A folder with a ``config.json`` (what ``save_pretrained`` writes)."""
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def _memory_kind(path: Path) -> str:
+    """``"hf"`` for a memory a transformers model made (``HFContext.save``), else ``"host"``."""
+    from core.hf.cache import FORMAT
+    from core.infra.fileio import open_safetensors
+
+    with open_safetensors(path, what="an EMLoC memory file (.safetensors)") as f:
+        return "hf" if (f.metadata() or {}).get("format") == FORMAT else "host"
+
+
+def _predict_hf(args, paths: list[Path], tally: InputTally) -> int:
+    """Answer with a memory made by a transformers VLM (``HFContext``): label texts scored by the model."""
+    from apps.emloc.hf import HFContext
+    from apps.emloc.hf_inputs import load_image
+    from core.hf import load
+
+    device, dtype = device_from_args(args)
+    model, processor = load(args.model, dtype=dtype, device=device)
+    if processor is None:
+        raise UsageError(f"--model {args.model} has no processor (a chat template and an image processor are needed)")
+    ctx = HFContext.load(args.memory, model, processor)
+    for p in tqdm_iter(paths):
+        try:
+            load_image(p, "query")  # unreadable files are reported before the model runs
+            scores = torch.softmax(ctx.label_scores(p).float(), dim=-1)
+        except (ValueError, OSError) as err:  # a bad image is reported; the others are still answered
+            tally.fail(p, err, accepted=ACCEPTED_IMAGES)
+            continue
+        print(json.dumps({"image": str(p), "label": ctx.labels[int(scores.argmax())],
+                          "scores": {l: round(float(v), 4) for l, v in zip(ctx.labels, scores)}}), flush=True)
+        tally.ok()
+    return tally.finish()
+
+
+def tqdm_iter(items):
+    from tqdm import tqdm
+
+    return tqdm(items, desc="predict", unit="image")
 
 
 def _expand(args_images: list[str], tally: InputTally) -> list[Path]:
@@ -141,6 +197,16 @@ def predict_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    kind = _memory_kind(args.memory)
+    hf_model = args.model is not None and is_transformers_folder(args.model)
+    if kind == "hf" and not hf_model:
+        raise UsageError(f"{args.memory} was made by a transformers model; pass that model's folder as --model DIR")
+    if kind == "host" and hf_model:
+        raise UsageError(f"{args.memory} is a host memory, not one made by the transformers model {args.model}; "
+                         "drop --model DIR (or pass the host weights that made it)")
+    if hf_model:
+        tally = InputTally("image")
+        return _predict_hf(args, _expand(args.images, tally), tally)
     model = load_host(args.model)
     ctx = CompressedContext.load(args.memory, model)
     tally = InputTally("image")

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", type=positive_int, default=10, help="query images per class (without a split column)")
     p.add_argument("--policy", choices=_policies(), default="emloc", help="compression policy (default emloc)")
     p.add_argument("--keep", type=positive_float, default=None, help="kept fraction for a budgeted --policy, in (0, 1]")
+    p.add_argument("--preset", choices=("default", "reference"), default="default",
+                   help="EMLoC's numerics: default, or the reference implementation's (bf16 importance and JS, +100 on "
+                        "the answer spans)")
     p.add_argument("--delta", type=positive_float, default=0.005,
                    help="EMLoC's JS bound per chunk in nats (the paper's 0.005; on the shipped toy host it keeps 29-62%%)")
     p.add_argument("--chunk-demos", type=positive_int, default=4, help="demonstrations per chunk (the reference: 4; 20 on ImageNet)")
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--compare {policy} needs a kept fraction: give --keep, or a compressing --policy")
         t = time.perf_counter()
         ctx = compress_hf(model, demos, processor=processor, prompt=args.prompt, delta=args.delta,
-                          chunk_demos=args.chunk_demos, policy=policy, keep=keep, seed=args.seed, image_size=size)
+                          chunk_demos=args.chunk_demos, policy=policy, keep=keep, seed=args.seed, image_size=size,
+                          preset=args.preset, progress_bar=True)
         seconds = time.perf_counter() - t
         if policy == args.policy:
             main_fraction = round(ctx.keep_fraction(), 4)
