@@ -455,6 +455,7 @@ def test_a_transformers_folder_points_compress_to_the_recipe_and_memories_to_the
     model, proc = load(saved / "model", dtype="float32", device="cpu")
     memory = tmp_path / "hf_memory.safetensors"
     compress_hf(model, [(saved / "data" / "cat" / "0.png", "cat")], processor=proc, policy="full").save(memory)
+    capsys.readouterr()
     assert run_cli(predict_main, ["--memory", str(memory), "--images", str(saved / "data" / "cat" / "0.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--model DIR" in err[0]
