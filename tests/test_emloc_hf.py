@@ -112,6 +112,35 @@ def tiny_internvl():
     return T.internvl()[0], proc
 
 
+def tiny_llava_onevision():
+    """LLaVA-OneVision (a 2-layer SigLIP tower at 28x28, one grid pinpoint, a Qwen2 LM with 1-D RoPE) and its
+    processor: the word-level vocabulary with ``<image>`` at the model's id, the same chat template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
+                              PreTrainedTokenizerFast)  # fmt: skip
+
+    special = {"<unk>": 0, "<s>": 1, "<|im_end|>": 2, "<|im_start|>": 3, "<image>": 150, "<video>": 151}
+    vocab = dict(special)
+    vocab.update({w: i for w, i in zip(dict.fromkeys(WORDS), [i for i in range(T.VOCAB) if i not in special.values()])})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special if t != "<unk>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<unk>", eos_token="<|im_end|>",
+                                   bos_token="<s>", extra_special_tokens={"image_token": "<image>", "video_token": "<video>"})
+    side = {"height": 28, "width": 28}
+    image = LlavaOnevisionImageProcessor(size=side, crop_size=side, image_grid_pinpoints=[[28, 28]], do_pad=True)
+    proc = LlavaOnevisionProcessor(image_processor=image, tokenizer=fast, video_processor=LlavaOnevisionVideoProcessor(),
+                                   chat_template=TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>\n"),
+                                   num_image_tokens=4, vision_feature_select_strategy="full")  # fmt: skip
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = LlavaOnevisionConfig(vision_config=vision, text_config=dict(model_type="qwen2", **T.LLM), image_token_id=150,
+                               video_token_id=151, vision_feature_select_strategy="full", vision_feature_layer=-1,
+                               image_grid_pinpoints=[[28, 28]])  # fmt: skip
+    return T._finish(LlavaOnevisionForConditionalGeneration(cfg)), proc
+
+
 def tiny_images(n: int, seed: int = 0, size: int = 56) -> list[np.ndarray]:
     """``n`` random RGB images (size x size, uint8)."""
     rng = np.random.default_rng(seed)
@@ -143,9 +172,16 @@ def setup_internvl():
     return (*tiny_internvl(), tiny_demos(9, seed=5))
 
 
-@pytest.fixture(params=["qwen2-vl", "qwen2.5-vl", "internvl"])
-def family(request, setup, setup25, setup_internvl):
-    return {"qwen2-vl": setup, "qwen2.5-vl": setup25, "internvl": setup_internvl}[request.param]
+@pytest.fixture(scope="module")
+def setup_llava_ov():
+    torch.manual_seed(0)
+    return (*tiny_llava_onevision(), tiny_demos(9, seed=6))
+
+
+@pytest.fixture(params=["qwen2-vl", "qwen2.5-vl", "internvl", "llava-onevision"])
+def family(request, setup, setup25, setup_internvl, setup_llava_ov):
+    return {"qwen2-vl": setup, "qwen2.5-vl": setup25, "internvl": setup_internvl,
+            "llava-onevision": setup_llava_ov}[request.param]
 
 
 def test_full_reproduces_the_models_own_logits_on_the_uncompressed_prompt(family):

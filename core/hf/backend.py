@@ -219,7 +219,7 @@ _SERVED = frozenset({"softcap", "is_causal", "position_bias", "output_attentions
 #: and window arguments are for flash kernels, whose pattern the mask already holds).
 _INFORMATIONAL = frozenset({"position_ids", "use_cache", "cache_position", "sliding_window", "cu_seq_lens_q",
                             "cu_seq_lens_k", "max_length_q", "max_length_k", "output_hidden_states", "return_dict",
-                            "layer_idx", "image_sizes", "past_key_values", "past_key_value"})  # fmt: skip
+                            "layer_idx", "image_sizes", "past_key_values", "past_key_value", "logits_to_keep"})  # fmt: skip
 
 
 def _fallback_reason(module, query, dropout: float, kwargs: dict) -> str | None:
