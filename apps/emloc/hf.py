@@ -13,22 +13,27 @@ goes chunk by chunk (``chunk_demos`` demonstrations, default 4 as the reference)
 
 1. prefill the chunk after the compressed memory, its M-RoPE positions continuing from the memory's uncompressed
    maximum + 1 (kept tokens keep their positions: keys are stored rotated);
-2. observers: every demonstration of the chunk is re-encoded **as a suffix after the chunk** (each on its own, at
-   the positions after the chunk), so every chunk token is scored by every answer. Importance per KV head = the
-   attention the suffix's observed positions (the token before the label and the label tokens) give each chunk
-   token, normalised over the chunk and suffix keys (the memory left out), summed over observers and the head's
-   query group, averaged over 5 neighbouring tokens; answer tokens rank first (always kept);
+2. observers: every demonstration of the chunk is re-encoded **as a suffix after the chunk** (each on its own,
+   without the template's header, at the positions after the chunk), so every chunk token is scored by every
+   answer. Importance per KV head = the attention the suffix's observed positions (the answer span: the token
+   before the label, the label tokens, the end of turn) give each chunk token, normalised over the chunk and suffix
+   keys (the memory left out), summed over observers and the head's query group, averaged over 5 neighbouring
+   tokens; the answer spans are always kept;
 3. from the top layer down, keep ratios ``ratios`` (0.1, 0.2, 0.5 of the chunk) are tried: the top-k tokens per KV
-   head; the suffixes are replayed against the trial cache and the smallest ratio whose mean Jensen–Shannon
-   divergence at the observed positions (against the unpruned chunk) is ≤ ``delta`` is taken, else the layer stays
-   whole. The replay runs the whole model (layers below the one searched are untouched, so it equals the
-   reference's replay from that layer; it costs more).
+   head; the suffixes are replayed (from the searched layer on) against the trial cache and the smallest ratio whose
+   mean Jensen–Shannon divergence at the observed positions (against the unpruned chunk) is ≤ ``delta`` is taken,
+   else the layer stays whole. See :mod:`apps.emloc.hf_search` (and its ``preset="reference"``, which reproduces
+   the reference's bf16 numerics and its +100 ranking of the answer spans).
+
+Memory: attention is scored inside each attention call, per layer and for the observed rows only; logits are
+computed at the positions that need them only (``logits_to_keep``), never over the vocabulary at every position.
 
 ``policy`` ``"full"`` keeps everything; any other policy of :data:`core.kv_compress.POLICIES` runs on one prefill
 of all demonstrations with ``keep`` of the tokens per layer and KV head (the same budgets as on the project's own
 decoder). SnapKV / PyramidKV / FastV observe the last ``window`` tokens (default 32, SnapKV's window): there is no
 question at compression time, so the last demonstration stands in for it. FastV prunes from layer
-``min(2, depth - 1)``.
+``min(2, depth - 1)``. Their probes keep, per layer, the attention each key receives summed over the observing
+rows (``(B, H_q, 1, S)``), computed 256 rows at a time: never an ``S × S`` matrix.
 """
 
 from __future__ import annotations
