@@ -99,6 +99,7 @@ def test_reference_memory_answers_queries_as_the_release(setup, reference_run, r
         assert int(got.argmax()) == want["top_ids"][0]
 
 
+@pytest.mark.slow
 def test_precision_switch_alone_moves_the_choice_off_the_release(setup, ref):
     """``precision="fp32"`` (the default's) with everything else the reference's: the same ratios here, but the JS
     values are no longer on the bf16 grid and at least one head keeps another token (bf16 ties decided the
@@ -148,6 +149,7 @@ def test_default_keeps_the_answer_span_in_every_pruned_layer(setup):
     assert pruned >= 2
 
 
+@pytest.mark.slow
 def test_whole_model_replay_makes_the_same_choices(setup, reference_run):
     """Trials replayed through every layer (``replay="whole"``) instead of from the searched one: the same ratios
     and kept tokens, JS values equal up to rounding (the layers below the searched one are unchanged)."""
