@@ -91,6 +91,7 @@ def summarise(cases: list[dict]) -> list[dict]:
                    "s": c["wall_s"]}  # fmt: skip
             if full is not None:
                 row["x full peak"] = c["total_peak_mb"] / full["total_peak_mb"]
+                row["growth x full"] = c["peak_mb"] / full["peak_mb"]
                 allowed = full["peak_mb"] + c["cache_mb"] + c["layer_working_set_mb"]
                 row["growth allowed MB"] = allowed
                 if pol == "emloc":
@@ -160,7 +161,8 @@ def main(argv=None) -> int:
             print(json.dumps({k2: res.get(k2) for k2 in ("policy", "demos", "status", "total_peak_mb", "peak_mb",
                                                           "wall_s", "reason")}), file=sys.stderr, flush=True)  # fmt: skip
     rows = summarise(cases)
-    cols = ["demos", "policy", "tokens", "kept", "total peak MB", "x full peak", "growth MB", "growth allowed MB",
+    cols = ["demos", "policy", "tokens", "kept", "total peak MB", "x full peak", "growth MB", "growth x full",
+            "growth allowed MB",
             "cache MB", "s", "target"]  # fmt: skip
     print(format_table(rows, cols))
     write_json_atomic(a.out, {"benchmark": "emloc_memory", "args": portable_args(a), "env": env_info(),
