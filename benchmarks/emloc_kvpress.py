@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     p.add_argument("--aligned", action="store_true", help="the project's SnapKV/PyramidKV window = kvpress's (64)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/emloc_kvpress.json"))
     a = p.parse_args(argv)
+    from core.infra.guard import check_outputs
+
+    check_outputs([("--out", a.out)])
     import kvpress
     from PIL import Image
     from transformers import DynamicCache

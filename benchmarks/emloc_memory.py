@@ -124,7 +124,10 @@ def main(argv=None) -> int:
     if a.worker:
         print(json.dumps(worker(a)))
         return 0
+    from core.infra.guard import check_outputs
+
     parts = a.parts or a.out.with_suffix("")
+    check_outputs([("--out", a.out), ("--parts", parts)])
     parts.mkdir(parents=True, exist_ok=True)
     cases = []
     for k in [int(x) for x in a.demos.split(",")]:
