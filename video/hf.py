@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.continuous import ContinuousMemory, ContinuousMemoryConfig, continuous_attention_with_density, mix_attention
+from core.continuous import ContinuousMemory, ContinuousMemoryConfig, mix_attention, read_memory
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +150,9 @@ class QFormerMemoryHooks:
             c = c.to(w)
             return tuple(p(c).reshape(K, c.shape[1], H, hd).transpose(1, 2) for p in (module.key, module.value))
 
-        (k, v), logw = mem.project_points(kv)
         q = module.query(hidden).reshape(K, F, Q, H, hd).permute(0, 3, 1, 2, 4).reshape(K, H, F * Q, hd)
-        long, density = continuous_attention_with_density(q, k, v, logw, scale=module.scaling)
+        long, density = read_memory(mem, q, kv, scale=module.scaling)
         long = long.reshape(K, H, F, Q, hd).permute(0, 2, 3, 1, 4).reshape(R, Q, E).to(ctx.dtype)
-        mem.set_density(density)
         self.densities[i] = density.detach()
         mixed = mix_attention(ctx, long, self.config.alpha)
         return (mixed, *rest) if isinstance(output, tuple) else mixed
