@@ -38,7 +38,6 @@ integration point, the stream time (the caller's frame times, or frame counts) w
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch

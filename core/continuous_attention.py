@@ -9,10 +9,14 @@ through an attention layer's own key/value projections and records the density f
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.attention import attention
+
+if TYPE_CHECKING:
+    from core.continuous import ContinuousMemory
 
 __all__ = ["continuous_attention", "attention_density", "continuous_attention_with_density", "mix_attention",
            "read_memory"]
@@ -115,7 +119,7 @@ def mix_attention(short_term: torch.Tensor, long_term: torch.Tensor | None, alph
     return alpha * short_term + (1.0 - alpha) * long_term
 
 
-def read_memory(memory: ContinuousMemory, q_BHQD: torch.Tensor, kv_fn, *, scale: float | None = None
+def read_memory(memory: "ContinuousMemory", q_BHQD: torch.Tensor, kv_fn, *, scale: float | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Continuous attention of queries over a memory, through an attention layer's key/value projections.
 
