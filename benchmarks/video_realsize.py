@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import PeakRSS, env_info, format_table, parse_size, run_isolated, write_json_atomic
+from benchmarks.common import PeakRSS, env_info, format_table, parse_size, read_json, run_isolated, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -190,10 +190,15 @@ def main(argv=None) -> int:
     if args.case is not None:
         print(json.dumps(case(args.case, args)))
         return 0
-    cases = []
     out = Path(args.out)
-    result = {"args": {k: v for k, v in vars(args).items() if k not in ("case", "out")}, "env": env_info(), "cases": cases}
-    for f in [parse_size(s) for s in args.frames.split(",") if s]:
+    lengths = [parse_size(s) for s in args.frames.split(",") if s]
+    run_args = {k: v for k, v in vars(args).items() if k not in ("case", "out", "frames", "case_timeout")}
+    old = read_json(out)
+    # a rerun with the same settings keeps the other lengths' finished cases (each length is its own process)
+    cases = [c for c in (old or {}).get("cases", []) if c.get("frames") not in lengths and c.get("status") == "ok"
+             and old.get("args") == run_args]
+    result = {"args": run_args, "env": env_info(), "cases": cases}
+    for f in lengths:
         argv = [sys.executable, "-m", "benchmarks.video_realsize", "--case", str(f), "--vision-layers",
                 str(args.vision_layers), "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
         if args.tiny:
@@ -202,6 +207,7 @@ def main(argv=None) -> int:
         r = run_isolated(argv, timeout_s=args.case_timeout)
         cases.append({"frames": f, **r})
         logger.info("%s", {k: r.get(k) for k in ("status", "process_peak_mb", "ms_per_frame_wall", "reason")})
+        cases.sort(key=lambda c: c["frames"])
         write_json_atomic(out, result)
     table = report(result)
     write_json_atomic(out, result)
