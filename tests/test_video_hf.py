@@ -282,12 +282,27 @@ def test_cli_messages_for_a_folder_without_hf_and_a_missing_gpu(tiny, tmp_path):
     assert done.returncode == 2 and "no CUDA GPU" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_python_api_shows_progress_over_frames_and_can_hide_it(tiny, clips, capsys):
+def test_the_python_api_shows_progress_over_frames_and_can_hide_it(tiny, clips, capsys, monkeypatch):
+    import tqdm as tqdm_module
+
+    bars = []
+
+    class Recorded(tqdm_module.tqdm):  # what the bar counted, whatever tqdm's redraw interval lets reach stderr
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.shown, self.what = not self.disable, k.get("unit")  # tqdm sets disable on close
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
     lm = _lm(tiny, method="chunks")
     lm.ingest(clips / "long.mp4", [Q])
-    err = capsys.readouterr().err
-    assert "40/40" in err and "frame" in err
+    frame_bars = [b for b in bars if b.what == "frame"]
+    assert len(frame_bars) == 1 and frame_bars[0].shown
+    assert (frame_bars[0].n, frame_bars[0].total) == (40, 40)
+    assert "frame" in capsys.readouterr().err
+    bars.clear()
     lm.ingest(clips / "long.mp4", [Q], progress=False)
+    assert [b.shown for b in bars if b.what == "frame"] == [False]
     assert "frame" not in capsys.readouterr().err
 
 
