@@ -43,7 +43,7 @@ import logging
 import time
 from pathlib import Path
 
-from core.infra.cli import UsageError, capped_int, fraction, nonempty_path, run_cli
+from core.infra.cli import UsageError, capped_int, fraction, nonempty_path, positive_float, run_cli
 from core.infra.device import add_device_options, device_from_args
 from core.infra.fileio import check_writable
 from core.infra.guard import check_outputs
