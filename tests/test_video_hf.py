@@ -306,6 +306,21 @@ def test_the_python_api_shows_progress_over_frames_and_can_hide_it(tiny, clips, 
     assert "frame" not in capsys.readouterr().err
 
 
+def test_a_short_last_chunk_is_padded_by_repeating_its_last_frame(tiny):
+    """Reading a short last chunk equals reading it padded by hand with copies of its last frame (features, memory)."""
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (11, 32, 32, 3), dtype=np.uint8)
+    idx = np.arange(11)
+    pad = np.r_[np.arange(8, 11), np.full(5, 10)]
+    lm = _lm(tiny, method="infinite", chunk_size=8, alpha=0.5)
+    short = lm.read_chunks(iter([(frames[:8], idx[:8]), (frames[8:], idx[8:])]), 11, [Q])
+    padded = lm.read_chunks(iter([(frames[:8], idx[:8]), (frames[pad], idx[pad])]), 11, [Q])
+    assert short.frames_read == 11 and short.num_chunks == 2
+    torch.testing.assert_close(short.features, padded.features, rtol=0, atol=0)
+    for a, b in zip(short.coefficients, padded.coefficients, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_recipe_runs_end_to_end_on_the_tiny_model(tiny, clips, tmp_path):
     from core.infra.cli import run_cli
     from video.recipes.instructblip_video import is_right, main
