@@ -35,7 +35,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from core.infra.device import add_device_options, device_from_args
 from core.infra.cli import UsageError, capped_int, fraction, nonempty_path, nonnegative_int, positive_int, run_cli
 from core.infra.device import add_device_options, device_from_args
 from core.infra.fileio import check_writable
