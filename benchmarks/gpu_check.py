@@ -31,9 +31,12 @@ every case it had finished:
     default on CUDA; also with ``kv_cache``) against fp32 here and the official package with and without its
     autocast, on a random published-size v2 model (4,000 train rows): probabilities within 2e-2 of fp32, argmax
     agreement, fit and predict times. Its GPU test (``tests/test_tabular_official_options.py``) runs in step 2.
+11. ``video_realsize``: ``benchmarks.video_realsize --device cuda``: a random InstructBLIP-Video at InstructBLIP
+    Flan-T5-XL's published sizes (all 39 vision layers, bf16) streams 1K and 4K frames through the ∞-Video memory:
+    peak CUDA memory flat in the length, time per frame (the CPU table ran 1K-16K with a cheap frame encoder).
 
 Steps 2, 3, 4, 6 and 10 check correctness and run concurrently (compiling Triton kernels is CPU-bound and the
-GPU work there is small); steps 5, 7 and 8 time and run alone after them, one after the other.
+GPU work there is small); steps 5, 7, 8, 9 and 11 time and run alone after them, one after the other.
 ``summary.md`` in OUT holds the tables for the README. On a machine without CUDA, steps 1 and 6 run, the others
 are recorded as skipped, and the exit code is 0; on a GPU it is 0 when every step ran and passed, else 1.
 """
@@ -59,14 +62,15 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ("env", "pytest", "numerics", "int64", "bench", "dispatch", "hf_bench", "tabular_bench", "comemo_2b",
-         "tabular_amp")
-GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench", "tabular_bench", "comemo_2b", "tabular_amp")
-TIMING_STEPS = ("bench", "hf_bench", "tabular_bench", "comemo_2b")
+         "tabular_amp", "video_realsize")
+GPU_STEPS = ("pytest", "numerics", "int64", "bench", "hf_bench", "tabular_bench", "comemo_2b", "tabular_amp",
+             "video_realsize")
+TIMING_STEPS = ("bench", "hf_bench", "tabular_bench", "comemo_2b", "video_realsize")
 #: Seconds each step may take (``--box STEP=S`` overrides); steps 2-4 and 6 overlap, so the total stays
 #: under ``--budget-s`` (default 560 s: 9.5 minutes less process start-up).
 DEFAULT_BOXES = {"env": 30.0, "pytest": 200.0, "numerics": 200.0, "int64": 150.0, "bench": 230.0, "dispatch": 120.0,
                  "hf_bench": 100.0, "tabular_bench": 60.0, "comemo_2b": 150.0,
-                 "tabular_amp": 120.0}  # fmt: skip
+                 "tabular_amp": 120.0, "video_realsize": 60.0}  # fmt: skip
 #: Train rows of the tabular_bench step (100 features, 1,000 test rows, the published v1 sizes, fp32).
 TABULAR_ROWS = "10000,50000,100000"
 NUMERICS_SHARDS = 4
@@ -218,6 +222,14 @@ def _comemo_2b_job(out: Path, box: float) -> Job:
     return Job(step="comemo_2b", argv=argv, box_s=box, log=out / "logs" / "comemo_2b.log", extra={"json": path})
 
 
+def _video_realsize_job(out: Path, box: float) -> Job:
+    path = out / "video_realsize_gpu.json"
+    argv = [sys.executable, "-m", "benchmarks.video_realsize", "--device", "cuda", "--vision-layers", "39", "--frames",
+            "1K,4K", "--case-timeout", str(int(max(10, box / 2.2))), "--out", str(path)]  # fmt: skip
+    return Job(step="video_realsize", argv=argv, box_s=box, log=out / "logs" / "video_realsize.log",
+               extra={"json": path})
+
+
 def _tabular_amp_job(out: Path, box: float) -> Job:
     path = out / "tabular_amp_gpu.json"
     argv = [sys.executable, "-m", "benchmarks.tabular_amp", "--device", "cuda", "--out", str(path)]
@@ -275,6 +287,11 @@ def _finish(job: Job, out: Path) -> dict[str, Any]:
         data = read_json(job.extra["json"]) or {}
         rec["rows"] = data.get("cases", [])
         ok = rc == 0 and bool(rec["rows"]) and bool(data.get("ok"))
+    elif job.step == "video_realsize":
+        data = read_json(job.extra["json"]) or {}
+        rec["rows"] = [{k: c.get(k) for k in ("frames", "status", "cuda_peak_mb", "ms_per_frame_wall", "reason")}
+                       for c in data.get("cases", [])]
+        ok = rc == 0 and bool(rec["rows"]) and all(r["status"] == "ok" for r in rec["rows"])
     elif job.step == "bench":
         data = read_json(job.extra["json"]) or {}
         rec["targets"] = data.get("targets")
@@ -340,6 +357,9 @@ def summarize(report: dict[str, Any]) -> str:
         elif name == "tabular_amp" and rec.get("rows"):
             what = "; ".join(f"{r['case']}: max |p - fp32| {r.get('max_abs_diff_vs_here_fp32', float('nan')):.1e}, "
                              f"predict {r.get('predict_s')} s" for r in rec["rows"])
+        elif name == "video_realsize" and rec.get("rows"):
+            what = "; ".join(f"{r['frames']} frames: {r.get('cuda_peak_mb')} MB CUDA peak, {r.get('ms_per_frame_wall')} "
+                             f"ms/frame" for r in rec["rows"])
         lines.append({"step": name, "status": status, "seconds": rec.get("seconds"), "result": what})
     text = format_table(lines, ["step", "status", "seconds", "result"])
     targets = report["steps"].get("bench", {}).get("targets") or {}
@@ -440,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = bool(env.get("cuda_available"))
     if not cuda:
         print("gpu_check: no CUDA device on this machine; steps pytest, numerics, int64, bench, hf_bench, "
-              "tabular_bench, comemo_2b and tabular_amp need one "
+              "tabular_bench, comemo_2b, tabular_amp and video_realsize need one "
               "(recorded as skipped); running env and dispatch only.")  # fmt: skip
         for name in GPU_STEPS:
             if name in steps:
@@ -492,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Phase B: timings, alone on the GPU, one after the other.
     for name, make in (("bench", _bench_job), ("hf_bench", _hf_bench_job), ("tabular_bench", _tabular_bench_job),
-                       ("comemo_2b", _comemo_2b_job)):
+                       ("comemo_2b", _comemo_2b_job), ("video_realsize", _video_realsize_job)):
         if not (cuda and name in steps):
             continue
         box = min(boxes[name], deadline - time.monotonic())

@@ -19,7 +19,9 @@ same weights and the same videos:
   without sticky memories, mixed at ``--alpha`` (default 0.1, chosen on the development videos of
   ``--dev``; the published default is 0.75); the Q-former was trained without it (training-free: the
   default weights are ``video/weights/videoqa_nomem.safetensors``);
-- ``moviechat``: MovieChat's short-term buffer (18 frames, merged to 2) and long-term memory (256 frames);
+- ``moviechat``: MovieChat's short-term buffer (18 frames, merged to 2) and long-term memory (256 frames, its
+  released size); ``moviechat@N`` keeps a long-term memory of ``N`` frames (``N`` = the basis functions: an equal
+  budget);
 - ``infinite_memtrained`` (with ``--weights-memory``): ∞-Video with a model trained with the memory in the
   loop — not the published, training-free recipe, reported apart.
 
@@ -83,12 +85,17 @@ def split_method(name: str, alpha: float) -> tuple[str, float]:
 
 
 def pairs_for(methods: list[str]) -> list[tuple[str, str]]:
-    """The paired comparisons: every ∞-Video variant against the peers and its non-sticky twin at the same alpha."""
+    """The paired comparisons: every ∞-Video variant against the peers (every MovieChat memory size) and its
+    non-sticky twin at the same alpha."""
     out = list(PAIRS)
+    movie = [m for m in methods if m.partition("@")[0] == "moviechat" and m != "moviechat"]
     for m in methods:
         base, _, a = m.partition("@")
         if base == "infinite" and a:
             out += [(m, "chunks"), (m, "uniform"), (m, f"infinite_nosticky@{a}"), (m, "moviechat")]
+            out += [(m, mc) for mc in movie]
+        elif base == "infinite" and m == "infinite":
+            out += [(m, mc) for mc in movie]
     return out
 
 
@@ -154,6 +161,14 @@ def majority_answers(length: int, n: int, seed: int, balanced: int) -> dict[str,
     return {t: c.most_common(1)[0][0] for t, c in counts.items()}
 
 
+def _moviechat_size(name: str) -> int:
+    """``"moviechat@32"`` -> 32 (the long-term memory's frames)."""
+    size = name.partition("@")[2]
+    if not size.isdigit() or int(size) < 2:
+        raise SystemExit(f"moviechat@N needs a whole number of frames >= 2, got {name!r}")
+    return int(size)
+
+
 def _readers(args) -> dict[str, tuple]:
     """Method name -> (InfiniteVideo, model key); methods sharing a model share one encoding per video."""
     import torch
@@ -168,10 +183,14 @@ def _readers(args) -> dict[str, tuple]:
     out = {}
     for m in args.method_list:
         key = "memory" if m == "infinite_memtrained" else "main"
-        base, alpha = split_method(m, args.alpha)
+        movie = {}
+        if m.partition("@")[0] == "moviechat" and "@" in m:  # moviechat@N: a long-term memory of N frames
+            base, alpha, movie = "moviechat", args.alpha, {"moviechat_long": _moviechat_size(m)}
+        else:
+            base, alpha = split_method(m, args.alpha)
         cfg = InfiniteVideoConfig(method="infinite" if key == "memory" else base, chunk_size=args.chunk_size,
                                   num_basis=args.num_basis, num_frames=args.num_basis, alpha=alpha,
-                                  aggregate=args.aggregate, seed=args.seed)
+                                  aggregate=args.aggregate, seed=args.seed, **movie)
         iv = InfiniteVideo(models[key], cfg, device="cpu")
         models[key] = iv.model  # the shipped model, loaded once
         out[m] = (iv, key)
@@ -412,7 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balanced", type=int, default=3,
                    help="answer-balanced questions, up to this many per type and video (0: the old one per type)")
     p.add_argument("--chunk-size", type=int, default=32, help="frames per chunk")
-    p.add_argument("--num-basis", type=int, default=64, help="basis functions of the memory = frames uniform reads")
+    p.add_argument("--num-basis", type=int, default=None,
+                   help="basis functions of the memory = frames uniform reads (default: the chunk size, so every "
+                        "function gets frames from the first chunk on)")
     p.add_argument("--alpha", type=float, default=0.1,
                    help="short-term weight of the memory methods (0.1: chosen on the development videos; published 0.75)")
     p.add_argument("--dev", action="store_true", help="the development videos (another seed), not the reported ones")
@@ -443,10 +464,14 @@ def main(argv=None) -> int:
     if args.weights_memory and "infinite_memtrained" not in args.method_list:
         args.method_list.append("infinite_memtrained")
     for m in args.method_list:
-        if split_method(m, args.alpha)[0] not in METHODS_ALL:
+        if m.startswith("moviechat@"):
+            _moviechat_size(m)
+        elif split_method(m, args.alpha)[0] not in METHODS_ALL:
             raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS_ALL)}")
     if "infinite_memtrained" in args.method_list and not args.weights_memory:
         raise SystemExit("infinite_memtrained needs --weights-memory")
+    if args.num_basis is None:
+        args.num_basis = args.chunk_size
     if args.videos < 1 or args.chunk_size < 1 or args.num_basis < 1:
         raise SystemExit(f"--videos ({args.videos}), --chunk-size ({args.chunk_size}) and --num-basis "
                          f"({args.num_basis}) must be >= 1")

@@ -24,7 +24,12 @@ samples, and since every sample gets the same share of ``(0, tau]``, it is stret
 functions while the rest is compressed, never erased (every basis function of ``(0, tau]`` keeps samples).
 This is the placement of the released ∞-Video code; sampling evenly reduces to squeezing ``x_old(t)`` to
 ``x_old(t / tau)``. Drawn positions are sorted (time order is preserved) and every bin, the first
-included, can be drawn.
+included, can be drawn (:mod:`core.continuous_draws`; draws are an inverse CDF of the memory's seeded stream,
+or replayed from given bins). ``ContinuousMemoryConfig(reference=True)`` reproduces the released code's
+arithmetic instead (:mod:`core.continuous_reference`), its three known flaws each a switch of their own.
+
+Every basis function should receive samples: a first chunk of ``L`` frames fills at most ``L`` boxes, so
+``num_basis <= chunk size`` (:func:`check_basis_coverage` warns otherwise).
 
 Because sticky consolidation warps the time axis, the memory also carries a *source map*: for each
 integration point, the stream time (the caller's frame times, or frame counts) whose signal it holds.
@@ -33,12 +38,18 @@ integration point, the stream time (the caller's frame times, or frame counts) w
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
-from core.attention import attention
+from core import continuous_reference as _ref
+from core.continuous_attention import (  # the reading half, re-exported
+    attention_density,
+    continuous_attention,
+    continuous_attention_with_density,
+    mix_attention,
+    read_memory,
+)
 from core.continuous_basis import (  # the signal half, re-exported: core.continuous stays the one import
     BASIS_KINDS,
     BoxBasis,
@@ -49,6 +60,7 @@ from core.continuous_basis import (  # the signal half, re-exported: core.contin
     ridge_fit,
     trapezoid_grid,
 )
+from core.continuous_draws import density_histogram, draw_bins, sticky_positions, uniform_positions  # re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -65,172 +77,15 @@ __all__ = [
     "continuous_attention_with_density",
     "mix_attention",
     "density_histogram",
+    "draw_bins",
     "sticky_positions",
     "uniform_positions",
     "ContinuousMemoryConfig",
     "ContinuousMemory",
+    "read_memory",
+    "empty_basis_functions",
+    "check_basis_coverage",
 ]
-
-
-def continuous_attention(
-    q_BHQD: torch.Tensor,
-    k_BHTD: torch.Tensor,
-    v_BHTD: torch.Tensor,
-    logw_T: torch.Tensor,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Gibbs continuous attention ``∫ p(t) V(t) dt`` with ``p(t) ∝ exp(scale · q . K(t))``, by quadrature.
-
-    Args:
-        q_BHQD: queries ``(B, H, Q, D)``.
-        k_BHTD: keys evaluated at the ``T`` integration points, ``(B, H_kv, T, D)``.
-        v_BHTD: values evaluated at the same points, ``(B, H_kv, T, D_v)``.
-        logw_T: log quadrature weights ``(T,)`` (see :func:`trapezoid_grid`).
-        scale: score scale, default ``1/sqrt(D)``.
-        backend: attention backend name, passed to :func:`core.attention.attention`.
-
-    Returns:
-        Context vectors ``(B, H, Q, D_v)``. Normalising ``p`` by the same quadrature makes the
-        weights ``w_i exp(s_i) / sum_j w_j exp(s_j)``, i.e. softmax with bias ``log w``.
-    """
-    T = k_BHTD.shape[2]
-    if logw_T.shape != (T,):
-        raise ValueError(f"logw must be ({T},) to match the keys' integration points, got {tuple(logw_T.shape)}")
-    bias = logw_T.to(q_BHQD.dtype).view(1, 1, 1, T)
-    return attention(q_BHQD, k_BHTD, v_BHTD, attn_bias=bias, scale=scale, backend=backend)
-
-
-def attention_density(
-    q_BHQD: torch.Tensor,
-    k_BHTD: torch.Tensor,
-    logw_T: torch.Tensor,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """The Gibbs density ``p(t_i)`` at the integration points, averaged over heads and queries.
-
-    Returns:
-        ``(B, T)`` float32 with ``sum_i w_i p(t_i) = 1`` (a density on ``[0, 1]``, not a probability vector).
-    """
-    B, H, Q, D = q_BHQD.shape
-    Hkv = k_BHTD.shape[1]
-    if H % Hkv:
-        raise ValueError(f"key heads ({Hkv}) must divide query heads ({H})")
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    k = k_BHTD.float().repeat_interleave(H // Hkv, dim=1)  # (B, H, T, D)
-    scores = torch.einsum("bhqd,bhtd->bhqt", q_BHQD.float(), k) * scale + logw_T.float()
-    probs = scores.softmax(dim=-1)  # quadrature probabilities w_i p(t_i)
-    return probs.mean(dim=(1, 2)) / logw_T.float().exp()  # (B, T) density
-
-
-def continuous_attention_with_density(
-    q_BHQD: torch.Tensor,
-    k_BHTD: torch.Tensor,
-    v_BHTD: torch.Tensor,
-    logw_T: torch.Tensor,
-    *,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`continuous_attention` and :func:`attention_density` from one softmax over the points.
-
-    The two read the same quadrature probabilities ``w_i p(t_i)``; computing them once halves the
-    score work of a memory read. Scores and probabilities are float32.
-
-    Returns:
-        ``(context (B, H, Q, D_v)`` in the queries' dtype, ``density (B, T)`` float32).
-    """
-    B, H, Q, D = q_BHQD.shape
-    Hkv, T = k_BHTD.shape[1], k_BHTD.shape[2]
-    if logw_T.shape != (T,):
-        raise ValueError(f"logw must be ({T},) to match the keys' integration points, got {tuple(logw_T.shape)}")
-    if H % Hkv:
-        raise ValueError(f"key heads ({Hkv}) must divide query heads ({H})")
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    g = H // Hkv
-    q = q_BHQD.float().reshape(B, Hkv, g * Q, D)  # query heads grouped under their key head
-    logw = logw_T.float()
-    probs = torch.baddbmm(logw.expand(B * Hkv, g * Q, T), q.reshape(B * Hkv, g * Q, D),
-                          k_BHTD.float().reshape(B * Hkv, T, D).transpose(1, 2), alpha=scale).softmax(dim=-1)
-    out = torch.bmm(probs, v_BHTD.float().reshape(B * Hkv, T, -1))  # (B*Hkv, g*Q, D_v)
-    density = probs.reshape(B, H * Q, T).mean(dim=1) / logw.exp()
-    return out.reshape(B, H, Q, -1).to(q_BHQD.dtype), density
-
-
-def mix_attention(short_term: torch.Tensor, long_term: torch.Tensor | None, alpha: float) -> torch.Tensor:
-    """``alpha * short_term + (1 - alpha) * long_term``; ``alpha = 1`` or no memory gives ``short_term``."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
-    if long_term is None or alpha == 1.0:
-        return short_term
-    if long_term.shape != short_term.shape:
-        raise ValueError(f"short-term {tuple(short_term.shape)} and long-term {tuple(long_term.shape)} shapes differ")
-    return alpha * short_term + (1.0 - alpha) * long_term
-
-
-def density_histogram(density_BT: torch.Tensor, t_T: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """Probability mass of each of ``num_bins`` equal bins of ``[0, 1]`` under a density sampled at ``t_T``.
-
-    The density is integrated with the trapezoid rule on the sample points (each point's mass goes to
-    the bin it falls in, the last point to the last bin). Returns ``(B, num_bins)`` rows summing to 1.
-    """
-    if num_bins < 1:
-        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
-    T = t_T.numel()
-    if density_BT.dim() != 2 or density_BT.shape[1] != T:
-        raise ValueError(f"density must be (B, {T}), got shape {tuple(density_BT.shape)}")
-    if (density_BT < 0).any() or not torch.isfinite(density_BT).all():
-        raise ValueError("density must be finite and non-negative")
-    w = torch.full((T,), 1.0 / max(T - 1, 1), dtype=torch.float32, device=density_BT.device)
-    if T > 1:
-        w[0] = w[-1] = 0.5 / (T - 1)
-    mass_BT = density_BT.float() * w
-    idx = (t_T.to(density_BT.device).float() * num_bins).floor().long().clamp_(0, num_bins - 1)
-    hist = torch.zeros(density_BT.shape[0], num_bins, dtype=torch.float32, device=density_BT.device)
-    hist.index_add_(1, idx, mass_BT)
-    total = hist.sum(dim=1, keepdim=True)
-    if (total <= 0).any():
-        raise ValueError("density has zero mass")
-    return hist / total
-
-
-def uniform_positions(num_samples: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
-    """``num_samples`` evenly spaced positions in ``(0, 1)`` (centres of equal bins), sorted."""
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    return (torch.arange(num_samples, device=device, dtype=dtype) + 0.5) / num_samples
-
-
-def sticky_positions(
-    hist_BK: torch.Tensor,
-    num_samples: int,
-    *,
-    generator: torch.Generator | None = None,
-    jitter: bool = True,
-) -> torch.Tensor:
-    """Draw ``num_samples`` positions per row from a histogram over ``K`` bins of ``[0, 1]``; sorted.
-
-    Each draw picks bin ``k`` with probability ``hist[k]`` (every bin with mass is reachable, the first
-    included), then a position inside it: uniform in the bin with ``jitter``, else the bin's centre.
-    Positions are sorted ascending so the resampled signal keeps its time order, and lie in ``(0, 1]``.
-
-    Returns:
-        ``(B, num_samples)``.
-    """
-    if hist_BK.dim() != 2:
-        raise ValueError(f"histogram must be (B, K), got shape {tuple(hist_BK.shape)}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    B, K = hist_BK.shape
-    bins = torch.multinomial(hist_BK.float().cpu(), num_samples, replacement=True, generator=generator)  # (B, M)
-    if jitter:
-        # 1 - U with U in [0, 1) gives offsets in (0, 1]: the position stays inside its bin and above 0.
-        offset = 1.0 - torch.rand(B, num_samples, generator=generator)
-    else:
-        offset = torch.full((B, num_samples), 0.5)
-    pos = (bins.float() + offset) / K
-    return pos.sort(dim=1).values.to(hist_BK.device)
 
 
 def _interp_rows(values_BK: torch.Tensor, pos_BP: torch.Tensor) -> torch.Tensor:
@@ -256,6 +111,16 @@ class ContinuousMemoryConfig:
     sticky: bool = True  # draw the M sample positions from the last attention density instead of evenly
     num_bins: int = 128  # histogram bins of the density for sticky draws
     num_points: int = 1000  # trapezoid integration points of the continuous attention
+    reference: bool = False  # reproduce the released code's arithmetic (core.continuous_reference): padded fits,
+    # right-edge placement, half-open boxes, normalised Gaussians, projections on the coefficients, the density
+    # at the bin edges. The three fixes below are its known flaws, each its own switch
+    sort_draws: bool | None = None  # sort sticky draws so the resampled signal keeps its time order; None = not
+    # reference (the release keeps draw order)
+    all_bins: bool | None = None  # every density bin can be drawn, at its own place; None = not reference (the
+    # release drops the first bin's mass and reads each draw one bin to the left)
+    keep_last_frame: bool | None = None  # t = 1 belongs to the last box, so a chunk's last frame (placed there by
+    # the release), the last even old sample and the last integration point are kept; None = not reference.
+    # Only the reference placement puts anything at t = 1
 
     def __post_init__(self) -> None:
         if self.num_basis < 1:
@@ -268,10 +133,15 @@ class ContinuousMemoryConfig:
             raise ValueError(f"tau must lie in (0, 1), got {self.tau}")
         if self.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
-        if self.num_bins < 1:
-            raise ValueError(f"num_bins must be >= 1, got {self.num_bins}")
+        if self.num_bins < 1 or (self.reference and self.num_bins < 2):
+            raise ValueError(f"num_bins must be >= 1 (>= 2 with reference), got {self.num_bins}")
         if self.num_points < 2:
             raise ValueError(f"num_points must be >= 2, got {self.num_points}")
+        for name in ("sort_draws", "all_bins", "keep_last_frame"):
+            if getattr(self, name) is None:
+                setattr(self, name, not self.reference)
+        if not self.reference and not self.keep_last_frame:
+            raise ValueError("keep_last_frame=False needs reference=True: the project's placement puts no frame at t = 1")
 
 
 class ContinuousMemory:
@@ -286,9 +156,13 @@ class ContinuousMemory:
     """
 
     def __init__(self, config: ContinuousMemoryConfig | None = None, *, seed: int | None = None) -> None:
-        self.config = config or ContinuousMemoryConfig()
-        kw = {"width": self.config.gaussian_width} if self.config.basis == "gaussian" else {}
-        self.basis = make_basis(self.config.basis, self.config.num_basis, **kw)
+        self.config = cfg = config or ContinuousMemoryConfig()
+        kw = {"width": cfg.gaussian_width} if cfg.basis == "gaussian" else {}
+        if cfg.reference:
+            self.basis = _ref.reference_basis(cfg.basis, cfg.num_basis, width=cfg.gaussian_width,
+                                              keep_last_frame=cfg.keep_last_frame)
+        else:
+            self.basis = make_basis(cfg.basis, cfg.num_basis, **kw)
         self._seed = seed
         # Tensors that depend only on the configuration (positions, basis values, the ridge solve for fixed
         # positions), built on first use per device and kept across reset(): see _cached.
@@ -300,6 +174,9 @@ class ContinuousMemory:
         self.coef: torch.Tensor | None = None  # (B, N, D)
         self.density: torch.Tensor | None = None  # (B, T) last attention density at the integration points
         self.source: torch.Tensor | None = None  # (B, T) stream time held at each integration point
+        self.last_read: tuple | None = None  # reference: (queries, key coefficients, scale) of the last read
+        self.samples: torch.Tensor | None = None  # reference: (B, M, D) old values sampled by the last consolidation
+        self.last_positions: torch.Tensor | None = None  # (B, M) where the last consolidation read the old signal
         self.num_chunks = 0
         self.num_frames = 0
         self._generator = torch.Generator()
@@ -356,11 +233,15 @@ class ContinuousMemory:
             return A_old, A_NP[:, M:].contiguous(), A_old @ self.basis(s_M).T
         return self._cached(("maps", L, str(device)), build)
 
-    def resample_positions(self, batch: int, device=None) -> torch.Tensor:
-        """Positions ``(B, M)`` in ``(0, 1]`` at which the old signal is sampled for consolidation."""
+    def resample_positions(self, batch: int, device=None, *, bins: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions ``(B, M)`` in ``(0, 1]`` at which the old signal is sampled for consolidation.
+
+        ``bins`` replays sticky draws (see :func:`core.continuous_draws.sticky_positions`).
+        """
         cfg = self.config
         if cfg.sticky and self.density is not None:
-            return sticky_positions(self._histogram(), cfg.num_samples, generator=self._generator).to(device)
+            return sticky_positions(self._histogram(), cfg.num_samples, generator=self._generator,
+                                    sort=cfg.sort_draws, all_bins=cfg.all_bins, bins=bins).to(device)
         return uniform_positions(cfg.num_samples, device=device).expand(batch, -1)
 
     def _histogram(self) -> torch.Tensor:
@@ -378,7 +259,8 @@ class ContinuousMemory:
             raise ValueError("density has zero mass")
         return hist / total
 
-    def update(self, x_BLD: torch.Tensor, times_BL: torch.Tensor | None = None) -> None:
+    def update(self, x_BLD: torch.Tensor, times_BL: torch.Tensor | None = None, *,
+               bins: torch.Tensor | None = None) -> None:
         """Consolidate a new chunk ``(B, L, D)`` (one vector per frame) into the memory.
 
         Args:
@@ -386,6 +268,8 @@ class ContinuousMemory:
             times_BL: the stream time of each frame, ``(B, L)`` or ``(L,)``, increasing (e.g. its time in
                 the video); only used for the source map (:meth:`source_times`). Default: frame counts,
                 ``n + 1/2`` for the ``n``-th frame fed since :meth:`reset`.
+            bins: ``(B, M)`` sticky draws to replay instead of drawing (indices into the bins that can be drawn:
+                all ``num_bins``, or the ``num_bins - 1`` after the first without ``all_bins``).
 
         Old samples are placed evenly on ``(0, tau]`` whatever positions they were drawn at, so the fit
         positions depend only on ``L`` and the refit is two cached matrix products (:meth:`_fixed_maps`);
@@ -406,7 +290,9 @@ class ContinuousMemory:
             raise ValueError(f"times must be ({L},) or ({B}, {L}) to match the chunk, got {tuple(times_BL.shape)}")
         times_BL = times_BL.expand(B, L)
         t_T = self.grid(device=dev)[0]
-        if self.coef is None:
+        if cfg.reference:
+            self._update_reference(x, bins)
+        elif self.coef is None:
             self.coef = _ridge_fit(x, self._new_positions(L, True, dev), self.basis, cfg.ridge)
             self.source = _interp_rows(times_BL, (t_T * L - 0.5).expand(B, -1))
         else:
@@ -419,7 +305,7 @@ class ContinuousMemory:
                 s_BM = uniform_positions(M, device=dev).expand(B, -1)
                 coef_old = torch.matmul(R_old, self.coef)
             else:
-                s_BM = self.resample_positions(B, device=dev)  # sorted
+                s_BM = self.resample_positions(B, device=dev, bins=bins)
                 # the old signal at s_m, placed at u_m = tau (m - 1/2) / M
                 if isinstance(self.basis, BoxBasis):
                     idx = self.basis.index(s_BM)  # (B, M)
@@ -429,9 +315,45 @@ class ContinuousMemory:
                     old_BMD = torch.einsum("nbm,bnd->bmd", psi_NBM, self.coef)
                 coef_old = torch.matmul(A_old, old_BMD)
             self.coef = coef_old + torch.matmul(A_new, x)
-            self.source = self._next_source(s_BM, times_BL, t_T)
+            self.source = self._next_source(s_BM.sort(dim=1).values, times_BL, t_T)
+            self.last_positions = s_BM
+        if cfg.reference:
+            if self.source is None:
+                self.source = _interp_rows(times_BL, (t_T * L - 0.5).expand(B, -1))
+            else:
+                self.source = self._next_source(self.last_positions.sort(dim=1).values.clamp(0, 1), times_BL, t_T)
         self.num_chunks += 1
         self.num_frames += L
+
+    def _update_reference(self, x_BLD: torch.Tensor, bins: torch.Tensor | None) -> None:
+        """:meth:`update` with the released code's arithmetic (:mod:`core.continuous_reference`)."""
+        cfg = self.config
+        B, L, D = x_BLD.shape
+        dev = x_BLD.device
+        if self.coef is None:
+            A = self._cached(("ref_first", L), lambda: _ref.first_fit_matrix(self.basis, L, cfg.ridge))
+            self.coef = torch.matmul(A.to(dev), x_BLD)
+            return
+        if cfg.sticky and self.last_read is not None:
+            q, kc, scale = self.last_read
+            p = _ref.draw_probabilities(q, kc, self.basis, scale, cfg.num_bins, all_bins=cfg.all_bins)
+            if bins is None:
+                bins = _draw(p, cfg.num_samples, self._generator)
+            elif tuple(bins.shape) != (B, cfg.num_samples) or bins.min() < 0 or bins.max() >= p.shape[1]:
+                raise ValueError(f"bins must be ({B}, {cfg.num_samples}) indices in [0, {p.shape[1]}), got shape "
+                                 f"{tuple(bins.shape)}")
+            self.draw_probabilities = p
+            s_BM = _ref.bin_edges(cfg.num_bins)[bins.cpu()].to(dev)  # draw b at the left edge of bin b
+            if cfg.sort_draws:
+                s_BM = s_BM.sort(dim=1).values
+        else:
+            s_BM = _ref.even_sample_positions(cfg.num_samples, cfg.tau).to(dev).expand(B, -1)
+        psi_NBM = self.basis(s_BM.reshape(-1)).reshape(cfg.num_basis, B, -1)
+        self.samples = torch.einsum("nbm,bnd->bmd", psi_NBM, self.coef)  # the old signal at s, in draw order
+        A = self._cached(("ref_later", L),
+                         lambda: _ref.later_fit_matrix(self.basis, L, cfg.num_samples, cfg.tau, cfg.ridge))
+        self.coef = torch.matmul(A.to(dev), torch.cat([self.samples, x_BLD], dim=1))
+        self.last_positions = s_BM
 
     def _next_source(self, s_BM: torch.Tensor, times_BL: torch.Tensor, t_T: torch.Tensor) -> torch.Tensor:
         """The source map after a consolidation that sampled the old signal at ``s_BM`` (sorted)."""
@@ -479,6 +401,11 @@ class ContinuousMemory:
             raise ValueError("the memory is empty: call update() with a chunk first")
         B, N, D = self.coef.shape
         dev = self.coef.device
+        if self.config.reference:  # the release: f on the coefficients, f(x(t)) read as psi(t)^T f(coef)
+            out = fn(self.coef)
+            psi_TN = self._grid_basis(dev).T
+            return tuple(psi_TN.to(o.dtype) @ o for o in (out if isinstance(out, tuple) else (out,))), \
+                self.grid(device=dev)[1]
         box = isinstance(self.basis, BoxBasis)
         # a box basis is one-hot at every point (x(t_i) = c_{box(t_i)}), so f(x(t_i)) = f(c_{box(t_i)}): a gather
         out = fn(self.coef if box else torch.cat([self.coef, self.coef.new_zeros(B, 1, D)], dim=1))
@@ -499,11 +426,21 @@ class ContinuousMemory:
             res.append(val + f0)
         return tuple(res), self.grid(device=dev)[1]
 
-    def set_density(self, density_BT: torch.Tensor) -> None:
-        """Record the attention density ``(B, T)`` at the integration points (used by sticky resampling)."""
+    def set_density(self, density_BT: torch.Tensor, *, last_read: tuple | None = None) -> None:
+        """Record the attention density ``(B, T)`` at the integration points (used by sticky resampling).
+
+        With ``reference``, sticky draws need the density at other points: ``last_read`` = ``(queries (B, H, Q, d),
+        key coefficients (B, H, N, d), scale)`` of the read (:func:`read_memory` passes it).
+        """
         if density_BT.dim() != 2 or density_BT.shape[1] != self.config.num_points:
             raise ValueError(f"density must be (B, {self.config.num_points}), got {tuple(density_BT.shape)}")
         self.density = density_BT.detach().float()
+        if last_read is not None:
+            q, kc, scale = last_read
+            self.last_read = (q.detach().float(), kc.detach().float(), float(scale))
+        elif self.config.reference and self.config.sticky:
+            raise ValueError("a reference memory's sticky draws need the read's queries and key coefficients: "
+                             "set_density(density, last_read=(q, key_coef, scale)), as read_memory does")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The coefficients (and the last density, if any) as tensors."""
@@ -519,3 +456,49 @@ class ContinuousMemory:
     def nbytes(self) -> int:
         """Bytes held by the state (independent of how many frames went in)."""
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+
+def _draw(prob_BK: torch.Tensor, num_samples: int, generator: torch.Generator) -> torch.Tensor:
+    return draw_bins(prob_BK, torch.rand(prob_BK.shape[0], num_samples, generator=generator))
+
+
+def empty_basis_functions(config: ContinuousMemoryConfig, chunk_size: int) -> tuple[int, int]:
+    """How many basis functions get no sample from a chunk of ``chunk_size`` frames: ``(first chunk, later chunks)``.
+
+    Later chunks: the old samples and the new frames at their fixed fit positions. A box gets a sample when a
+    position falls in it; a Gaussian when a position lies within one width of its centre.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    cfg, L, M = config, chunk_size, config.num_samples
+    mem = ContinuousMemory(cfg, seed=0)
+    if cfg.reference:
+        first = (torch.arange(L) + 0.5) / L
+        later = torch.cat([torch.arange(1, M + 1).float() * cfg.tau / M,
+                           cfg.tau + (1 - cfg.tau) * torch.arange(1, L + 1).float() / L])
+    else:
+        first = mem._new_positions(L, True, "cpu")
+        later = torch.cat([cfg.tau * uniform_positions(M), mem._new_positions(L, False, "cpu")])
+
+    def empty(t: torch.Tensor) -> int:
+        if cfg.basis == "box":
+            return int((mem.basis(t).sum(dim=1) == 0).sum())
+        width = mem.basis.width
+        centres = torch.linspace(0, 1, cfg.num_basis) if cfg.num_basis > 1 else torch.full((1,), 0.5)
+        return int(((t[None, :] - centres[:, None]).abs().min(dim=1).values > width).sum())
+    return empty(first), empty(later)
+
+
+def check_basis_coverage(config: ContinuousMemoryConfig, chunk_size: int, *, where: str = "") -> tuple[int, int]:
+    """:func:`empty_basis_functions`, with a ``UserWarning`` naming the fix when any function is left empty."""
+    first, later = empty_basis_functions(config, chunk_size)
+    if first or later:
+        import warnings
+
+        N, L = config.num_basis, chunk_size
+        warnings.warn(f"{where + ': ' if where else ''}{first} of {N} basis functions get no frame from the first "
+                      f"chunk of {L} frames and {later} stay empty after each later chunk, so the memory reads them "
+                      f"as zero vectors; use num_basis <= chunk_size (num_basis={L}: one function per frame of a "
+                      f"chunk, as Video-LLaMA's 256 frames / 256 functions) or chunk_size >= num_basis "
+                      f"(chunk_size={N})", UserWarning, stacklevel=3)
+    return first, later

@@ -118,7 +118,7 @@ def _reference(folder, path, question):
 def test_alpha_one_equals_the_unmodified_model_bit_for_bit(tiny, clips):
     path = clips / "one_chunk.mp4"
     model, inputs, feats, ids = _reference(tiny, path, Q)
-    lm = _lm(tiny, method="infinite", alpha=1.0)
+    lm = _lm(tiny, method="infinite", alpha=1.0, chunk_size=4)  # one clip of the model's own length
     res = lm.ingest(path, [Q])
     assert res.num_chunks == 1 and res.features.shape == (1, 16, 64)
     assert torch.equal(res.features[0], feats)
@@ -138,18 +138,22 @@ def test_alpha_one_equals_the_unmodified_model_bit_for_bit(tiny, clips):
 
 def test_the_memory_changes_the_output_when_alpha_is_below_one(tiny, clips):
     path = clips / "long.mp4"  # 10 chunks of 4 frames
-    base = _lm(tiny, method="chunks").ingest(path, [Q, "how many"])
+    base = _lm(tiny, method="chunks", chunk_size=4).ingest(path, [Q, "how many"])
     assert base.num_chunks == 10 and base.coefficients is None
-    mem = _lm(tiny, method="infinite", alpha=0.5).ingest(path, [Q, "how many"])
-    nosticky = _lm(tiny, method="infinite_nosticky", alpha=0.5).ingest(path, [Q, "how many"])
+    mem = _lm(tiny, method="infinite", alpha=0.5, chunk_size=4).ingest(path, [Q, "how many"])
+    nosticky = _lm(tiny, method="infinite_nosticky", alpha=0.5, chunk_size=4).ingest(path, [Q, "how many"])
     assert (mem.features - base.features).abs().max() > 1e-3
     assert (mem.features - nosticky.features).abs().max() > 1e-5  # sticky resampling changes what is kept
-    assert len(mem.coefficients) == 2 and mem.coefficients[0].shape == (2, 64, 32)  # per layer, per question
+    # per layer, per question; one basis function per frame of a chunk (num_basis None = the chunk size)
+    assert len(mem.coefficients) == 2 and mem.coefficients[0].shape == (2, 4, 32)
     assert torch.isfinite(mem.features).all()
     # alpha = 1 with the memory method is the chunk baseline exactly; "last" is the last chunk's read-out
-    assert torch.equal(_lm(tiny, method="infinite", alpha=1.0).ingest(path, [Q]).features, base.features[:1])
-    last = _lm(tiny, method="chunks", aggregate="last").ingest(path, [Q]).features
+    assert torch.equal(_lm(tiny, method="infinite", alpha=1.0, chunk_size=4).ingest(path, [Q]).features,
+                       base.features[:1])
+    last = _lm(tiny, method="chunks", aggregate="last", chunk_size=4).ingest(path, [Q]).features
     assert not torch.equal(last, base.features[:1])
+    default = _lm(tiny, method="chunks").ingest(path, [Q])  # default chunks: 16 frames (the last padded)
+    assert default.num_chunks == 3 and default.features.shape == (1, 64, 64)
     uni = _lm(tiny, method="uniform").ingest(path, [Q])
     assert uni.num_chunks == 1 and uni.frames_read == 4
 
@@ -213,29 +217,108 @@ def test_a_bare_blip2_qformer_with_a_causal_lm(tmp_path):
 
 
 def test_batch_cli_and_the_demo_accept_an_hf_model(tiny, clips, tmp_path):
+    import csv
+
     from safetensors import safe_open
 
     from apps.infinite_video.ui import run_free_text
     from core.infra.cli import run_cli
-    from video.batch import main
+    from video.batch import main, question_id
 
     vids = tmp_path / "videos"
     vids.mkdir()
     (vids / "long.mp4").write_bytes((clips / "long.mp4").read_bytes())
+    (vids / "short.mp4").write_bytes((clips / "one_chunk.mp4").read_bytes())
     out = tmp_path / "out"
     argv = ["--model", f"hf:{tiny}", "--videos", str(vids), "--out", str(out), "--alpha", "0.5",
             "--max-new-tokens", "2", "--device", "cpu"]  # fmt: skip
-    assert run_cli(main, argv) == 0
-    with safe_open(str(out / "long.mp4.safetensors"), "pt") as f:
-        assert f.get_tensor("features").shape == (16, 64) and "layer1.coef" in f.keys()
+    assert run_cli(main, [*argv, "--prompt", Q]) == 0
+    with safe_open(str(out / f"long.mp4.{question_id(Q)}.safetensors"), "pt") as f:
+        assert f.get_tensor("features").shape == (64, 64) and "layer1.coef" in f.keys()  # 16-frame chunks x 4 queries
         meta = f.metadata()
-    assert meta["chunks"] == "10" and "answer" in meta and json.loads(meta["settings"])["reader"]["alpha"] == 0.5
-    assert run_cli(main, [*argv[:-5], "0.25", "--device", "cpu"]) == 2  # other settings: refused
+    assert meta["chunks"] == "3" and meta["question"] == Q and json.loads(meta["settings"])["reader"]["alpha"] == 0.5
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert [(r["video"], r["question"]) for r in rows] == [("long.mp4", Q), ("short.mp4", Q)]
+    assert all(isinstance(r["answer"], str) for r in rows) and rows[0]["answer"] == meta["answer"]
+    assert [r["video"] for r in csv.DictReader((out / "answers.csv").open())] == ["long.mp4", "short.mp4"]
+    # a second prompt for the same folder adds its files (not refused); several questions per video from a file,
+    # each video read once for all of them; the question asked before is skipped
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text("\n".join(json.dumps(r) for r in [{"video": "long.mp4", "question": "how many"},
+                                                       {"video": "long.mp4", "question": Q},
+                                                       {"question": "a red blue green video"}]))  # fmt: skip
+    assert run_cli(main, [*argv, "--questions", str(qfile)]) == 0
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert sorted((r["video"], r["question"]) for r in rows) == sorted(
+        [("long.mp4", Q), ("long.mp4", "how many"), ("long.mp4", "a red blue green video"), ("short.mp4", Q),
+         ("short.mp4", "a red blue green video")])  # fmt: skip
+    manifest = {r["video"]: r for r in csv.DictReader((out / "manifest.csv").open())}
+    assert manifest["long.mp4"]["questions"] == "2"  # one read of long.mp4 for its two new questions
+    (tmp_path / "q.txt").write_text("what colour is the square\n")
+    assert run_cli(main, [*argv, "--questions", str(tmp_path / "q.txt")]) == 0  # done before: nothing to do
+    assert run_cli(main, [*argv[:-5], "0.25", "--device", "cpu", "--prompt", Q]) == 2  # other settings: refused
     assert run_cli(main, [*argv[:6], "--method", "moviechat"]) == 2
+    # a transformers folder without hf: points to hf:DIR; a GPU asked for by name that is not there: one line, exit 2
+    assert run_cli(main, ["--model", str(tiny), "--videos", str(vids), "--out", str(tmp_path / "o2")]) == 2
+    if not torch.cuda.is_available():
+        assert run_cli(main, [*argv[:6], "--device", "cuda"]) == 2
     text = run_free_text(None, str(clips / "long.mp4"), f"hf:{tiny}", Q, "infinite", 0.5, 2)
-    assert "**A:**" in text and "10 chunk(s)" in text
+    assert "**A:**" in text and "3 chunk(s)" in text
     with pytest.raises(ValueError, match="hf:DIR"):
         run_free_text(None, str(clips / "long.mp4"), "", Q)
+
+
+def test_cli_messages_for_a_folder_without_hf_and_a_missing_gpu(tiny, tmp_path):
+    videos = tmp_path / "v"
+    videos.mkdir()
+    random_video(videos / "a.mp4", 4)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "video.batch", "--videos", str(videos), "--out",  # noqa: E731
+                                     str(tmp_path / "o"), *a], capture_output=True, text=True, env=env, cwd=ROOT)
+    done = run("--model", str(tiny))
+    assert done.returncode == 2 and f"--model hf:{tiny}" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    done = run("--model", f"hf:{tiny}", "--device", "cuda")
+    assert done.returncode == 2 and "no CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_python_api_shows_progress_over_frames_and_can_hide_it(tiny, clips, capsys, monkeypatch):
+    import tqdm as tqdm_module
+
+    bars = []
+
+    class Recorded(tqdm_module.tqdm):  # what the bar counted, whatever tqdm's redraw interval lets reach stderr
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.shown, self.what = not self.disable, k.get("unit")  # tqdm sets disable on close
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
+    lm = _lm(tiny, method="chunks")
+    lm.ingest(clips / "long.mp4", [Q])
+    frame_bars = [b for b in bars if b.what == "frame"]
+    assert len(frame_bars) == 1 and frame_bars[0].shown
+    assert (frame_bars[0].n, frame_bars[0].total) == (40, 40)
+    assert "frame" in capsys.readouterr().err
+    bars.clear()
+    lm.ingest(clips / "long.mp4", [Q], progress=False)
+    assert [b.shown for b in bars if b.what == "frame"] == [False]
+    assert "frame" not in capsys.readouterr().err
+
+
+def test_a_short_last_chunk_is_padded_by_repeating_its_last_frame(tiny):
+    """Reading a short last chunk equals reading it padded by hand with copies of its last frame (features, memory)."""
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (11, 32, 32, 3), dtype=np.uint8)
+    idx = np.arange(11)
+    pad = np.r_[np.arange(8, 11), np.full(5, 10)]
+    lm = _lm(tiny, method="infinite", chunk_size=8, alpha=0.5)
+    short = lm.read_chunks(iter([(frames[:8], idx[:8]), (frames[8:], idx[8:])]), 11, [Q])
+    padded = lm.read_chunks(iter([(frames[:8], idx[:8]), (frames[pad], idx[pad])]), 11, [Q])
+    assert short.frames_read == 11 and short.num_chunks == 2
+    torch.testing.assert_close(short.features, padded.features, rtol=0, atol=0)
+    for a, b in zip(short.coefficients, padded.coefficients, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_recipe_runs_end_to_end_on_the_tiny_model(tiny, clips, tmp_path):
@@ -258,7 +341,7 @@ def test_recipe_runs_end_to_end_on_the_tiny_model(tiny, clips, tmp_path):
     assert set(summary["methods"]) == {"uniform", "chunks", "infinite_nosticky", "infinite"}
     assert summary["questions"] == 2 and summary["majority"]["accuracy"] == 0.5
     rec = json.loads((out / "infinite" / "long.mp4.json").read_text())
-    assert rec["chunks"] == 10 and len(rec["questions"]) == 1
+    assert rec["chunks"] == 3 and len(rec["questions"]) == 1  # 40 frames in chunks of 16
     assert run_cli(main, [*argv, "--alpha", "0.5"]) == 2  # other settings: refused without --overwrite
     assert run_cli(main, [*argv[:2], "--videos", str(vids), "--questions", str(qfile), "--out", str(out),
                           "--methods", "moviechat"]) == 2  # fmt: skip

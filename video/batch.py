@@ -1,7 +1,7 @@
 """Batch ingestion: one consolidated memory file per video, resumable, shardable.
 
     python -m video.batch --videos DIR --out DIR [--shard I/N] [--skip-errors] [--overwrite] [--time-limit S]
-    python -m video.batch --model hf:DIR --videos DIR --out DIR [--prompt TEXT] [--max-new-tokens N] [--alpha A]
+    python -m video.batch --model hf:DIR --videos DIR --out DIR [--prompt TEXT] [--questions FILE] [--max-new-tokens N]
 
 For each video (sorted by name; shard ``I`` of ``N`` takes every ``N``-th starting at ``I``) it writes
 ``OUT/<file name>.safetensors`` (``a.mp4.safetensors``: ``a.mp4`` and ``a.mkv`` do not collide) holding the
@@ -9,10 +9,15 @@ query embeddings of every chunk (``chunk_outputs`` (C, Q, D), ``chunk_times`` (C
 each Q-former layer's memory (``layer<i>.coef`` (N, D) basis coefficients and ``layer<i>.density`` (T,), the last
 attention density), with the reading settings in the metadata.
 
-With ``--model hf:DIR`` (a local transformers InstructBLIP-Video, :mod:`video.hf`) the Q-former reads ``--prompt``
-as its instruction and each file holds ``features`` (the LLM inputs, mean over chunks, ``(F * Q, D_llm)``) and each
-cross-attention layer's memory (``layer<i>.coef``, ``layer<i>.density``); ``--max-new-tokens N`` also generates the
-answer to the prompt (metadata ``answer``).
+With ``--model hf:DIR`` (a local transformers InstructBLIP-Video, :mod:`video.hf`) each video is read once for all
+of its questions (``--prompt`` for every video, and ``--questions FILE``: a ``.txt`` file with one question per line
+for every video, or JSON / JSONL / CSV records ``{video, question}``), since the Q-former reads each question as its
+instruction. One file per video and question, ``OUT/<file name>.q<12 hex digits of the question's SHA-256>.safetensors``,
+holds ``features`` (the LLM inputs, mean over chunks, ``(F * Q, D_llm)``) and each cross-attention layer's memory
+(``layer<i>.coef``, ``layer<i>.density``), with the question and the generated answer (``--max-new-tokens``, default 32;
+0 = none) in its metadata; ``answers.jsonl`` and ``answers.csv`` beside them list ``video, question, answer, file`` for
+every answered question in the folder's videos (``answers_<I>of<N>.*`` per shard). A new question for the same
+``--out`` adds files; a question asked before is skipped.
 
 Settings: each file's metadata holds ``settings`` (JSON) and ``settings_fingerprint``: every reading setting
 (method, chunk size, fps, memory settings, ...) and the model's identity (its config, frame encoder included, and
@@ -29,14 +34,17 @@ video. ``OUT/locks/<file name>.lock`` keeps two workers (on any host sharing the
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import time
 from pathlib import Path
 
 from core.infra.cli import UsageError, capped_int, fraction, nonempty_path, positive_float, run_cli
+from core.infra.device import add_device_options, device_from_args
 from core.infra.fileio import check_writable
 from core.infra.guard import check_outputs
 from core.infra.jobs import (
@@ -91,7 +99,7 @@ def process_video(iv, path: Path, out_file: Path, *, settings: dict | None = Non
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
-    mem = iv.ingest(path)
+    mem = iv.ingest(path, progress=False)  # the job's bar counts videos
     tensors = {"chunk_outputs": mem.chunk_outputs.contiguous(), "chunk_times": mem.chunk_times.contiguous()}
     for i, c in enumerate(mem.coefficients):
         tensors[f"layer{i}.coef"] = c.contiguous()
@@ -159,45 +167,147 @@ def run_batch(videos, out, *, iv=None, shard: tuple[int, int] = (0, 1), skip_err
     return _run(videos, cfg, iv)
 
 
+DEFAULT_PROMPT = "Describe what happens in the video."
+
+
+def question_id(question: str) -> str:
+    """The file tag of a question: ``q`` + 12 hex digits of its SHA-256."""
+    return "q" + hashlib.sha256(question.encode("utf-8")).hexdigest()[:12]
+
+
+def load_prompts(path) -> tuple[dict[str, list[str]], list[str]]:
+    """Questions per video and questions for every video from a ``--questions`` file.
+
+    ``.txt``: one question per line, for every video. JSON (a list), JSONL or CSV: records with ``video`` and
+    ``question`` (or ``text``, or a ``questions`` list of strings or such records); a record without ``video`` is
+    asked of every video. Answers in the file, if any, are ignored (``video.recipes.instructblip_video`` scores them).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--questions: file not found: {str(path)!r}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix.lower() == ".txt":
+        qs = [line.strip() for line in text.splitlines() if line.strip()]
+        if not qs:
+            raise UsageError(f"--questions {path}: no questions (one per line)")
+        return {}, qs
+    try:
+        if path.suffix.lower() == ".csv":
+            records = list(csv.DictReader(io.StringIO(text)))
+        elif path.suffix.lower() == ".jsonl":
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            records = json.loads(text)
+    except (json.JSONDecodeError, csv.Error) as err:
+        raise UsageError(f"--questions {path}: not a questions file ({err}); expected .txt (one question per line), "
+                         f"JSON, JSONL or CSV records with video and question") from None
+    if not isinstance(records, list):
+        raise UsageError(f"--questions {path}: expected a list of records with video and question")
+    per_video: dict[str, list[str]] = {}
+    every: list[str] = []
+    for r in records:
+        if not isinstance(r, dict):
+            raise UsageError(f"--questions {path}: each record must be an object, got {str(r)[:80]!r}")
+        items = r["questions"] if isinstance(r.get("questions"), list) else [r]
+        for q in items:
+            qt = q if isinstance(q, str) else (q.get("question") or q.get("text")) if isinstance(q, dict) else None
+            if not qt or not str(qt).strip():
+                raise UsageError(f"--questions {path}: each record needs 'question' (or 'text'), got {str(q)[:80]!r}")
+            (per_video.setdefault(str(r["video"]), []) if r.get("video") else every).append(str(qt).strip())
+    if not per_video and not every:
+        raise UsageError(f"--questions {path}: no questions")
+    return per_video, every
+
+
 class _HFVideoJob(_VideoJob):
-    """The per-video work with a transformers Q-former video-LLM (:class:`video.hf.InfiniteVideoLM`)."""
+    """The per-video work with a transformers Q-former video-LLM (:class:`video.hf.InfiniteVideoLM`): one read of the
+    video for all of its questions, one output file per question."""
 
-    extra_fields = ("frames", "chunks")
+    extra_fields = ("frames", "chunks", "questions")
 
-    def __init__(self, lm, out: Path, prompt: str, max_new_tokens: int):
+    def __init__(self, lm, out: Path, questions: dict[str, list[str]], max_new_tokens: int):
         super().__init__(lm, out)
-        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+        self.max_new_tokens = max_new_tokens
+        # questions answered before first: the runner counts a video done when its last output exists
+        done = lambda v, q: (self.out / f"{v}.{question_id(q)}.safetensors").exists()  # noqa: E731
+        self.questions = {v: sorted(qs, key=lambda q: not done(v, q)) for v, qs in questions.items()}
+
+    def outputs(self, item: Item) -> list[str]:
+        return [str(self.out / f"{item.key}.{question_id(q)}.safetensors") for q in self.questions[item.key]]
 
     def run_settings(self) -> dict:
         if self._settings is None:
-            self._settings = {**self.iv.settings(), "prompt": self.prompt, "max_new_tokens": self.max_new_tokens}
+            self._settings = {**self.iv.settings(), "max_new_tokens": self.max_new_tokens}
         return self._settings
+
+    def settings(self, item: Item) -> dict[str, dict]:
+        return {p: {**self.run_settings(), "question": q}
+                for p, q in zip(self.outputs(item), self.questions[item.key])}
 
     def process(self, item: Item) -> dict:
         from safetensors.torch import save_file
 
-        res = self.iv.ingest(item.path, [self.prompt])
-        tensors = {"features": res.features[0].float().contiguous().cpu()}
-        for i, c in enumerate(res.coefficients or []):
-            tensors[f"layer{i}.coef"] = c[0].contiguous()
-        for i, d in enumerate(res.densities or []):
-            tensors[f"layer{i}.density"] = d[0].contiguous()
-        meta = {"video": Path(item.path).name, "method": res.method, "num_frames": str(res.num_frames),
-                "frames_read": str(res.frames_read), "chunks": str(res.num_chunks), "prompt": self.prompt}
-        if self.max_new_tokens:
-            ids = self.iv.generate(res.features[0], self.prompt, max_new_tokens=self.max_new_tokens)
-            meta["answer"] = self.iv.tokenizer.decode(ids, skip_special_tokens=True).strip()
-        settings = self.run_settings()
-        meta["settings"] = json.dumps(canonical_settings(settings), sort_keys=True)
-        meta["settings_fingerprint"] = settings_fingerprint(settings)
-        with atomic_write(Path(self.outputs(item)[0])) as tmp:
-            save_file(tensors, tmp, metadata=meta)
-        return {"frames": res.frames_read, "chunks": res.num_chunks}
+        todo = [(p, q) for p, q in zip(self.outputs(item), self.questions[item.key]) if not Path(p).exists()]
+        if not todo:
+            return {"frames": 0, "chunks": 0, "questions": 0}
+        res = self.iv.ingest(item.path, [q for _, q in todo])
+        wanted = self.settings(item)
+        for k, (p, q) in enumerate(todo):
+            tensors = {"features": res.features[k].float().contiguous().cpu()}
+            for i, c in enumerate(res.coefficients or []):
+                tensors[f"layer{i}.coef"] = c[k].contiguous()
+            for i, d in enumerate(res.densities or []):
+                tensors[f"layer{i}.density"] = d[k].contiguous()
+            meta = {"video": Path(item.path).name, "method": res.method, "num_frames": str(res.num_frames),
+                    "frames_read": str(res.frames_read), "chunks": str(res.num_chunks), "question": q, "prompt": q}
+            if self.max_new_tokens:
+                ids = self.iv.generate(res.features[k], q, max_new_tokens=self.max_new_tokens)
+                meta["answer"] = self.iv.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            meta["settings"] = json.dumps(canonical_settings(wanted[p]), sort_keys=True)
+            meta["settings_fingerprint"] = settings_fingerprint(wanted[p])
+            with atomic_write(Path(p)) as tmp:
+                save_file(tensors, tmp, metadata=meta)
+        return {"frames": res.frames_read, "chunks": res.num_chunks, "questions": len(todo)}
 
 
-def _run(videos, cfg: JobConfig, iv, job=None) -> dict[str, dict]:
+def write_answers(videos: list[Path], out: Path, shard: tuple[int, int]) -> Path | None:
+    """``answers.jsonl`` / ``answers.csv`` (``answers_<I>of<N>.*`` for a shard): every answered question of these
+    videos found in ``out`` (this run's and earlier runs'), read back from the files' metadata; written atomically.
+    Returns the JSONL path."""
+    from safetensors import safe_open
+
+    import glob
+
+    rows = []
+    for v in videos:
+        files = sorted(out.glob(f"{glob.escape(v.name)}.q" + "[0-9a-f]" * 12 + ".safetensors"),
+                       key=lambda p: (p.stat().st_mtime_ns, p.name))  # in the order they were answered
+        for p in files:
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata() or {}
+            if "question" not in meta:
+                continue
+            rows.append({"video": v.name, "question": meta["question"], "answer": meta.get("answer", ""),
+                         "file": p.name, "chunks": int(meta.get("chunks", 0)),
+                         "frames_read": int(meta.get("frames_read", 0))})
+    if not rows:
+        return None
+    stem = "answers" if shard == (0, 1) else f"answers_{shard[0]}of{shard[1]}"
+    jsonl = out / f"{stem}.jsonl"
+    with atomic_write(jsonl) as tmp:
+        Path(tmp).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    with atomic_write(out / f"{stem}.csv") as tmp:
+        Path(tmp).write_text(buf.getvalue(), encoding="utf-8")
+    return jsonl
+
+
+def _run(videos, cfg: JobConfig, iv, job=None, *, files: list[Path] | None = None) -> dict[str, dict]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    items = [Item(key=p.name, path=str(p)) for p in list_videos(videos)]
+    items = [Item(key=p.name, path=str(p)) for p in (list_videos(videos) if files is None else files)]
     if iv is None:
         from video.infinite import InfiniteVideo
 
@@ -228,21 +338,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=nonempty_path, required=True, help="output folder (one .safetensors per video + manifest)")
     p.add_argument("--weights", default=None, help="model weights (default: the shipped model)")
     p.add_argument("--model", default=None, type=nonempty_path,
-                   help="hf:DIR for a local transformers InstructBLIP-Video folder (free-text prompt, see --prompt); "
-                        "a weights file is the same as --weights")
+                   help="hf:DIR for a local transformers InstructBLIP-Video folder (free-text questions, see --prompt, "
+                        "--questions); a weights file is the same as --weights")
     p.add_argument("--method", default="infinite", choices=METHODS, help="how each video is read")
     p.add_argument("--chunk-size", type=capped_int(MAX_CHUNK, why="frames held in memory at once"), default=None,
-                   help="frames per chunk (default 32; with hf: the model's clip length, 4)")
+                   help="frames per chunk (default 32; with hf: 16, as VideoChat2 reads them)")
     p.add_argument("--alpha", type=fraction, default=0.75, help="weight of the chunk's own attention; 1 - alpha on the memory (default 0.75)")
-    p.add_argument("--prompt", default="Describe what happens in the video.",
-                   help="instruction the Q-former reads (hf: only)")
-    p.add_argument("--max-new-tokens", type=capped_int(4096, minimum=0, why="tokens of one answer"), default=0,
-                   help="also generate the answer to --prompt with this many tokens (hf: only; 0 = no text)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="hf: model dtype")
+    p.add_argument("--prompt", default=None,
+                   help=f"a question asked of every video (hf: only; default {DEFAULT_PROMPT!r} when --questions is not "
+                        "given)")
+    p.add_argument("--questions", default=None, type=nonempty_path,
+                   help="hf: questions file: .txt (one per line, every video) or JSON / JSONL / CSV records "
+                        "{video, question}; each video is read once for all its questions")
+    p.add_argument("--max-new-tokens", type=capped_int(4096, minimum=0, why="tokens of one answer"), default=None,
+                   help="tokens generated per answer (hf: only; default 32; 0 = features and memories only)")
     p.add_argument("--fps", type=fps_arg, default=None, help="read rate in frames/s (default: every frame)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_device_options(p)
     add_job_arguments(p, item="video")
     return p
+
+
+def _is_transformers_folder(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file()
 
 
 def main(argv=None) -> int:
@@ -255,6 +373,10 @@ def main(argv=None) -> int:
     # exit 2 (run_cli), before any work. A video that fails stops the run (exit 1) unless --skip-errors.
     from video.hf import HF_METHODS, parse_hf_spec
 
+    for flag, value in (("--model", args.model), ("--weights", args.weights)):
+        if value and not str(value).startswith("hf:") and _is_transformers_folder(value):
+            raise UsageError(f"{flag} {value}: that is a transformers model folder (config.json); give it as "
+                             f"--model hf:{value}")
     hf_dir = parse_hf_spec(args.model) if args.model else None
     if args.model and hf_dir is None:
         if args.weights:
@@ -262,28 +384,48 @@ def main(argv=None) -> int:
         args.weights = args.model
     if hf_dir is not None and args.method not in HF_METHODS:
         raise UsageError(f"--method {args.method} is not available with --model hf:; choose one of {list(HF_METHODS)}")
-    if hf_dir is None and (args.max_new_tokens or args.dtype):
-        raise UsageError("--max-new-tokens and --dtype apply to --model hf:DIR only")
-    list_videos(args.videos)
+    if hf_dir is None and (args.max_new_tokens is not None or args.dtype != "auto" or args.prompt or args.questions):
+        raise UsageError("--prompt, --questions, --max-new-tokens and --dtype apply to --model hf:DIR only")
+    device, dtype = device_from_args(args)  # a GPU asked for by name that is not here: one line, exit 2
+    videos = list_videos(args.videos)
+    check_outputs([("--out", args.out)], inputs=[args.videos, args.weights, hf_dir, args.questions])
     check_writable(args.out, what="--out", folder=True)
     job = None
     if hf_dir is not None:
         from video.hf import HFVideoConfig, InfiniteVideoLM
 
-        iv = InfiniteVideoLM.from_hf(hf_dir, config=HFVideoConfig(method=args.method, chunk_size=args.chunk_size,
-                                                                  fps=args.fps, alpha=args.alpha),
-                                     device=args.device, dtype=args.dtype)
-        job = _HFVideoJob(iv, Path(args.out), args.prompt, args.max_new_tokens)
+        per_video, every = load_prompts(args.questions) if args.questions else ({}, [])
+        first = [args.prompt] if args.prompt else ([] if args.questions else [DEFAULT_PROMPT])
+        questions = {v.name: list(dict.fromkeys(first + every + per_video.get(v.name, []))) for v in videos}
+        unknown = sorted(set(per_video) - {v.name for v in videos})
+        if unknown:
+            logger.warning("%d video(s) named in %s are not in %s, e.g. %s", len(unknown), args.questions, args.videos,
+                           unknown[0])
+        if not any(questions.values()):
+            raise UsageError(f"--questions {args.questions}: no question names a video of {args.videos}")
+        hcfg = HFVideoConfig(method=args.method, fps=args.fps, alpha=args.alpha,
+                             **({"chunk_size": args.chunk_size} if args.chunk_size else {}))
+        iv = InfiniteVideoLM.from_hf(hf_dir, config=hcfg, device=device, dtype=dtype)
+        iv.progress = False  # the job's bar counts videos
+        job = _HFVideoJob(iv, Path(args.out), {k: v for k, v in questions.items() if v},
+                          32 if args.max_new_tokens is None else args.max_new_tokens)
+        videos = [v for v in videos if questions.get(v.name)]
     else:
         iv = InfiniteVideo(args.weights, InfiniteVideoConfig(method=args.method, chunk_size=args.chunk_size or 32,
-                                                             fps=args.fps, alpha=args.alpha), device=args.device)
+                                                             fps=args.fps, alpha=args.alpha), device=device)
+    jcfg = job_config_from_args(args, args.out, desc="videos")
     try:
-        rows = _run(args.videos, job_config_from_args(args, args.out, desc="videos"), iv, job)
+        rows = _run(args.videos, jcfg, iv, job, files=videos)
     except SettingsMismatch:
         raise
     except Exception as e:  # noqa: BLE001
         logger.error("stopped: %s (use --skip-errors to record failures and continue)", e)
         return 1
+    finally:
+        if job is not None:
+            path = write_answers(videos, Path(args.out), jcfg.shard)
+            if path is not None:
+                logger.info("answers: %s", path)
     counts: dict[str, int] = {}
     for r in rows.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1

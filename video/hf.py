@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.continuous import ContinuousMemory, ContinuousMemoryConfig, continuous_attention_with_density, mix_attention
+from core.continuous import ContinuousMemory, ContinuousMemoryConfig, check_basis_coverage, mix_attention, read_memory
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,16 @@ SUPPORTED_MODEL_TYPES = ("instructblipvideo",)
 
 @dataclass(kw_only=True)
 class HFVideoConfig:
-    """How a video is read by :class:`InfiniteVideoLM` (memory defaults: the published ∞-Video settings)."""
+    """How a video is read by :class:`InfiniteVideoLM` (memory defaults: the published ∞-Video settings; chunks of 16
+    frames as VideoChat2 reads them, one basis function per frame of a chunk as Video-LLaMA's 256 / 256)."""
 
     method: str = "infinite"  # one of HF_METHODS
-    chunk_size: int | None = None  # frames per chunk; None = the frames per clip the model was trained on (4)
+    chunk_size: int | None = 16  # frames per chunk (VideoChat2's 16); None = the model's clip length (4 for
+    # InstructBLIP-Video). The LLM reads chunk_size x 32 query tokens (the mean over chunks)
     fps: float | None = None  # read rate in frames/s; None = every frame of the file
     alpha: float = 0.75  # weight of the ordinary cross-attention over the chunk; 1 - alpha on the memory
-    num_basis: int = 64
+    num_basis: int | None = None  # basis functions per memory; None = the chunk size, so every function gets frames
+    # from the first chunk on (fewer frames than functions leave boxes empty: a warning says so)
     basis: str = "box"
     ridge: float = 0.5
     tau: float = 0.75
@@ -69,14 +72,18 @@ class HFVideoConfig:
             raise ValueError(f"method must be one of {list(HF_METHODS)}, got {self.method!r}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
+        if self.num_basis is not None and self.num_basis < 1:
+            raise ValueError(f"num_basis must be >= 1 or None (the chunk size), got {self.num_basis}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
         if self.aggregate not in ("mean", "last"):
             raise ValueError(f"aggregate must be 'mean' or 'last', got {self.aggregate!r}")
         self.memory_config()  # validates the memory settings
 
-    def memory_config(self) -> ContinuousMemoryConfig:
-        return ContinuousMemoryConfig(num_basis=self.num_basis, basis=self.basis, ridge=self.ridge, tau=self.tau,
+    def memory_config(self, chunk_size: int | None = None) -> ContinuousMemoryConfig:
+        """The memory of one layer for chunks of ``chunk_size`` frames (``num_basis`` None = that many functions)."""
+        n = self.num_basis or chunk_size or self.chunk_size or 4
+        return ContinuousMemoryConfig(num_basis=n, basis=self.basis, ridge=self.ridge, tau=self.tau,
                                       num_samples=self.num_samples, sticky=self.method == "infinite",
                                       num_bins=self.num_bins, num_points=self.num_points)
 
@@ -110,10 +117,13 @@ class QFormerMemoryHooks:
     key/value projections, and returns ``alpha * short + (1 - alpha) * long``. :meth:`remove` takes the hooks out.
     """
 
-    def __init__(self, qformer: nn.Module, config: HFVideoConfig, num_rows: int) -> None:
+    def __init__(self, qformer: nn.Module, config: HFVideoConfig, num_rows: int, chunk_size: int | None = None) -> None:
         self.config, self.K = config, num_rows
         self.cores = cross_attentions(qformer)
-        self.memories = [ContinuousMemory(config.memory_config(), seed=config.seed + i) for i in range(len(self.cores))]
+        mcfg = config.memory_config(chunk_size)
+        if chunk_size is not None:
+            check_basis_coverage(mcfg, chunk_size, where="HFVideoConfig")
+        self.memories = [ContinuousMemory(mcfg, seed=config.seed + i) for i in range(len(self.cores))]
         self.times: torch.Tensor | None = None  # (F,) video times of the current chunk's frames, set by the reader
         self.densities: list[torch.Tensor | None] = [None] * len(self.cores)
         self._handles = [c.register_forward_hook(self._hook(i), with_kwargs=True) for i, c in enumerate(self.cores)]
@@ -150,11 +160,9 @@ class QFormerMemoryHooks:
             c = c.to(w)
             return tuple(p(c).reshape(K, c.shape[1], H, hd).transpose(1, 2) for p in (module.key, module.value))
 
-        (k, v), logw = mem.project_points(kv)
         q = module.query(hidden).reshape(K, F, Q, H, hd).permute(0, 3, 1, 2, 4).reshape(K, H, F * Q, hd)
-        long, density = continuous_attention_with_density(q, k, v, logw, scale=module.scaling)
+        long, density = read_memory(mem, q, kv, scale=module.scaling)
         long = long.reshape(K, H, F, Q, hd).permute(0, 2, 3, 1, 4).reshape(R, Q, E).to(ctx.dtype)
-        mem.set_density(density)
         self.densities[i] = density.detach()
         mixed = mix_attention(ctx, long, self.config.alpha)
         return (mixed, *rest) if isinstance(output, tuple) else mixed
@@ -200,6 +208,7 @@ class InfiniteVideoLM:
         self.preprocess, self.clip_frames, self.video_token_id = preprocess, int(clip_frames), video_token_id
         self.config = config or HFVideoConfig()
         self.model, self.source = model, source
+        self.progress = True  # a tqdm bar over the frames of each video read (ingest(progress=False) per call)
         cross_attentions(qformer)  # refuses a module that is not a BLIP-2 style Q-former
         self.device = query_tokens.device
 
@@ -284,7 +293,8 @@ class InfiniteVideoLM:
     @contextlib.contextmanager
     def patched(self, num_rows: int):
         """The memory hooks on the Q-former for the duration of the block (none without a memory); always removed."""
-        hooks = QFormerMemoryHooks(self.qformer, self.config, num_rows) if self.config.uses_memory else None
+        hooks = (QFormerMemoryHooks(self.qformer, self.config, num_rows, self.chunk_size) if self.config.uses_memory
+                 else None)
         try:
             yield hooks
         finally:
@@ -308,22 +318,27 @@ class InfiniteVideoLM:
 
     @torch.no_grad()
     def read_chunks(self, chunks: Iterable[tuple[np.ndarray, np.ndarray]], num_frames: int, questions: Sequence[str],
-                    *, path: str = "") -> HFVideoResult:
+                    *, path: str = "", progress: bool = False, total_frames: int | None = None) -> HFVideoResult:
         """Read ``(frames (L, H, W, 3) uint8, file indices (L,))`` chunks of a ``num_frames`` video for the questions.
 
         A chunk shorter than the chunk size (the last one) is padded by repeating its last frame: the LLM's input
-        has room for exactly one chunk's queries. Only a running sum of the chunk features is kept.
+        has room for exactly one chunk's queries. Only a running sum of the chunk features is kept. ``progress``
+        shows a tqdm bar over the frames (``total_frames`` of them, when known).
         """
+        from tqdm import tqdm
+
         cfg, K = self.config, len(questions)
         if K < 1:
             raise ValueError("need at least one question")
         q_inputs = self.qformer_inputs(questions)
         total, last, n_chunks, read, peak = None, None, 0, 0, 0
         size = self.chunk_size if cfg.method != "uniform" else self.clip_frames
-        with self.patched(K) as hooks:
+        bar = tqdm(total=total_frames, desc=Path(path).name or "video", unit="frame", disable=not progress, leave=False)
+        with self.patched(K) as hooks, bar:
             for frames, idx in chunks:
                 if len(frames) == 0:
                     continue
+                bar.update(len(frames))
                 read += len(frames)
                 peak = max(peak, len(frames))
                 if len(frames) < size:
@@ -347,12 +362,17 @@ class InfiniteVideoLM:
         return HFVideoResult(path=path, method=cfg.method, num_frames=num_frames, frames_read=read, num_chunks=n_chunks,
                              features=agg, coefficients=coefs, densities=dens, peak_frames_held=peak)
 
-    def ingest(self, path, questions: Sequence[str] | str) -> HFVideoResult:
-        """Stream a video file for the questions (the instruction-aware Q-former reads each question)."""
+    def ingest(self, path, questions: Sequence[str] | str, *, progress: bool | None = None) -> HFVideoResult:
+        """Stream a video file for the questions (the instruction-aware Q-former reads each question).
+
+        ``progress``: a tqdm bar over the frames read (None = :attr:`progress`, on unless set to False).
+        """
         questions = [questions] if isinstance(questions, str) else list(questions)
         stream = self._stream(path)
         chunks = ((c.frames, c.indices) for c in stream)
-        return self.read_chunks(chunks, stream.info.num_frames, questions, path=str(path))
+        return self.read_chunks(chunks, stream.info.num_frames, questions, path=str(path),
+                                progress=self.progress if progress is None else progress,
+                                total_frames=len(stream.indices))
 
     # -- answering ----------------------------------------------------------------------------------------------
     def prompt_inputs(self, features_SD: torch.Tensor, question: str) -> dict:
@@ -381,10 +401,11 @@ class InfiniteVideoLM:
         n_in = inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
         return out[0, n_in:] if out.shape[1] > n_in and n_in else out[0]
 
-    def answer(self, path, questions: Sequence[str] | str, **generate_kwargs) -> list[str] | str:
-        """Read the video once for all questions and answer each in free text."""
+    def answer(self, path, questions: Sequence[str] | str, *, progress: bool | None = None,
+               **generate_kwargs) -> list[str] | str:
+        """Read the video once for all questions and answer each in free text (``progress``: see :meth:`ingest`)."""
         single = isinstance(questions, str)
-        res = self.ingest(path, questions)
+        res = self.ingest(path, questions, progress=progress)
         answers = [self.tokenizer.decode(self.generate(res.features[k], q, **generate_kwargs), skip_special_tokens=True).strip()
                    for k, q in enumerate([questions] if single else questions)]
         res.answers = answers

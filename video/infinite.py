@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.continuous import ContinuousMemory, ContinuousMemoryConfig
+from core.continuous import ContinuousMemory, ContinuousMemoryConfig, check_basis_coverage
 from video.io import VideoStream
 from video.model import AGGREGATES, VideoQAModel, question_tensor
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES, Question
@@ -64,7 +64,8 @@ class InfiniteVideoConfig:
     chunk_size: int = 32  # frames per chunk (the model was trained on 16-32 frame clips)
     fps: float | None = None  # read rate in frames/s; None = every frame of the file
     alpha: float = 0.75  # weight of the short-term (current chunk) attention; 1 - alpha on the memory
-    num_basis: int = 64  # basis functions of each layer's memory
+    num_basis: int | None = None  # basis functions of each layer's memory; None = chunk_size: one per frame of a
+    # chunk (Video-LLaMA's 256 frames / 256 functions ratio), so every function gets frames from the first chunk on
     basis: str = "box"  # "box" or "gaussian"
     ridge: float = 0.5  # ridge penalty of the memory fit
     tau: float = 0.75  # old memory squeezed into (0, tau] at each consolidation
@@ -85,6 +86,8 @@ class InfiniteVideoConfig:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
         if self.chunk_size < 1 or self.num_frames < 1:
             raise ValueError(f"chunk_size ({self.chunk_size}) and num_frames ({self.num_frames}) must be >= 1")
+        if self.num_basis is not None and self.num_basis < 1:
+            raise ValueError(f"num_basis must be >= 1 or None (the chunk size), got {self.num_basis}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
         if self.aggregate is not None and self.aggregate not in AGGREGATES:
@@ -93,8 +96,13 @@ class InfiniteVideoConfig:
             raise ValueError(f"MovieChat sizes need 1 <= merge ({self.moviechat_merge}) < short "
                              f"({self.moviechat_short}) and long ({self.moviechat_long}) >= merge")
 
+    @property
+    def basis_count(self) -> int:
+        """The memory's basis functions: ``num_basis``, else the chunk size."""
+        return self.num_basis or self.chunk_size
+
     def memory_config(self) -> ContinuousMemoryConfig:
-        return ContinuousMemoryConfig(num_basis=self.num_basis, basis=self.basis, ridge=self.ridge, tau=self.tau,
+        return ContinuousMemoryConfig(num_basis=self.basis_count, basis=self.basis, ridge=self.ridge, tau=self.tau,
                                       num_samples=self.num_samples, sticky=self.method == "infinite",
                                       num_bins=self.num_bins, num_points=self.num_points)
 
@@ -201,6 +209,7 @@ class InfiniteVideo:
             state.keep = self.uniform_picks(np.asarray(selected))
             state.frames_read = len(state.keep)
         if cfg.method in ("infinite", "infinite_nosticky") and cfg.alpha < 1.0:
+            check_basis_coverage(cfg.memory_config(), cfg.chunk_size, where="InfiniteVideoConfig")
             state.memories = [ContinuousMemory(cfg.memory_config(), seed=cfg.seed) for _ in self.model.blocks]
         return state
 
@@ -254,8 +263,13 @@ class InfiniteVideo:
         )
 
     @torch.no_grad()
-    def ingest(self, path, *, progress: bool = False) -> VideoMemory:
-        """Stream a video file and keep what is needed to answer questions (see :class:`VideoMemory`)."""
+    def ingest(self, path, *, progress: bool = True) -> VideoMemory:
+        """Stream a video file and keep what is needed to answer questions (see :class:`VideoMemory`).
+
+        ``progress``: a tqdm bar over the frames read (``False`` to hide it).
+        """
+        from tqdm import tqdm
+
         cfg = self.config
         stream = VideoStream(path, fps=cfg.fps, chunk_size=cfg.chunk_size, max_frames=cfg.max_frames)
         n_total = stream.info.num_frames
@@ -264,14 +278,12 @@ class InfiniteVideo:
             stream.indices = state.keep
             stream.chunk_size = len(stream.indices)
         it = iter(stream)
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(it, total=len(stream), desc=Path(path).name, unit="chunk")
+        bar = tqdm(total=len(stream.indices), desc=Path(path).name, unit="frame", disable=not progress, leave=False)
         timings = state.timings
         t0 = time.perf_counter()
         for chunk in it:
             t1 = time.perf_counter()
+            bar.update(len(chunk.indices))
             timings["decode"] += t1 - t0
             state.peak = max(state.peak, len(chunk.frames))
             tok = self.encode(chunk.frames, chunk.indices, n_total)  # (1, L, T, D)
@@ -280,6 +292,7 @@ class InfiniteVideo:
             self.feed(state, tok, chunk.indices)
             t0 = time.perf_counter()
             timings["memory"] += t0 - t2
+        bar.close()
         t2 = time.perf_counter()
         mem = self.finish(state)
         mem.timings["memory"] += time.perf_counter() - t2

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from core.continuous import ContinuousMemory, ContinuousMemoryConfig, continuous_attention_with_density, mix_attention
+from core.continuous import ContinuousMemory, ContinuousMemoryConfig, mix_attention, read_memory
 from core.layers import QFormerBlock
 from video.encoders import build_frame_encoder
 from video.synthetic import ANSWERS, COLOURS, QUESTION_TYPES
@@ -101,13 +101,11 @@ class _MemoryCrossAttention:
         B, N, D = context_BND.shape
         frames_BLD = context_BND.reshape(B, N // self.tpf, self.tpf, D).mean(2)  # one vector per frame
         self.memory.update(frames_BLD, self.times)
-        # keys and values of the signal at the integration points (B, H, T, hd), through the same projections;
-        # they are affine, so they are applied to the N basis coefficients rather than the T points
-        (k, v), logw_T = self.memory.project_points(lambda c: attn.project_kv(c.to(context_BND.dtype)))
+        # keys and values of the signal at the integration points (B, H, T, hd), through the same projections
+        # (affine, so applied to the N basis coefficients rather than the T points); one softmax for both outputs
         q = attn.project_q(queries_BQD)  # (B, H, Q, hd)
-        ctx_BHQD, density = continuous_attention_with_density(q, k, v, logw_T)  # one softmax for both
+        ctx_BHQD, density = read_memory(self.memory, q, lambda c: attn.project_kv(c.to(context_BND.dtype)))
         long = attn.merge(ctx_BHQD)
-        self.memory.set_density(density)
         if self.record is not None:
             self.record.append(density)
         return mix_attention(short, long, self.alpha)

@@ -2,7 +2,7 @@
 
     python -m video.recipes.instructblip_video --model DIR --videos DIR --questions FILE [--out DIR]
         [--methods uniform,chunks,infinite_nosticky,infinite] [--alpha 0.75] [--chunk-size N] [--fps F]
-        [--num-basis N] [--max-new-tokens N] [--device cuda] [--dtype bfloat16] [--limit N] [--overwrite]
+        [--num-basis N] [--max-new-tokens N] [--device auto|cpu|cuda] [--dtype auto|bfloat16] [--limit N] [--overwrite]
 
 ``--model`` is a local folder holding ``InstructBlipVideoForConditionalGeneration`` and its processor (e.g. a
 downloaded ``Salesforce/instructblip-vicuna-7b``-style video checkpoint; nothing is downloaded here). Every video
@@ -161,10 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="uniform,chunks,infinite_nosticky,infinite",
                    help=f"comma list of {', '.join(HF_METHODS)}")
     p.add_argument("--alpha", type=fraction, default=0.75, help="weight of the chunk's own attention (published 0.75)")
-    p.add_argument("--chunk-size", type=capped_int(MAX_CHUNK, why="frames held in memory at once"), default=None,
-                   help="frames per chunk (default: 4, the clip length)")
+    p.add_argument("--chunk-size", type=capped_int(MAX_CHUNK, why="frames held in memory at once"), default=16,
+                   help="frames per chunk (default 16, as VideoChat2 reads them; the LLM reads 32 queries per frame)")
     p.add_argument("--fps", type=fps_arg, default=1.0, help="frames read per second of video (default 1)")
-    p.add_argument("--num-basis", type=positive_int, default=64, help="basis functions of each memory")
+    p.add_argument("--num-basis", type=positive_int, default=None,
+                   help="basis functions of each memory (default: the chunk size, so every function gets frames)")
     p.add_argument("--max-new-tokens", type=capped_int(4096, why="tokens of one answer"), default=16,
                    help="tokens generated per answer")
     p.add_argument("--limit", type=nonnegative_int, default=0, help="first N videos only (0 = all)")
