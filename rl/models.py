@@ -61,6 +61,9 @@ class DTConfig:
             raise ValueError(f"return_scale ({self.return_scale}) and action_scale ({self.action_scale}) must be > 0")
 
 
+_ROUTED_UPDATES = ("gated_residual", "scaled_block")
+
+
 @dataclass(kw_only=True)
 class DMConfig(DTConfig):
     """Decision Mixer: a Decision Transformer whose `routed_layers` run only on routed tokens."""
@@ -107,6 +110,8 @@ class DMConfig(DTConfig):
         if self.aux_loss_weight < 0 or self.capacity_cost_weight < 0:
             raise ValueError(f"loss weights must be >= 0, got aux={self.aux_loss_weight}, "
                              f"capacity={self.capacity_cost_weight}")
+        if self.routed_update not in _ROUTED_UPDATES:  # named here: RoutingConfig calls it `update`
+            raise ValueError(f"routed_update must be one of {_ROUTED_UPDATES}, got {self.routed_update!r}")
         self.routing_config()  # validates the capacity fields
 
     def routing_config(self) -> RoutingConfig:

@@ -176,3 +176,5 @@ def test_reference_config_validation():
         RoutingConfig.reference(dim=8, seq_len=6, capacity_rounding="ceil")
     with pytest.raises(ValueError, match="needs seq_len > 0"):
         RoutingConfig(dim=8, capacity_input="flatten")
+    with pytest.raises(ValueError, match="routed_update must be one of"):
+        reference_config(state_dim=3, act_dim=2, routed_update="scaled")
