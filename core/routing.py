@@ -13,6 +13,11 @@ Pieces:
         decision that depends on token ``i`` only, so it is causal whenever the layer's input is.
     ``RoutedBlock``: wraps a causal block ``f``; selected tokens (kept in time order) run ``f`` and get
         ``x + w * (f(x_sel) - x_sel)`` with ``w = sigmoid(score)``, the others pass through unchanged.
+    The predictors live in ``core.routing_predictors``.
+
+The released code (ruthless-man/Decision-Mixer, ``DM/DM.py``) is reproduced by ``RoutingConfig.reference()``; each of
+this project's departures from it is its own field (``capacity_input``, ``capacity_rounding``,
+``capacity_gradient``, ``strict_threshold``, ``update``, ``aux_activation``), so each can be tested alone.
 
 Selections (``mode``):
     ``"topk"``: exactly ``k = round(c * S)`` tokens per sample by score over the whole sequence. Whether token
@@ -56,6 +61,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.routing_predictors import AuxSelectionPredictor, CapacityPredictor, FlatCapacityPredictor, TokenRouter
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -63,6 +70,7 @@ __all__ = [
     "RoutingInfo",
     "TokenRouter",
     "CapacityPredictor",
+    "FlatCapacityPredictor",
     "AuxSelectionPredictor",
     "RoutedBlock",
     "topk_mask",
@@ -74,6 +82,8 @@ __all__ = [
 
 _MODES = ("auto", "topk", "prefix", "aux")
 _TRAIN_SELECTIONS = ("topk", "prefix")
+_CHOICES = {"capacity_input": ("mean", "flatten"), "capacity_rounding": ("round", "floor"),
+            "update": ("gated_residual", "scaled_block"), "aux_activation": ("gelu", "silu")}
 
 # Packed routing runs the block on the selected tokens of all samples laid end to end, with a block-diagonal
 # causal bias: compute follows the number of selected tokens rather than batch x the largest sample's count.
@@ -100,15 +110,36 @@ class RoutingConfig:
     probe_tokens: int = 4
     train_selection: str = "topk"  # mode "auto" in train(): "topk" (whole sequence) or "prefix" (causal prefix top-k)
     random_selection: bool = False  # control: random tokens at the fixed `capacity` (module docstring); needs learn_capacity False
+    # Departures from the released code (DM/DM.py): each default is this project's fix, the other value the
+    # release's; `reference()` sets them all the release's way.
+    capacity_input: str = "mean"  # "mean": from the mean token, any length; "flatten": all S*D values (S = seq_len fixed)
+    seq_len: int = 0  # tokens per sequence, needed by capacity_input="flatten" (the release wires it to 3 K)
+    capacity_rounding: str = "round"  # k = round(c n) >= 1; "floor": clamp(c n, 1, n) cast down (the release's .long())
+    capacity_gradient: bool = True  # straight-through soft mask; False: the predictor gets no gradient (the release)
+    strict_threshold: bool = False  # True: keep scores strictly above the k-th one, k - 1 tokens (the release)
+    update: str = "gated_residual"  # x + sigmoid(s) (f(x) - x); "scaled_block": s f(x), raw score s (the release)
+    aux_activation: str = "gelu"  # hidden activation of the auxiliary predictor ("silu": the release)
+
+    @classmethod
+    def reference(cls, *, dim: int, seq_len: int, **overrides) -> "RoutingConfig":
+        """The released layer (``DM/DM.py``): capacity ``clamp(sigmoid(MLP(flatten x)) S, 1, S).long()`` with no
+        gradient, hidden 512 and LeakyReLU, strict threshold, update ``s f(x)``, auxiliary MLP of width ``D // 2``
+        with SiLU. ``overrides`` flip single fields (one fix at a time)."""
+        base = dict(dim=dim, seq_len=seq_len, capacity=0.5, min_capacity=0.0, max_capacity=1.0, capacity_hidden=512,
+                    aux_hidden=max(dim // 2, 1), probe_tokens=0, train_selection="topk", capacity_input="flatten",
+                    capacity_rounding="floor", capacity_gradient=False, strict_threshold=True,
+                    update="scaled_block", aux_activation="silu")
+        return cls(**{**base, **overrides})
 
     def __post_init__(self) -> None:
         if self.random_selection and self.learn_capacity:
             raise ValueError("random_selection=True routes at the fixed capacity: set learn_capacity=False")
         if self.dim <= 0:
             raise ValueError(f"dim must be positive, got {self.dim}")
-        if not 0.0 < self.min_capacity <= self.max_capacity <= 1.0:
+        if not 0.0 <= self.min_capacity <= self.max_capacity <= 1.0 or self.max_capacity == 0.0:
             raise ValueError(
-                f"need 0 < min_capacity ({self.min_capacity}) <= max_capacity ({self.max_capacity}) <= 1"
+                f"need 0 <= min_capacity ({self.min_capacity}) <= max_capacity ({self.max_capacity}) <= 1, "
+                f"max_capacity > 0"
             )
         if not self.min_capacity <= self.capacity <= self.max_capacity:
             raise ValueError(
@@ -125,6 +156,14 @@ class RoutingConfig:
             raise ValueError(f"probe_tokens must be >= 0, got {self.probe_tokens}")
         if self.train_selection not in _TRAIN_SELECTIONS:
             raise ValueError(f"train_selection must be one of {_TRAIN_SELECTIONS}, got {self.train_selection!r}")
+        for name, accepted in _CHOICES.items():
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"{name} must be one of {accepted}, got {getattr(self, name)!r}")
+        if self.capacity_input == "flatten":
+            if self.seq_len <= 0:
+                raise ValueError(f"capacity_input='flatten' needs seq_len > 0 (tokens per sequence), got {self.seq_len}")
+            if self.train_selection != "topk":
+                raise ValueError("capacity_input='flatten' has no causal form: it needs train_selection='topk'")
 
 
 @dataclass
@@ -138,63 +177,6 @@ class RoutingInfo:
     aux_loss: torch.Tensor  # scalar BCE of the auxiliary predictor against the top-k mask (0 in aux mode)
     capacity_cost: torch.Tensor  # scalar mean predicted capacity (compute cost to penalize)
     mode: str  # "topk", "prefix" or "aux"
-
-
-class TokenRouter(nn.Module):
-    """Linear router: one logit per token. ``(B, S, D) -> (B, S)``."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.proj = nn.Linear(dim, 1)
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.proj(x_BSD).squeeze(-1)
-
-
-class CapacityPredictor(nn.Module):
-    """Per-sample fraction of tokens to keep, from the mean token: ``(B, S, D) -> (B,)`` in ``[lo, hi]``.
-
-    The output layer starts at zero with a bias that puts the initial fraction at ``init``.
-    """
-
-    def __init__(self, dim: int, hidden: int, *, lo: float, hi: float, init: float):
-        super().__init__()
-        self.lo, self.hi = lo, hi
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
-        nn.init.zeros_(self.net[2].weight)
-        with torch.no_grad():
-            if hi > lo:
-                p = min(max((init - lo) / (hi - lo), 1e-3), 1 - 1e-3)
-                self.net[2].bias.fill_(float(torch.logit(torch.tensor(p))))
-
-    def forward(self, x_BSD: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if key_padding_mask is None:
-            pooled_BD = x_BSD.mean(1)
-        else:
-            keep_BS1 = (~key_padding_mask).unsqueeze(-1).to(x_BSD.dtype)
-            pooled_BD = (x_BSD * keep_BS1).sum(1) / keep_BS1.sum(1).clamp_min(1.0)
-        return self.lo + (self.hi - self.lo) * torch.sigmoid(self.net(pooled_BD).squeeze(-1))
-
-    def prefix(self, x_BSD: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal capacity ``(B, S)``: position ``i`` pools the valid tokens ``0..i`` (running mean)."""
-        keep_BS1 = (torch.ones_like(x_BSD[..., :1]) if key_padding_mask is None
-                    else (~key_padding_mask).unsqueeze(-1).to(x_BSD.dtype))
-        pooled_BSD = (x_BSD * keep_BS1).cumsum(1) / keep_BS1.cumsum(1).clamp_min(1.0)
-        return self.lo + (self.hi - self.lo) * torch.sigmoid(self.net(pooled_BSD).squeeze(-1))
-
-
-class AuxSelectionPredictor(nn.Module):
-    """Per-token MLP predicting whether top-k would select the token: ``(B, S, D) -> (B, S)`` logits.
-
-    Token ``i``'s logit depends on ``x[:, i]`` only, which makes the decision causal.
-    """
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.net(x_BSD).squeeze(-1)
 
 
 def token_ranks(scores_BS: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,6 +244,26 @@ def soft_capacity_mask(ranks_BS: torch.Tensor, capacity_B: torch.Tensor, n_B: to
     return torch.sigmoid((k_cont - ranks_BS.to(capacity_B.dtype) - 0.5) / temperature)
 
 
+def _capacity_to_k(cap_B: torch.Tensor, n_B: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Tokens to keep per sample ``(B,)`` in ``[1, n]``: ``round(c n)``, or ``floor(clamp(c n, 1, n))``."""
+    if rounding == "floor":
+        kf_B = cap_B * n_B
+        return torch.minimum(torch.maximum(kf_B, torch.ones_like(kf_B)), n_B.to(kf_B.dtype)).long()
+    return torch.minimum(torch.round(cap_B * n_B).long().clamp(min=1), n_B)
+
+
+def _strict_topk_mask(scores_BS: torch.Tensor, k_B: torch.Tensor,
+                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens whose score is strictly above the ``k``-th highest (``k - 1`` of them without ties, none for
+    ``k = 1``): the released selection, kept for ``RoutingConfig.strict_threshold``."""
+    s = scores_BS.detach()
+    if key_padding_mask is not None:
+        s = s.masked_fill(key_padding_mask, float("-inf"))
+    sorted_BS = torch.sort(s, dim=-1, descending=True).values
+    kth_B = sorted_BS.gather(-1, (k_B - 1).clamp(min=0)[:, None])
+    return s > kth_B
+
+
 def _gather_selected(x_BSD: torch.Tensor, mask_BS: torch.Tensor, k_B: torch.Tensor,
                      kmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Selected tokens first, in time order, padded at the end: (x_sel (B, K, D), index (B, K), valid (B, K)).
@@ -299,12 +301,16 @@ class RoutedBlock(nn.Module):
         self.block = block
         self.config = config
         self.router = TokenRouter(config.dim)
-        self.capacity_predictor = (
-            CapacityPredictor(config.dim, config.capacity_hidden, lo=config.min_capacity, hi=config.max_capacity,
-                              init=config.capacity)
-            if config.learn_capacity else None
-        )
-        self.aux = AuxSelectionPredictor(config.dim, config.aux_hidden)
+        lo, hi = config.min_capacity, config.max_capacity
+        if not config.learn_capacity:
+            self.capacity_predictor = None
+        elif config.capacity_input == "flatten":
+            self.capacity_predictor = FlatCapacityPredictor(config.dim, config.seq_len, config.capacity_hidden,
+                                                            lo=lo, hi=hi)
+        else:
+            self.capacity_predictor = CapacityPredictor(config.dim, config.capacity_hidden, lo=lo, hi=hi,
+                                                        init=config.capacity)
+        self.aux = AuxSelectionPredictor(config.dim, config.aux_hidden, config.aux_activation)
 
     def forward(self, x_BSD: torch.Tensor, *, mode: str = "auto",
                 key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, RoutingInfo]:
@@ -348,10 +354,10 @@ class RoutedBlock(nn.Module):
                 vf_BS = valid_BS.to(x_BSD.dtype)
                 cap_B = (cap_soft * vf_BS).sum(-1) / vf_BS.sum(-1).clamp_min(1.0)
             if mode == "topk":
-                k_B = torch.round(cap_B.detach() * n_B).long().clamp(min=1)
-                k_B = torch.minimum(k_B, n_B)
+                k_B = _capacity_to_k(cap_B.detach(), n_B, cfg.capacity_rounding)
                 ranks_BS = token_ranks(scores_BS, key_padding_mask)
-                mask_BS = ranks_BS < k_B[:, None]
+                mask_BS = (_strict_topk_mask(scores_BS, k_B, key_padding_mask) if cfg.strict_threshold
+                           else ranks_BS < k_B[:, None])
                 n_soft = n_B
                 past_cut_BS = ranks_BS - k_B[:, None]  # integer ranks past the cut: < 0 selected
             else:
@@ -361,7 +367,7 @@ class RoutedBlock(nn.Module):
                 mask_BS = (ranks_BS < cut_BS) & valid_BS
                 past_cut_BS = ranks_BS - cut_BS  # ranks past the prefix's cut: < 0 selected
             gate_BS = mask_BS.to(x_BSD.dtype)
-            if self.capacity_predictor is not None and cap_soft.requires_grad:
+            if self.capacity_predictor is not None and cfg.capacity_gradient and cap_soft.requires_grad:
                 soft_BS = soft_capacity_mask(ranks_BS, cap_soft, n_soft, cfg.soft_rank_temperature)
                 st_BS = soft_BS - soft_BS.detach()  # value 0; gradient: the soft mask's
                 P = cfg.probe_tokens
@@ -380,8 +386,11 @@ class RoutedBlock(nn.Module):
             cap_B = mask_BS.sum(-1).to(x_BSD.dtype) / n_B.clamp_min(1).to(x_BSD.dtype)
             aux_loss, cost = zero, cap_B.mean()
 
-        weight_BS = torch.sigmoid(scores_BS) * gate_BS
-        y_BSD = x_BSD + self._update(x_BSD, mask_BS, probe_BS, weight_BS)
+        if cfg.update == "scaled_block":  # s f(x) = x + s (f(x) - x) + (s - 1) x on routed tokens
+            y_BSD = (x_BSD + self._update(x_BSD, mask_BS, probe_BS, scores_BS * gate_BS)
+                     + ((scores_BS - 1.0) * gate_BS).unsqueeze(-1) * x_BSD)
+        else:
+            y_BSD = x_BSD + self._update(x_BSD, mask_BS, probe_BS, torch.sigmoid(scores_BS) * gate_BS)
         info = RoutingInfo(mask=mask_BS, scores=scores_BS, capacity=cap_B, aux_logits=aux_logits_BS,
                            aux_loss=aux_loss, capacity_cost=cost, mode=mode)
         return y_BSD, info

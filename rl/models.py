@@ -61,6 +61,9 @@ class DTConfig:
             raise ValueError(f"return_scale ({self.return_scale}) and action_scale ({self.action_scale}) must be > 0")
 
 
+_ROUTED_UPDATES = ("gated_residual", "scaled_block")
+
+
 @dataclass(kw_only=True)
 class DMConfig(DTConfig):
     """Decision Mixer: a Decision Transformer whose `routed_layers` run only on routed tokens."""
@@ -83,6 +86,16 @@ class DMConfig(DTConfig):
     router_hidden: int = 64  # width of the capacity and auxiliary predictors
     aux_loss_weight: float = 0.1  # weight of the auxiliary predictor's BCE in the training loss
     capacity_cost_weight: float = 0.0  # weight of the mean predicted capacity (compute cost) in the loss; 0 chosen by `python -m rl.tune` on hopper-medium (rl/README.md)
+    # The released code's routed layer (`rl.release.reference_config` sets all; core.routing.RoutingConfig says what
+    # each does): the defaults are this project's fixes.
+    capacity_input: str = "mean"  # "flatten": capacity from all 3 K tokens flattened (input length fixed)
+    capacity_rounding: str = "round"  # "floor": the release's clamp(c n, 1, n).long()
+    capacity_gradient: bool = True  # False: no gradient reaches the capacity predictor (the release's .long())
+    strict_threshold: bool = False  # True: scores strictly above the k-th, k - 1 tokens (the release)
+    routed_update: str = "gated_residual"  # "scaled_block": s f(x) with the raw router score (the release)
+    aux_activation: str = "gelu"  # "silu": the release's auxiliary predictor
+    capacity_hidden: int = 0  # capacity predictor width (0: router_hidden; the release: 512)
+    aux_hidden: int = 0  # auxiliary predictor width (0: router_hidden; the release: embed_dim // 2)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,17 +105,26 @@ class DMConfig(DTConfig):
             raise ValueError(f"routed_layers {bad} out of range for num_layers={self.num_layers}")
         if len(set(self.routed_layers)) != len(self.routed_layers):
             raise ValueError(f"routed_layers has duplicates: {self.routed_layers}")
+        if self.capacity_hidden < 0 or self.aux_hidden < 0:
+            raise ValueError(f"capacity_hidden ({self.capacity_hidden}) and aux_hidden ({self.aux_hidden}) must be >= 0")
         if self.aux_loss_weight < 0 or self.capacity_cost_weight < 0:
             raise ValueError(f"loss weights must be >= 0, got aux={self.aux_loss_weight}, "
                              f"capacity={self.capacity_cost_weight}")
+        if self.routed_update not in _ROUTED_UPDATES:  # named here: RoutingConfig calls it `update`
+            raise ValueError(f"routed_update must be one of {_ROUTED_UPDATES}, got {self.routed_update!r}")
         self.routing_config()  # validates the capacity fields
 
     def routing_config(self) -> RoutingConfig:
         return RoutingConfig(dim=self.embed_dim, capacity=self.capacity, learn_capacity=self.learn_capacity,
                              min_capacity=self.min_capacity, max_capacity=self.max_capacity,
-                             capacity_hidden=self.router_hidden, aux_hidden=self.router_hidden,
+                             capacity_hidden=self.capacity_hidden or self.router_hidden,
+                             aux_hidden=self.aux_hidden or self.router_hidden,
                              soft_rank_temperature=self.soft_rank_temperature, probe_tokens=self.probe_tokens,
-                             train_selection=self.train_selection, random_selection=self.random_routing)
+                             train_selection=self.train_selection, random_selection=self.random_routing,
+                             capacity_input=self.capacity_input, seq_len=3 * self.context,
+                             capacity_rounding=self.capacity_rounding, capacity_gradient=self.capacity_gradient,
+                             strict_threshold=self.strict_threshold, update=self.routed_update,
+                             aux_activation=self.aux_activation)
 
 
 class _CausalBlock(nn.Module):

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from core.attention import attention
-from core.routing import (RoutedBlock, RoutingConfig, prefix_topk_mask, soft_capacity_mask, token_ranks,
-                          topk_mask)
+from core.routing import (RoutedBlock, RoutingConfig, prefix_ranks, prefix_topk_mask, soft_capacity_mask,
+                          token_ranks, topk_mask)
 
 
 class _CausalBlock(nn.Module):
@@ -406,6 +406,22 @@ def test_prefix_selection_is_causal_in_training_and_topk_is_not():
         _, t2 = m(x2, mode="topk")
         topk_changed |= not torch.equal(t1.mask[:, : j + 1], t2.mask[:, : j + 1])
     assert topk_changed, "top-k over the whole sequence should depend on later tokens"
+
+
+def test_prefix_selection_follows_the_predicted_capacity():
+    torch.manual_seed(3)
+    dim, S = 16, 24
+    m = _routed(dim=dim, capacity=0.4, train_selection="prefix").train()
+    with torch.no_grad():
+        m.capacity_predictor.net[2].weight.normal_(0, 1.0)  # capacity varies with the prefix
+    x = torch.randn(4, S, dim)
+    _, info = m(x, mode="prefix")
+    with torch.no_grad():
+        c_BS = m.capacity_predictor.prefix(x)
+    rank_BS, n_BS = prefix_ranks(info.scores)
+    assert torch.equal(info.mask, rank_BS < c_BS * n_BS - 0.5)  # position i's cut: its own predicted capacity
+    fixed = prefix_topk_mask(info.scores, m.config.capacity)
+    assert not torch.equal(info.mask, fixed)  # the predicted capacity changes the selection here
 
 
 def test_new_config_fields_are_validated():
