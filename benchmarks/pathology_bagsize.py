@@ -49,6 +49,8 @@ VARIANTS: dict[str, dict] = {
     "auto": {},
     "allpatches": dict(max_patches=0),
     "nopos": dict(pos_encoding="none"),
+    "allpatches_r4": dict(max_patches=0, region_size=4),
+    "allpatches_nopos": dict(max_patches=0, pos_encoding="none"),
     # TransMIL's published training: RAdam + Lookahead, lr 2e-4, weight decay 1e-5, width 512 (8 heads, 256
     # Nyström landmarks), batch size 1 with 2 accumulated steps, no schedule, every patch (pathology.optim)
     "transmil_published": dict(optimizer="radam_lookahead", schedule="constant", lr=2e-4, weight_decay=1e-5, dim=512,
@@ -173,6 +175,46 @@ def run_unit(stage: str, n_bags: int, bag_size: int, seed: int, variant: str, mo
             "labels": [b.label for b in bags], "probs": [probs[b.slide_id] for b in bags]}
 
 
+def run_memo(n_bags: int, bag_size: int, seed: int, variant: str, model: str, *, folds: int, epochs: int) -> dict:
+    """Does a model memorise? One fold (the first of ``folds``) trained for exactly ``epochs`` epochs (no early
+    stopping; the epoch with the best smoothed validation AUC is kept, as ``pathology.train`` does): per epoch the
+    training loss and the validation AUC, then the kept model's AUC on its training bags and on the fold's test bags."""
+    import dataclasses
+
+    import torch
+
+    from benchmarks.pathology_cohort import CohortConfig, make_cohort
+    from benchmarks.pathology_cohort_bench import CURVE
+    from pathology.querent import QuerentConfig
+    from pathology.training import (TrainConfig, patient_folds, predict_outputs, train_model, validation_split)
+
+    s = settings(variant, n_bags, bag_size)
+    bags = make_cohort(n_bags, seed, CohortConfig(**{**CURVE, "bag_size": bag_size}))
+    mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
+                         pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
+                         region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0))
+    tc = TrainConfig(epochs=epochs, lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
+                     max_patches=s["max_patches"] or None, feature_dropout=s["feature_dropout"], monitor=s["monitor"],
+                     smooth=s["smooth"], patience=epochs, min_epochs=epochs, optimizer=s["optimizer"],
+                     schedule=s["schedule"], seed=0)
+    tr, te = patient_folds(bags, folds, seed=0)[0]
+    tr, va = validation_split(bags, tr, tc.val_fraction, seed=0)
+    torch.manual_seed(0)
+    c0 = time.process_time()
+    m, info = train_model(model, mcfg, [bags[i] for i in tr], tc, val_bags=[bags[i] for i in va])
+
+    def auc(idx):
+        p = torch.softmax(predict_outputs(m, [bags[i] for i in idx]), -1)[:, 1].numpy()
+        return _auc(np.array([bags[i].label for i in idx]), p)
+
+    return {"stage": "memo", "n_bags": n_bags, "bag_size": bag_size, "cohort_seed": seed, "variant": variant,
+            "model": model, "folds": folds, "settings": {**s, "epochs": epochs, "memo_fold": 0},
+            "best_epoch": info["best_epoch"], "train_auc": auc(tr), "test_auc": auc(te),
+            "history": [{k: r.get(k) for k in ("epoch", "train_loss", "val_loss", "val_auc")} for r in info["history"]],
+            "model_config": dataclasses.asdict(mcfg), "cpu_s": round(time.process_time() - c0, 1)}
+
+
 def key_of(rec: dict) -> str:
     return json.dumps([rec["stage"], rec["n_bags"], rec["bag_size"], rec["cohort_seed"], rec["variant"], rec["model"],
                        rec["folds"], rec["settings"]], sort_keys=True)
@@ -183,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.pathology_cohort_bench import append, read_records
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.pathology_bagsize", description=__doc__.split("\n")[0])
-    p.add_argument("--stage", choices=("dev", "report", "summary"), required=True)
+    p.add_argument("--stage", choices=("dev", "report", "memo", "summary"), required=True)
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["auto"])
     p.add_argument("--bags", nargs="+", type=positive_int, default=[120], help="bags per cohort")
@@ -191,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=None,
                    help=f"cohort seeds (default: dev {DEV_SEEDS[:3]}, report {REPORT_SEEDS})")
     p.add_argument("--folds", type=positive_int, default=3)
+    p.add_argument("--epochs", type=positive_int, default=25, help="memo: epochs of the one fold (no early stop)")
     p.add_argument("--records", default=str(RECORDS))
     p.add_argument("--out", default=str(RESULTS / "pathology_bagsize.json"))
     add_run_options(p)
@@ -199,10 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stage == "summary":
         print(json.dumps(summary(read_records(args.records, key_of), args.out), indent=1)[:20000])
         return 0
-    seeds = args.seeds or (list(DEV_SEEDS[:3]) if args.stage == "dev" else list(REPORT_SEEDS))
-    clash = set(seeds) & set(REPORT_SEEDS if args.stage == "dev" else DEV_SEEDS)
+    seeds = args.seeds or (list(REPORT_SEEDS) if args.stage == "report" else list(DEV_SEEDS[:3]))
+    clash = set(seeds) & set(DEV_SEEDS if args.stage == "report" else REPORT_SEEDS)
     if clash:
-        raise UsageError(f"--seeds {sorted(clash)} are {'report' if args.stage == 'dev' else 'development'} seeds; "
+        raise UsageError(f"--seeds {sorted(clash)} are {'development' if args.stage == 'report' else 'report'} seeds; "
                          f"development: {list(DEV_SEEDS)}+, report: {list(REPORT_SEEDS)}")
     for seed in seeds:
         for n in args.bags:
@@ -212,7 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         probe = {"stage": args.stage, "n_bags": n, "bag_size": size, "cohort_seed": seed,
                                  "variant": variant, "model": model, "folds": args.folds,
                                  "settings": settings(variant, n, size)}
+                        if args.stage == "memo":
+                            probe["settings"] = {**probe["settings"], "epochs": args.epochs, "memo_fold": 0}
                         if key_of(probe) in read_records(args.records, key_of):  # also units another process ran
+                            continue
+                        if args.stage == "memo":
+                            rec = run_memo(n, size, seed, variant, model, folds=args.folds, epochs=args.epochs)
+                            append(args.records, rec)
+                            logger.info("memo n=%d size=%d seed=%d %s %s: train AUC %.3f test AUC %.3f (best epoch %d)"
+                                        ", train loss by epoch %s", n, size, seed, variant, model, rec["train_auc"],
+                                        rec["test_auc"], rec["best_epoch"],
+                                        [round(h["train_loss"], 3) for h in rec["history"]])
                             continue
                         rec = run_unit(args.stage, n, size, seed, variant, model, folds=args.folds)
                         append(args.records, rec)

@@ -28,6 +28,8 @@ def summary(records: dict[str, dict], out: str) -> dict:
 
     groups: dict[tuple, list[dict]] = {}
     for r in records.values():
+        if r["stage"] == "memo":
+            continue
         groups.setdefault((r["stage"], r["n_bags"], r["bag_size"], r["variant"], r["model"], r["folds"]), []).append(r)
     table: dict = {}
     for (stage, n, size, variant, model, folds), rs in sorted(groups.items()):
@@ -48,6 +50,12 @@ def summary(records: dict[str, dict], out: str) -> dict:
             if d:
                 row[f"minus_{peer}"] = [round(v, 4) for v in d[:3]] + [d[3]]
         table[f"{stage}/n{n}/bag{size}/{variant}/{model}/f{folds}"] = row
+    for r in records.values():
+        if r["stage"] == "memo":
+            table[f"memo/n{r['n_bags']}/bag{r['bag_size']}/s{r['cohort_seed']}/{r['variant']}/{r['model']}"] = {
+                k: r[k] for k in ("train_auc", "test_auc", "best_epoch", "cpu_s")} | {
+                "train_loss": [round(h["train_loss"], 4) for h in r["history"]],
+                "val_auc": [None if h["val_auc"] is None else round(h["val_auc"], 3) for h in r["history"]]}
     with open(out + ".tmp", "w") as f:
         json.dump(table, f, indent=1)
     os.replace(out + ".tmp", out)
