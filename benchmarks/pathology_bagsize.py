@@ -51,6 +51,11 @@ VARIANTS: dict[str, dict] = {
     "nopos": dict(pos_encoding="none"),
     "allpatches_r4": dict(max_patches=0, region_size=4),
     "allpatches_nopos": dict(max_patches=0, pos_encoding="none"),
+    # no Querent layer: embedding + gated attention pooling (ABMIL with Querent's position code); tells whether the
+    # region-attention layer is what loses the planted patches
+    "depth0": dict(depth=0),
+    # the attention branch scaled by a learned per-channel gain that starts at 1e-3 (QuerentConfig.attn_scale)
+    "attnscale": dict(attn_scale=1e-3),
     # TransMIL's published training: RAdam + Lookahead, lr 2e-4, weight decay 1e-5, width 512 (8 heads, 256
     # Nyström landmarks), batch size 1 with 2 accumulated steps, no schedule, every patch (pathology.optim)
     "transmil_published": dict(optimizer="radam_lookahead", schedule="constant", lr=2e-4, weight_decay=1e-5, dim=512,
@@ -94,6 +99,8 @@ def _selection_recall(model, bag, g=None, max_patches: int | None = None) -> dic
         return {"recall": 0.0, "share": float("nan"), "seen": 0.0}
     with torch.no_grad():
         out = model(bag.features[keep], bag.coords[keep], patch_size_level0=bag.patch_size_level0, return_index=True)
+    if out.block_index is None:  # no Querent layer (depth 0): nothing selected
+        return None
     reg = out.layout.region_of_patch().numpy()
     idx = out.block_index[0].numpy()  # (H, NR, K) region ids, -1 padded
     rec = []
@@ -128,7 +135,7 @@ def fold_diagnostics(model_name: str, max_patches: int | None):
                 uniform.append(len(s) / len(a) if len(s) else float("nan"))
         out["strong_mass"] = float(np.nanmean(mass))  # pooling weight on the strong sites' patches
         out["strong_uniform"] = float(np.nanmean(uniform))  # the same for uniform weights
-        if model_name == "querent":
+        if model_name == "querent" and model.cfg.depth > 0:
             g = torch.Generator().manual_seed(1000 + k)
             full = [r for b in test_bags if (r := _selection_recall(model, b)) is not None]
             sub = [r for b in test_bags if (r := _selection_recall(model, b, g, max_patches)) is not None]
@@ -155,7 +162,8 @@ def run_unit(stage: str, n_bags: int, bag_size: int, seed: int, variant: str, mo
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
                          pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
                          region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0))
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
+                         attn_scale=s.get("attn_scale", 0.0))
     mp = s["max_patches"] or None
     tc = TrainConfig(epochs=s["epochs"], lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=mp, feature_dropout=s["feature_dropout"], monitor=s["monitor"], smooth=s["smooth"],
@@ -193,7 +201,8 @@ def run_memo(n_bags: int, bag_size: int, seed: int, variant: str, model: str, *,
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
                          pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
                          region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0))
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
+                         attn_scale=s.get("attn_scale", 0.0))
     tc = TrainConfig(epochs=epochs, lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=s["max_patches"] or None, feature_dropout=s["feature_dropout"], monitor=s["monitor"],
                      smooth=s["smooth"], patience=epochs, min_epochs=epochs, optimizer=s["optimizer"],
