@@ -115,6 +115,35 @@ def _selection_recall(model, bag, g=None, max_patches: int | None = None) -> dic
             "seen": float((len(site[0]) + len(site[1])) / sum(len(i) for _, _, i in bag.sites[:2]))}
 
 
+def _planted_separation(model, bag) -> dict | None:
+    """How far the strong sites' patches stand out among the bag's patches, before and after the Querent layers:
+    ``|mean(planted) - mean(other)|`` over the other patches' root-mean-square spread about their mean, on the
+    embedded patches (input of the first layer, position code included) and on the tokens the pooling reads."""
+    import torch
+
+    s = bag.strong_patches()
+    if not len(s):
+        return None
+    grab: dict = {}
+    hooks = [model.embed.register_forward_hook(lambda m, i, o: grab.__setitem__("embed", o)),
+             model.norm.register_forward_hook(lambda m, i, o: grab.__setitem__("tokens", o))]
+    try:
+        with torch.no_grad():
+            model(bag.features, bag.coords, patch_size_level0=bag.patch_size_level0)
+    finally:
+        for h in hooks:
+            h.remove()
+    mask = np.zeros(bag.features.shape[0], bool)
+    mask[s] = True
+    out = {}
+    for name, t in grab.items():
+        t = t.float().numpy()
+        rest = t[~mask]
+        spread = float(np.sqrt(((rest - rest.mean(0)) ** 2).sum(1).mean()))
+        out[name] = float(np.linalg.norm(t[mask].mean(0) - rest.mean(0)) / max(spread, 1e-12))
+    return out
+
+
 def fold_diagnostics(model_name: str, max_patches: int | None):
     """``on_fold`` for :func:`pathology.training.cross_validate`: what the trained fold model does with the planted
     patches, and whether it fits its training bags better than new ones."""
@@ -144,6 +173,10 @@ def fold_diagnostics(model_name: str, max_patches: int | None):
                        recall_step=float(np.mean([r["recall"] for r in sub])),
                        share_step=float(np.nanmean([r["share"] for r in sub])),
                        planted_seen_step=float(np.mean([r["seen"] for r in sub])))
+        if model_name == "querent":
+            sep = [r for b in test_bags if (r := _planted_separation(model, b)) is not None]
+            out.update(separation_embed=float(np.mean([r["embed"] for r in sep])),
+                       separation_tokens=float(np.mean([r["tokens"] for r in sep])))
         return out
 
     return run

@@ -11,7 +11,7 @@ import numpy as np
 
 #: Fold diagnostics averaged in the summary (see :func:`benchmarks.pathology_bagsize.fold_diagnostics`).
 DIAGNOSTICS = ("train_auc", "strong_mass", "strong_uniform", "recall", "share", "recall_step", "share_step",
-               "planted_seen_step")
+               "planted_seen_step", "separation_embed", "separation_tokens")
 
 
 def _paired(rs: list[dict], peers: list[dict]) -> tuple[float, float, float, int] | None:

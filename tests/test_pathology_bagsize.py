@@ -72,6 +72,38 @@ def test_selection_recall_counts_the_other_sites_patches_in_the_chosen_regions()
     assert bs._selection_recall(to_b, next(b for b in make_cohort(4, 3, cfg) if not b.label)) is None
 
 
+def test_planted_separation_before_and_after_the_layers():
+    """The planted patches' offset from the others over the others' spread, on the embedded patches and on the
+    pooled tokens; context that varies from patch to patch independently of the planting (here: noise 10x the
+    tokens' spread) buries them."""
+    from pathology.querent import Querent, QuerentConfig
+
+    cfg = CohortConfig(bag_size=600, strength=6.0, site_patches=12, decoys=0, negatives="single")
+    bags = make_cohort(4, 5, cfg)
+    bag = next(b for b in bags if b.label)
+    torch.manual_seed(0)
+    m = Querent(QuerentConfig(in_dim=bag.features.shape[1], dim=16, depth=0, num_heads=2, dropout=0.0,
+                              pos_encoding="none")).eval()
+    with torch.no_grad():  # embed = identity onto the first 16 dims, then GELU
+        m.embed[0].weight.zero_()
+        m.embed[0].weight[:, :16].copy_(torch.eye(16))
+        m.embed[0].bias.zero_()
+    r = bs._planted_separation(m, bag)
+    emb = torch.nn.functional.gelu(bag.features[:, :16]).numpy()
+    s = np.zeros(len(emb), bool)
+    s[bag.strong_patches()] = True
+    rest = emb[~s]
+    want = np.linalg.norm(emb[s].mean(0) - rest.mean(0)) / np.sqrt(((rest - rest.mean(0)) ** 2).sum(1).mean())
+    assert r["embed"] == pytest.approx(want, rel=1e-4) and r["embed"] > 0.5
+    assert r["tokens"] > 0.5  # a LayerNorm keeps them apart
+    g = torch.Generator().manual_seed(0)
+    m.norm.register_forward_hook(lambda mod, i, o: o + 10 * torch.randn(o.shape, generator=g))
+    buried = bs._planted_separation(m, bag)
+    assert buried["embed"] == pytest.approx(r["embed"]) and buried["tokens"] < 0.3  # (noise alone: ~(1/24 planted patches)^0.5)
+    assert bs._planted_separation(m, next(b for b in bags if not b.strong)) is None if any(
+        not b.strong for b in bags) else True
+
+
 def test_variants_and_settings():
     auto = bs.settings("auto", 120, 2000)
     assert auto["max_patches"] == 512 and auto["region_size"] == 8 and auto["optimizer"] == "adamw"
