@@ -54,8 +54,6 @@ VARIANTS: dict[str, dict] = {
     # no Querent layer: embedding + gated attention pooling (ABMIL with Querent's position code); tells whether the
     # region-attention layer is what loses the planted patches
     "depth0": dict(depth=0),
-    # the attention branch scaled by a learned per-channel gain that starts at 1e-3 (QuerentConfig.attn_scale)
-    "attnscale": dict(attn_scale=1e-3),
     # TransMIL's published training: RAdam + Lookahead, lr 2e-4, weight decay 1e-5, width 512 (8 heads, 256
     # Nyström landmarks), batch size 1 with 2 accumulated steps, no schedule, every patch (pathology.optim)
     "transmil_published": dict(optimizer="radam_lookahead", schedule="constant", lr=2e-4, weight_decay=1e-5, dim=512,
@@ -195,8 +193,7 @@ def run_unit(stage: str, n_bags: int, bag_size: int, seed: int, variant: str, mo
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
                          pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
                          region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
-                         attn_scale=s.get("attn_scale", 0.0))
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0))
     mp = s["max_patches"] or None
     tc = TrainConfig(epochs=s["epochs"], lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=mp, feature_dropout=s["feature_dropout"], monitor=s["monitor"], smooth=s["smooth"],
@@ -234,8 +231,7 @@ def run_memo(n_bags: int, bag_size: int, seed: int, variant: str, model: str, *,
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
                          pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
                          region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
-                         attn_scale=s.get("attn_scale", 0.0))
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0))
     tc = TrainConfig(epochs=epochs, lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=s["max_patches"] or None, feature_dropout=s["feature_dropout"], monitor=s["monitor"],
                      smooth=s["smooth"], patience=epochs, min_epochs=epochs, optimizer=s["optimizer"],

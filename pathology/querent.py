@@ -81,9 +81,6 @@ class QuerentConfig:
     pos_encoding: str = "sincos"  # "sincos": 2-D sine-cosine embedding added to the input; "rope2d": 2-D rotary
     # embedding of queries and keys in every layer (scores depend on the patches' offset); "both"; "none"
     rope_scale: float = 0.25  # rope2d: rotary position units per grid cell (sincos uses the same scale)
-    attn_scale: float = 0.0  # > 0: the attention branch's output is multiplied by a learned per-channel scale that
-    # starts at this value (LayerScale), so the tokens start nearly free of the other patches' context;
-    # 0: no scale (the attention output is added at full strength from the first step)
     nystrom_landmarks: int = 0  # TransMIL only: Nyström landmarks (0: dim // 2, TransMIL's rule)
 
     def __post_init__(self) -> None:
@@ -120,8 +117,6 @@ class QuerentConfig:
             raise ValueError(f"num_classes ({self.num_classes}) must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout ({self.dropout}) must be in [0, 1)")
-        if not self.attn_scale >= 0:
-            raise ValueError(f"attn_scale ({self.attn_scale}) must be >= 0 (0: no scale)")
 
     @property
     def block_size(self) -> int:
@@ -470,7 +465,6 @@ class QuerentLayer(nn.Module):
         self.attn = MultiHeadAttention(cfg.dim, cfg.num_heads, dropout=cfg.dropout)
         self.norm2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg.dim, int(cfg.dim * cfg.mlp_ratio), dropout=cfg.dropout)
-        self.attn_gain = nn.Parameter(torch.full((cfg.dim,), float(cfg.attn_scale))) if cfg.attn_scale > 0 else None
 
     def forward(self, x_BSD: torch.Tensor, layout: RegionLayout, pad_BS: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -498,8 +492,7 @@ class QuerentLayer(nn.Module):
             o = block_sparse_attention(q, k, v, idx, block_size=self.cfg.block_size, key_padding_mask=pad_BS,
                                        backend=self.cfg.backend)
         del q, k, v  # without autograd their memory is free for the MLP below
-        o = self.attn.merge(o)
-        x_BSD = x_BSD + (o if self.attn_gain is None else self.attn_gain * o)
+        x_BSD = x_BSD + self.attn.merge(o)
         del o
         return x_BSD + self.mlp(self.norm2(x_BSD)), idx
 

@@ -360,32 +360,3 @@ def test_rope2d_config_validation():
         QuerentConfig(in_dim=8, dim=24, num_heads=4, pos_encoding="rope2d")  # head size 6
     with pytest.raises(ValueError, match="rope_scale"):
         QuerentConfig(in_dim=8, pos_encoding="rope2d", rope_scale=0)
-
-
-def test_attn_scale_gains_the_attention_branch():
-    """``attn_scale``: a learned per-channel gain on the attention branch, starting at the given value; 0 = none
-    (the state dict of a model without it loads into the one with it, apart from the gain)."""
-    g = torch.Generator().manual_seed(5)
-    coords = _bag_coords(12, 12, 0.8, g=g)
-    feats = torch.randn(len(coords), 12, generator=g)
-    base = dict(in_dim=12, dim=32, num_heads=2, depth=1, region_size=4, dropout=0.0)
-    torch.manual_seed(0)
-    plain = Querent(QuerentConfig(**base)).eval()
-    gained = Querent(QuerentConfig(**base, attn_scale=0.25)).eval()
-    assert plain.layers[0].attn_gain is None
-    torch.testing.assert_close(gained.layers[0].attn_gain.detach(), torch.full((32,), 0.25))
-    missing = gained.load_state_dict(plain.state_dict(), strict=False).missing_keys
-    assert missing == ["layers.0.attn_gain"]
-    with torch.no_grad():
-        ref = plain(feats, coords, patch_size_level0=256).logits
-        assert (gained(feats, coords, patch_size_level0=256).logits - ref).abs().max() > 1e-4  # the gain acts
-        gained.layers[0].attn_gain.fill_(1.0)  # gain 1 = no gain
-        torch.testing.assert_close(gained(feats, coords, patch_size_level0=256).logits, ref, atol=1e-5, rtol=1e-4)
-        gained.layers[0].attn_gain.zero_()  # gain 0: the attention weights no longer matter
-        a = gained(feats, coords, patch_size_level0=256).logits
-        for p in gained.layers[0].attn.parameters():
-            p.normal_()
-        torch.testing.assert_close(gained(feats, coords, patch_size_level0=256).logits, a)
-    assert gained.layers[0].attn_gain.requires_grad
-    with pytest.raises(ValueError, match="attn_scale"):
-        QuerentConfig(in_dim=8, attn_scale=-0.1)
