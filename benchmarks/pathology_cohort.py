@@ -20,8 +20,9 @@ families of these cohorts.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -71,11 +72,30 @@ def _smooth(rng: np.random.Generator, side: int, cells: int = 5) -> np.ndarray:
     return rows[:, i0] * (1 - f)[None, :] + rows[:, i0 + 1] * f[None, :]
 
 
-def make_bag(rng: np.random.Generator, label: int, cfg: CohortConfig, slide_id: str):
-    """One bag (:class:`pathology.features.Bag`; coordinates in grid cells, ``patch_size_level0`` 1)."""
-    import torch
-
+@functools.cache
+def _cohort_bag_class():
     from pathology.features import Bag
+
+    @dataclass
+    class CohortBag(Bag):
+        """A :class:`pathology.features.Bag` that knows its planted sites: ``sites`` lists ``(letter, strength,
+        patch indices)`` per site, the strong ones (that decide the label) first, then the decoys."""
+
+        sites: list = field(default_factory=list)
+        strong: int = 0  # how many of ``sites`` are strong
+
+        def strong_patches(self) -> np.ndarray:
+            """Indices of the patches of the strong sites (empty for a bag without one)."""
+            parts = [idx for _, _, idx in self.sites[: self.strong]]
+            return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    return CohortBag
+
+
+def make_bag(rng: np.random.Generator, label: int, cfg: CohortConfig, slide_id: str):
+    """One bag (a :class:`pathology.features.Bag` with its planted ``sites``; coordinates in grid cells,
+    ``patch_size_level0`` 1)."""
+    import torch
 
     side = math.ceil(math.sqrt(cfg.bag_size / 0.9))
     d = directions(cfg)
@@ -89,6 +109,7 @@ def make_bag(rng: np.random.Generator, label: int, cfg: CohortConfig, slide_id: 
     sites = [(s, cfg.strength) for s in strong] + [("AB"[int(rng.integers(2))], amp_decoy) for _ in range(cfg.decoys)]
     taken = np.zeros(cfg.bag_size, bool)
     centres: list[np.ndarray] = []
+    planted = []
     pts = np.stack([xs, ys], 1).astype(np.float64)
     for j, (letter, amp) in enumerate(sites):
         for _ in range(200):  # strong sites far apart (at least side/2), every site away from the others
@@ -102,8 +123,10 @@ def make_bag(rng: np.random.Generator, label: int, cfg: CohortConfig, slide_id: 
         idx = np.argsort(dist)[: cfg.site_patches]
         taken[idx] = True
         f[idx] += amp * d["AB".index(letter)]
+        planted.append((letter, float(amp), np.sort(idx)))
     coords = torch.from_numpy(np.stack([xs, ys], 1).astype(np.int64))
-    return Bag(slide_id, torch.from_numpy(f), coords, 1.0, label=int(label), label_name=str(int(label)))
+    return _cohort_bag_class()(slide_id, torch.from_numpy(f), coords, 1.0, label=int(label),
+                               label_name=str(int(label)), sites=planted, strong=len(strong))
 
 
 def make_cohort(n: int, seed: int, cfg: CohortConfig | None = None) -> list:

@@ -30,7 +30,7 @@ from pathology.slide import Slide
 logger = logging.getLogger(__name__)
 
 __all__ = ["PatchDataset", "extract_features", "read_feature_file", "infer_grid_step", "FeatureFile", "Bag",
-           "load_bags", "class_names"]
+           "load_bags", "class_names", "patch_settings", "cohort_patch_settings", "PATCH_SETTINGS"]
 
 
 class PatchDataset(Dataset):
@@ -91,6 +91,31 @@ class FeatureFile:
     coords: np.ndarray  # (N, 2) int64 level-0 (x, y) of each patch's top-left corner
     patch_size_level0: float  # grid step in level-0 pixels
     step_source: str  # "attribute", "flag" or "inferred"
+    patch_settings: dict | None = None  # how the patches were made (:func:`patch_settings`); None: not stored
+
+
+#: The settings a slide model needs to patch a new slide as its training slides were (keys of :func:`patch_settings`).
+PATCH_SETTINGS = ("patch_mpp", "patch_size", "min_tissue", "encoder", "encoder_kwargs", "tissue")
+
+
+def patch_settings(attrs: dict) -> dict | None:
+    """The patch settings stored in a feature file by ``pathology.batch`` (the root attribute ``settings``, JSON):
+    ``patch_mpp`` (target µm/px), ``patch_size`` (pixels), ``min_tissue``, ``encoder`` (name), ``encoder_kwargs``
+    and ``tissue`` (the tissue-mask settings). ``None`` for a file without them (TRIDENT, CLAM, older files)."""
+    import json
+
+    text = attrs.get("settings")
+    if isinstance(text, bytes):
+        text = text.decode()
+    try:
+        s = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not isinstance(s, dict) or "mpp" not in s or "patch_size" not in s:
+        return None
+    enc = s.get("encoder") if isinstance(s.get("encoder"), dict) else {}
+    return {"patch_mpp": float(s["mpp"]), "patch_size": int(s["patch_size"]), "min_tissue": s.get("min_tissue"),
+            "encoder": enc.get("name"), "encoder_kwargs": enc.get("encoder_kwargs") or {}, "tissue": s.get("tissue")}
 
 
 def infer_grid_step(coords_N2: np.ndarray) -> int:
@@ -147,7 +172,8 @@ def read_feature_file(path: str | os.PathLike, *, patch_size_level0: float | Non
         step, source = 0.0, "inferred"
     else:
         step, source = float(infer_grid_step(coords)), "inferred"
-    return FeatureFile(np.asarray(feats, np.float32), np.rint(coords).astype(np.int64), step, source)
+    return FeatureFile(np.asarray(feats, np.float32), np.rint(coords).astype(np.int64), step, source,
+                       patch_settings(attrs))
 
 
 @dataclass
@@ -163,6 +189,7 @@ class Bag:
     event: int = 0  # 1 = event observed
     patient_id: str = ""  # slides of one patient stay in one fold ("" = the slide is its own patient)
     label_name: str = ""  # the label as written in the labels file
+    patch_settings: dict | None = None  # how the patches were made (features.patch_settings); None: not stored
 
     def __post_init__(self) -> None:
         self.patient_id = self.patient_id or self.slide_id
@@ -254,6 +281,7 @@ def load_bags(features_dir: str, labels_csv: str, *, task: str = "cls", target: 
             time=_survival_value(r, time_col, labels_csv, "time") if task == "survival" else 0.0,
             event=int(_survival_value(r, event_col, labels_csv, "event")) if task == "survival" else 0,
             patient_id=(r.get(patient_col) or "").strip(), label_name=names[y] if task == "cls" else "",
+            patch_settings=ff.patch_settings,
         ))
     if inferred:
         steps = Counter(s for _, s in inferred)
@@ -328,6 +356,32 @@ def _survival_value(row: dict, col: str, labels_csv: str, what: str) -> float:
         want = "a finite number >= 0" if what == "time" else "0 (censored) or 1 (event observed)"
         raise ValueError(f"{labels_csv!r} column {col!r} line {row['_line']}: {text!r} is not {want}")
     return value
+
+
+def cohort_patch_settings(bags: list[Bag]) -> dict:
+    """The patch settings shared by ``bags`` (:func:`patch_settings`): what a model trained on them needs to patch a
+    new slide. Empty when no bag has them.
+
+    Raises:
+        ValueError: bags whose features were made with different settings (one model cannot read both), naming a
+            slide of each and the settings that differ; or some bags with settings and some without.
+    """
+    have = [b for b in bags if b.patch_settings is not None]
+    if not have:
+        return {}
+    if len(have) < len(bags):
+        missing = next(b.slide_id for b in bags if b.patch_settings is None)
+        raise ValueError(f"{len(bags) - len(have)} of {len(bags)} feature files do not store their patch settings "
+                         f"(e.g. {missing}) while the others do (e.g. {have[0].slide_id}): make them all with one "
+                         "pathology.batch run")
+    first = have[0]
+    for b in have[1:]:
+        diff = [k for k in PATCH_SETTINGS if b.patch_settings.get(k) != first.patch_settings.get(k)]
+        if diff:
+            shown = ", ".join(f"{k}: {first.patch_settings.get(k)!r} vs {b.patch_settings.get(k)!r}" for k in diff)
+            raise ValueError(f"feature files made with different settings ({first.slide_id} and {b.slide_id}: {shown});"
+                             " a slide model reads features made one way: extract them again with one setting")
+    return dict(first.patch_settings)
 
 
 def class_names(bags: list[Bag]) -> list[str]:

@@ -113,8 +113,10 @@ class FoldEnsemble(torch.nn.Module):
 
 def _load_fold_ensemble(path: str):
     """``<model>_fold<k>.safetensors`` beside ``<model>_config.json`` (``path`` is the folder or that file), as
-    ``pathology.train`` writes them. The patch settings (``patch_mpp``, ``patch_size``, ``min_tissue``, ``encoder``)
-    are read from the config when present, else ``pathology.batch``'s defaults are assumed (and logged)."""
+    ``pathology.train`` writes them. The patch settings (``patch_mpp``, ``patch_size``, ``min_tissue``, ``encoder``,
+    ``encoder_kwargs``, ``tissue``), which ``pathology.train`` copies from its feature files, are read from the config;
+    where a config lacks them (features not made by ``pathology.batch``), ``pathology.batch``'s defaults are assumed
+    (and logged)."""
     import dataclasses
     import re
 
@@ -150,7 +152,8 @@ def _load_fold_ensemble(path: str):
     d = {fl.name: fl.default for fl in dataclasses.fields(BatchConfig)}
     patch = {k: meta.get(k, d[b]) for k, b in (("patch_mpp", "mpp"), ("patch_size", "patch_size"),
                                                 ("min_tissue", "min_tissue"), ("encoder", "encoder"))}
-    assumed = sorted(set(patch) - set(meta))
+    patch.update(encoder_kwargs=meta.get("encoder_kwargs") or {}, tissue=meta.get("tissue"))
+    assumed = sorted(set(patch) - set(meta) - {"encoder_kwargs", "tissue"})
     if assumed:
         logger.info("%s does not say %s; assumed pathology.batch's defaults %s", cfg_file, ", ".join(assumed),
                     {k: patch[k] for k in assumed})
@@ -171,13 +174,13 @@ def analyze_slide(path: str, *, model_path: str | None = None, encoder_name: str
     from pathology.features import extract_features
     from pathology.patching import overview_image, patch_grid
     from pathology.slide import Slide
-    from pathology.tissue import segment_tissue
+    from pathology.tissue import TissueConfig, segment_tissue
 
     model, meta = load_slide_model(model_path)
     t = {}
     t0 = time.perf_counter()
     with Slide(path, mpp=slide_mpp) as slide:
-        tissue = segment_tissue(slide)
+        tissue = segment_tissue(slide, TissueConfig(**meta["tissue"]) if meta.get("tissue") else None)
         grid = patch_grid(slide, tissue, mpp=meta["patch_mpp"], patch_size=meta["patch_size"],
                           min_tissue=meta.get("min_tissue", 0.25))
         thumb = slide.thumbnail(thumb_size)
@@ -215,7 +218,8 @@ def slide_encoder(meta: dict, weights: str | None = None, *, name: str | None = 
     """The patch encoder (on CPU) of a slide model (``meta`` from :func:`load_slide_model`): ``name`` or the one it
     was trained with, from ``weights`` (default: the shipped ones). Weights of another model, or features of another
     size than the slide model reads, are a ``ValueError``."""
-    enc = _encoder(name or meta.get("encoder", "default"), weights)
+    kwargs = (meta.get("encoder_kwargs") or {}) if name is None else {}  # another encoder: its own defaults
+    enc = _encoder(name or meta.get("encoder") or "default", weights, json.dumps(kwargs, sort_keys=True))
     want = meta.get("model_config", {}).get("in_dim")
     if want is not None and enc.dim != want:
         raise ValueError(f"the patch encoder {enc.name!r} ({weights or 'shipped weights'}) gives {enc.dim}-d features, "
@@ -224,10 +228,10 @@ def slide_encoder(meta: dict, weights: str | None = None, *, name: str | None = 
 
 
 @lru_cache(maxsize=2)
-def _encoder(name: str, weights: str | None):
+def _encoder(name: str, weights: str | None, kwargs_json: str = "{}"):
     from pathology.encoders import build_encoder
 
-    return build_encoder(name, weights=weights, device="cpu")
+    return build_encoder(name, weights=weights, device="cpu", encoder_kwargs=json.loads(kwargs_json) or None)
 
 
 def regions_overlay(a: SlideAnalysis, x: float, y: float) -> tuple[np.ndarray, str]:

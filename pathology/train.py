@@ -12,7 +12,9 @@ names. Writes into ``--out``:
   the class names, model and training settings;
 - ``oof_<model>_<target>.csv``: the out-of-fold prediction of every slide;
 - ``curves_<model>_<target>.png``: training and validation loss per epoch of every fold;
-- ``<model>_fold<k>.safetensors`` per fold and ``<model>_config.json`` (model settings and class names).
+- ``<model>_fold<k>.safetensors`` per fold and ``<model>_config.json`` (model settings, class names and the patch
+  settings the feature files were made with: ``patch_mpp``, ``patch_size``, ``min_tissue``, ``encoder``,
+  ``encoder_kwargs``, ``tissue``; ``pathology.predict --model DIR`` patches and encodes new slides with them).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from collections.abc import Sequence
 
 import torch
 
-from core.infra.cli import (PartialFailure, fraction, nonempty_path, nonnegative_float, nonnegative_int,
+from core.infra.cli import (PartialFailure, UsageError, fraction, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli, worker_count)
 from core.infra.device import add_device_options, resolve_device
 from core.infra.guard import check_outputs
 from pathology.mil import MODEL_NAMES
 from pathology.querent import POS_ENCODINGS, QuerentConfig
+from pathology.features import cohort_patch_settings
 from pathology.training import TrainConfig, cross_validate, load_bags, read_splits, save_training_curves
 
 logger = logging.getLogger(__name__)
@@ -139,6 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     bags = load_bags(args.features, args.labels, task=args.task, target=args.target, time_col=args.time_col,
                      event_col=args.event_col, patient_col=args.patient_col, patch_size_level0=args.patch_size_level0)
+    try:
+        patch = cohort_patch_settings(bags)  # before any training: mixed feature files are refused
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    if not patch:
+        logger.warning("the feature files do not store how their patches were made (not written by pathology.batch): "
+                       "pathology.predict --model %s will assume pathology.batch's defaults", args.out)
     n_classes = 1 if args.task == "survival" else max(2, max(b.label for b in bags) + 1)
     auto = recipe_for(len(bags))
     if args.model == "transmil" and len(bags) < 400:
@@ -163,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tag = args.target if args.task == "cls" else "survival"
     oof = res.pop("oof")
     res.update(model_config=dataclasses.asdict(mcfg), train_config=dataclasses.asdict(tcfg), target=tag,
+               patch_settings=patch,
                splits=args.splits, n_slides=len(bags), n_patients=len({b.patient_id for b in bags}))
     base = f"{args.model}_{tag}"
     path = os.path.join(args.out, f"metrics_{base}.json")
@@ -171,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     save_training_curves(res["folds"], os.path.join(args.out, f"curves_{base}.png"),
                          title=f"{args.model} on {tag}: loss per epoch (dashed: validation; dotted: best epoch)")
     _write_json(os.path.join(args.out, f"{args.model}_config.json"),
-                {**dataclasses.asdict(mcfg), "classes": res["classes"]})
+                {**dataclasses.asdict(mcfg), "classes": res["classes"], **patch})
     nonfinite = [k for k, v in res["summary"].items() if not all(math.isfinite(x) for x in v.values())]
     if nonfinite:
         raise PartialFailure(f"the cross-validated {', '.join(nonfinite)} came out non-finite (written to {path}): "

@@ -34,6 +34,7 @@ from torch import nn
 from core.infra.fileio import set_file_mode
 from pathology.features import Bag, class_names, load_bags  # re-exported: bags are built where feature files are read
 from pathology.mil import build_model
+from pathology.optim import OPTIMIZERS, build_optimizer
 from pathology.querent import QuerentConfig
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,9 @@ class TrainConfig:
     monitor: str = "auc"
     smooth: int = 5  # epochs averaged by the early-stopping score (1 = the epoch's own value)
     feature_dropout: float = 0.1  # dropout on the (standardised) input features while training
+    # "adamw" (this recipe) or "radam_lookahead" (TransMIL's published optimiser, pathology.optim)
+    optimizer: str = "adamw"
+    schedule: str = "cosine"  # learning rate: "cosine" decay over `epochs`, or "constant" (TransMIL's release)
     seed: int = 0  # seeds model init, shuffling, patch sampling and the validation split
     device: str = "cpu"  # torch device
 
@@ -103,6 +107,10 @@ class TrainConfig:
             raise ValueError(f"lr ({self.lr}) must be > 0")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction ({self.val_fraction}) must be in [0, 1)")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer ({self.optimizer!r}) must be one of {', '.join(OPTIMIZERS)}")
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"schedule ({self.schedule!r}) must be 'cosine' or 'constant'")
         if self.monitor not in ("auc", "loss"):
             raise ValueError(f"monitor ({self.monitor!r}) must be 'auc' or 'loss'")
         if self.smooth < 1 or not 0 <= self.feature_dropout < 1:
@@ -203,7 +211,7 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
     g = torch.Generator().manual_seed(cfg.seed)
     dev = torch.device(cfg.device)
     model = build_model(name, model_cfg).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
     survival = model_cfg.task == "survival"
     weight = _class_weight(bags, model_cfg.num_classes) if cfg.class_weights and not survival else None
     if cfg.standardize:
@@ -233,7 +241,7 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
         losses = []
         for s0 in range(0, len(order), bs):
             batch = [bags[i] for i in order[s0 : s0 + bs]]
-            lr = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total)))
+            lr = cfg.lr * (0.5 * (1 + math.cos(math.pi * step / max(1, total))) if cfg.schedule == "cosine" else 1.0)
             for pg in opt.param_groups:
                 pg["lr"] = lr
             outs = []
@@ -468,12 +476,13 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def cross_validate(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: TrainConfig, *, folds: int = 5,
                    progress: bool = False, save_dir: str | None = None,
-                   splits: list[dict[str, list[str]]] | None = None) -> dict:
+                   splits: list[dict[str, list[str]]] | None = None, on_fold=None) -> dict:
     """Cross-validation at the patient level, out-of-fold predictions for every slide, metrics with fold spread.
 
     Folds come from ``splits`` (:func:`read_splits`) or from :func:`patient_folds`. Each fold's
     training patients give up ``cfg.val_fraction`` of them for early stopping (a split's own ``val``
-    column is used when it has one).
+    column is used when it has one). ``on_fold(k, model, train_bags, test_bags)``, when given, is called with
+    every fold's trained model (eval mode); what it returns is stored as the fold's ``diagnostics``.
 
     Returns:
         ``model``, ``task``, ``classes``, ``folds`` (per fold: metrics, training summary with its
@@ -504,6 +513,8 @@ def cross_validate(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Tr
         m.update(info, fold=k, n_train=len(tr), n_val=len(va), n_test=len(te))
         if task == "cls":
             m["predicted_counts"] = np.bincount(pred, minlength=len(names)).tolist()
+        if on_fold is not None:
+            m["diagnostics"] = on_fold(k, model, [bags[i] for i in tr], test)
         m["warnings"] = fit_warnings(name, m, k)
         for w in m["warnings"]:
             logger.warning(w)
