@@ -21,6 +21,8 @@ REAL_MODEL_CLIS = {
     "apps.ncal.recipes.llm": ["--model", "m", "--dataset", "tmwpl"],
     "apps.ncal.evaluate": ["--checkpoint", "tmwpl", "--data", "tmwpl"],
     "apps.ncal.predict": ["--checkpoint", "tmwpl", "--text", "a question"],
+    "apps.emloc.cli": ["--memory", "m/model.safetensors", "--images", "a.png", "--model", "m"],
+    "video.batch": ["--model", "hf:m", "--videos", "d"],
 }
 # training and feature-extraction CLIs: --device only (they train in float32 / their own mixed precision)
 DEVICE_ONLY_CLIS = {
@@ -30,7 +32,9 @@ DEVICE_ONLY_CLIS = {
     "pathology.train": ["--features", "d", "--labels", "labels.csv"],
     "pathology.batch": ["--slides", "d"],
 }
-WRITES_NO_OUT = {"apps.comemo.predict", "apps.ncal.predict"}  # answers on stdout: no --out
+# `python -m apps.emloc.predict` runs apps.emloc.cli's predict entry (the module name shadows a function)
+ENTRIES = {"apps.emloc.cli": ("predict_main", "build_predict_parser")}
+WRITES_NO_OUT = {"apps.comemo.predict", "apps.ncal.predict", "apps.emloc.cli"}  # answers on stdout: no --out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
@@ -43,7 +47,7 @@ def test_missing_gpu_is_one_line_exit_2(module, tmp_path, capsys, monkeypatch):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "data.jsonl").write_text('{"images": ["a.png"], "question": "q", "answer": "a"}\n')
     (tmp_path / "a.png").write_bytes(b"")
-    main = importlib.import_module(module).main
+    main = getattr(importlib.import_module(module), ENTRIES.get(module, ("main",))[0])
     out = [] if module in WRITES_NO_OUT else ["--out", str(tmp_path / "out")]
     (tmp_path / "labels.csv").write_text("slide_id,label\na,0\n")
     argv = [*{**REAL_MODEL_CLIS, **DEVICE_ONLY_CLIS}[module], *out, "--device", "cuda"]
@@ -55,7 +59,7 @@ def test_missing_gpu_is_one_line_exit_2(module, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("module", sorted(REAL_MODEL_CLIS))
 def test_device_and_dtype_options_are_the_shared_ones(module):
-    p = importlib.import_module(module).build_parser()
+    p = getattr(importlib.import_module(module), ENTRIES.get(module, (0, "build_parser"))[1])()
     actions = {a.dest: a for a in p._actions}
     assert actions["device"].default == "auto" and actions["dtype"].default == "auto"
     with pytest.raises(SystemExit):
@@ -64,7 +68,7 @@ def test_device_and_dtype_options_are_the_shared_ones(module):
 
 @pytest.mark.parametrize("module", sorted(DEVICE_ONLY_CLIS))
 def test_training_clis_take_the_shared_device_option(module):
-    p = importlib.import_module(module).build_parser()
+    p = getattr(importlib.import_module(module), ENTRIES.get(module, (0, "build_parser"))[1])()
     actions = {a.dest: a for a in p._actions}
     assert actions["device"].default == "auto"
     with pytest.raises(SystemExit):

@@ -152,8 +152,7 @@ def _predict_hf(args, paths: list[Path], tally: InputTally) -> int:
     from apps.emloc.hf_inputs import load_image
     from core.hf import load
 
-    device, dtype = device_from_args(args)
-    model, processor = load(args.model, dtype=dtype, device=device)
+    model, processor = load(args.model, dtype=args.dtype_, device=args.device_)
     if processor is None:
         raise UsageError(f"--model {args.model} has no processor (a chat template and an image processor are needed)")
     ctx = HFContext.load(args.memory, model, processor)
@@ -194,6 +193,7 @@ def predict_main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_predict_parser().parse_args(argv)
+    args.device_, args.dtype_ = device_from_args(args)  # a missing GPU is one line before any work
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
