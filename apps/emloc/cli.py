@@ -142,7 +142,8 @@ def _memory_kind(path: Path) -> str:
     from core.hf.cache import FORMAT
     from core.infra.fileio import open_safetensors
 
-    with open_safetensors(path, what="an EMLoC memory file (.safetensors)") as f:
+    with open_safetensors(path, what="an EMLoC memory file (.safetensors) written by python -m apps.emloc.compress "
+                                     "or apps.emloc.recipes.qwen2vl") as f:
         return "hf" if (f.metadata() or {}).get("format") == FORMAT else "host"
 
 
