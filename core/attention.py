@@ -10,12 +10,18 @@ Mask semantics:
     key_padding_mask: bool ``(B, S_k)``, ``True`` marks a *padded* key that no query may attend to
         (the convention of ``torch.nn.MultiheadAttention``).
     attn_bias: float tensor broadcastable to ``(B, H_q, S_q, S_k)``, added to the scaled scores.
-    window: with ``causal``, a sliding window: query ``i`` sees key ``j`` iff
-        ``i + (S_k - S_q) - window < j <= i + (S_k - S_q)`` (its ``window`` latest keys, itself included;
-        Mistral's and transformers' ``sliding_window``).
+    window: a sliding window around query ``i``'s position ``p = i + (S_k - S_q)``: with ``causal``, key ``j`` is
+        seen iff ``p - window < j <= p`` (its ``window`` latest keys, itself included; Mistral's and transformers'
+        ``sliding_window``); without, iff ``|p - j| < window`` (a bidirectional window: transformers'
+        bidirectional ``sliding_window`` ``w`` is ``window = w + 1``).
     softcap: scores become ``softcap · tanh(scores / softcap)`` after scaling, before bias and masks (Gemma 2's
-        attention logit soft-capping). The ``reference`` and ``chunked`` backends apply it; ``sdpa`` and
-        ``triton`` refuse it.
+        attention logit soft-capping). ``sdpa`` refuses it.
+    sinks: attention sinks (GPT-OSS): one extra logit per row in the softmax denominator whose value is zero,
+        ``(H_q,)`` (one per head) or a tensor broadcastable to ``(B, H_q, S_q)``; it receives a gradient. Not
+        scaled, capped or masked. ``sdpa`` refuses it.
+    segment_ids: int ``(B, S_k)``: key ``j``'s segment; a query sees keys of its own segment only (packed
+        sequences, chunked attention). ``q_segment_ids`` ``(B, S_q)`` gives the queries' segments, by default
+        those of their positions, ``segment_ids[:, S_k - S_q:]``. ``triton`` refuses them.
 
 A query row whose keys are all masked returns zeros (not NaN) in every backend.
 
@@ -28,20 +34,23 @@ Backends (the ``BACKENDS`` table, registered explicitly):
         ``O(S · chunk)`` in forward and backward (scores are recomputed in backward); any length on a CPU.
         Chunk sizes per call: ``q_chunk_size`` / ``k_chunk_size``. On CPU each block runs PyTorch's fused
         attention kernel; elsewhere (or for ``D_v ≠ D``) plain PyTorch block math.
-    triton: the fused kernel ``kernels.flash_attention`` (imported on first use), CUDA tensors only.
+    triton: the fused kernel ``kernels.flash_attention`` (imported on first use), CUDA tensors only; windows
+        (both kinds), soft caps and sinks included, no bias or segment ids.
 
 The ``auto`` rule (:func:`choose_backend`, as a plain function of its facts :func:`auto_rule`), in order:
-    1. CUDA tensors, float16/bfloat16, head dims of q and v in 16..128, no ``attn_bias``, Triton installed,
-       and more than ``DECODE_MAX_QUERIES`` queries -> ``triton``; if the kernel still declines the input
-       (``ValueError``: a limit, a tile that does not fit the GPU), the rule goes on from step 2 without it.
+    0. a soft cap or sinks (which ``sdpa`` cannot apply): ``triton`` where step 1's conditions hold at any query
+       length, else ``reference`` when the dense scores fit the memory budget, else ``chunked``.
+    1. CUDA tensors, float16/bfloat16, head dims of q and v in 16..128, no ``attn_bias`` or segment ids, Triton
+       installed, and more than ``DECODE_MAX_QUERIES`` queries -> ``triton``; if the kernel still declines the
+       input (``ValueError``: a limit, a tile that does not fit the GPU), the rule goes on without it.
     2. CUDA tensors that SDPA runs with a fused kernel (flash or memory-efficient: never the score matrix,
        memory ``O(S)``; :func:`sdpa_fused`) and whose masks, as ``sdpa`` builds them, fit the memory budget
        (:func:`sdpa_mask_bytes`) -> ``sdpa``. This takes decode-sized queries (SDPA's kernels split the keys
        across the GPU, where the Triton kernel would run one program per (batch, head)), fp32, and biases.
     3. the dense score matrix, ``B · H_q · S_q · S_k · 4`` bytes, fits the memory budget -> ``sdpa``; except on a
-       CPU when ``sdpa`` would have to build a causal (or window) mask together with padding or a bias, for at
-       least ``CPU_MASKED_CHUNKED_MIN_PAIRS`` query-key pairs -> ``chunked``, which skips the hidden blocks and
-       runs the fused kernel's own causal mode on the diagonal ones (measured 1.2-2.8x faster from 512² pairs).
+       CPU when ``sdpa`` would have to build a per-query mask (causal, window, segments) together with padding or
+       a bias, for at least ``CPU_MASKED_CHUNKED_MIN_PAIRS`` query-key pairs -> ``chunked``, which skips the
+       hidden blocks and runs the fused kernel's own causal mode (measured 1.2-2.8x faster from 512² pairs).
     4. eligible for step 1 but decode-sized (neither step 2 nor 3 applied) -> ``triton``.
     5. otherwise -> ``chunked``.
     The budget is ``DEFAULT_MEMORY_BUDGET`` (512 MiB) unless the call passes ``memory_budget=`` (bytes).
@@ -106,8 +115,11 @@ class AttentionInputs:
     key_padding_mask: torch.Tensor | None  # (B, Sk) bool, True = padded
     attn_bias: torch.Tensor | None  # broadcastable to (B, Hq, Sq, Sk)
     scale: float
-    window: int | None = None  # causal sliding window (keys per query, itself included)
+    window: int | None = None  # sliding window (causal: keys per query, itself included; else |p - j| < window)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None  # (B|1, Hq|1, Sq|1) sink logits (GPT-OSS), or None
+    q_segment_ids: torch.Tensor | None = None  # (B, Sq) int segment of each query
+    segment_ids: torch.Tensor | None = None  # (B, Sk) int segment of each key
     q_chunk_size: int | None = None  # chunked backend: queries per chunk (None = its default)
     k_chunk_size: int | None = None  # chunked backend: keys per chunk (None = its default)
 
@@ -129,6 +141,9 @@ def prepare_inputs(
     k_chunk_size: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    q_segment_ids: torch.Tensor | None = None,
 ) -> AttentionInputs:
     """Check shapes, dtypes and devices; raise ``ValueError`` naming what is wrong."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -174,12 +189,12 @@ def prepare_inputs(
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int (keys per query) or None, got {window!r}")
-        if not causal:
-            raise ValueError("window needs causal=True (a sliding window over the latest keys)")
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
             raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
         softcap = float(softcap)
+    sinks = _check_sinks(sinks, B, Hq, Sq, q.device)
+    segment_ids, q_segment_ids = _check_segments(segment_ids, q_segment_ids, B, Sq, Sk, q.device)
     for name, size in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be a positive int or None, got {size!r}")
@@ -193,9 +208,57 @@ def prepare_inputs(
         scale=float(scale),
         window=window,
         softcap=softcap,
+        sinks=sinks,
+        q_segment_ids=q_segment_ids,
+        segment_ids=segment_ids,
         q_chunk_size=q_chunk_size,
         k_chunk_size=k_chunk_size,
     )
+
+
+def _check_sinks(sinks, B: int, Hq: int, Sq: int, device) -> torch.Tensor | None:
+    """Sink logits as a 3-d view broadcastable to ``(B, H_q, S_q)`` (a ``(H_q,)`` tensor: one per head)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise ValueError(f"sinks must be a float tensor, got {getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if sinks.dim() == 1 and sinks.shape[0] == Hq:
+        sinks = sinks.view(1, Hq, 1)
+    elif sinks.dim() == 4 and sinks.shape[-1] == 1:  # (B, H, S, 1), as models concatenate them to the scores
+        sinks = sinks.squeeze(-1)
+    ok = sinks.dim() == 3
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(sinks.shape, (B, Hq, Sq)) == (B, Hq, Sq)
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"sinks of shape {tuple(sinks.shape)} must be (H_q,) = ({Hq},) or broadcastable to (B, H_q, S_q) = "
+            f"{(B, Hq, Sq)}"
+        )
+    return sinks.to(device)
+
+
+def _check_segments(segment_ids, q_segment_ids, B: int, Sq: int, Sk: int, device):
+    """Key and query segment ids as int64 ``(B, S_k)`` and ``(B, S_q)`` (queries default to their positions')."""
+    if segment_ids is None:
+        if q_segment_ids is not None:
+            raise ValueError("q_segment_ids needs segment_ids (the keys' segments)")
+        return None, None
+    for name, t, n in (("segment_ids", segment_ids, Sk), ("q_segment_ids", q_segment_ids, Sq)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != (B, n):
+            raise ValueError(f"{name} must have shape ({B}, {n}), got {tuple(t.shape)}")
+    segment_ids = segment_ids.to(device=device, dtype=torch.long)
+    if q_segment_ids is None:
+        if Sq > Sk:
+            raise ValueError(f"with more queries ({Sq}) than keys ({Sk}), pass q_segment_ids")
+        q_segment_ids = segment_ids[:, Sk - Sq :]
+    return segment_ids, q_segment_ids.to(device=device, dtype=torch.long)
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -210,17 +273,24 @@ def causal_keep(sq: int, sk: int, device: torch.device | None = None, q_offset: 
     return kj <= qi  # caller passes offsets already shifted by (S_k - S_q)
 
 
-def _mask_keep(a: AttentionInputs) -> torch.Tensor | None:
-    """Bool keep mask of the causal / window / padding masks, broadcastable to ``(B, 1, S_q, S_k)`` (None: none)."""
+def _mask_keep(a: AttentionInputs, causal: bool | None = None) -> torch.Tensor | None:
+    """Bool keep mask of the causal / window / segment / padding masks, broadcastable to ``(B, 1, S_q, S_k)`` (None:
+    none). ``causal`` overrides ``a.causal`` (``sdpa`` drops it for one query, which sees every key anyway)."""
     Sq, Sk = a.q.shape[2], a.k.shape[2]
+    causal = a.causal if causal is None else causal
     keep = None
-    if a.causal:
+    if causal or a.window is not None:
         qi = torch.arange(Sk - Sq, Sk, device=a.q.device)[:, None]
         kj = torch.arange(Sk, device=a.q.device)[None, :]
-        keep = kj <= qi
+        keep = kj <= qi if causal else torch.ones(Sq, Sk, dtype=torch.bool, device=a.q.device)
         if a.window is not None:
             keep = keep & (kj > qi - a.window)
+            if not causal:
+                keep = keep & (kj < qi + a.window)
         keep = keep[None, None]
+    if a.segment_ids is not None:
+        same = (a.q_segment_ids[:, :, None] == a.segment_ids[:, None, :])[:, None]  # (B, 1, Sq, Sk)
+        keep = same if keep is None else keep & same
     if a.key_padding_mask is not None:
         kp = ~a.key_padding_mask[:, None, None, :]
         keep = kp if keep is None else keep & kp
@@ -247,9 +317,15 @@ def _reference(a: AttentionInputs) -> torch.Tensor:
         keep = torch.ones(1, 1, Sq, Sk, dtype=torch.bool, device=q.device)
     scores_BHQK = scores_BHQK.masked_fill(~keep, float("-inf"))
     row_max = scores_BHQK.amax(dim=-1, keepdim=True)
+    sink = None
+    if a.sinks is not None:  # one more logit per row, value zero
+        sink = a.sinks.to(cdtype).unsqueeze(-1)  # (B|1, Hq|1, Sq|1, 1)
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores_BHQK - row_max)
     denom = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     out = torch.matmul(p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
     return out.to(out_dtype)
 
@@ -283,19 +359,21 @@ def _sdpa_call(q, k, v, mask, *, is_causal: bool, scale: float, groups: int, per
 
 def _sdpa(a: AttentionInputs) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with our mask semantics."""
-    if a.softcap is not None:
-        raise ValueError("backend 'sdpa' cannot apply a softcap; use 'chunked', 'reference' or 'auto'")
+    if a.softcap is not None or a.sinks is not None:
+        what = "a softcap" if a.softcap is not None else "attention sinks"
+        raise ValueError(f"backend 'sdpa' cannot apply {what}; use 'chunked', 'reference' or 'auto'")
     q, k, v = a.q, a.k, a.v
     Sq, Sk = q.shape[2], k.shape[2]
-    causal = _sdpa_causal(a) or a.window is not None
+    causal = _sdpa_causal(a) or (a.causal and a.window is not None)  # one query sees every earlier key anyway
     mask = None
     row_has_key = None
-    simple = not (a.key_padding_mask is not None or a.attn_bias is not None or a.window is not None)
+    simple = not (a.key_padding_mask is not None or a.attn_bias is not None or a.window is not None
+                  or a.segment_ids is not None)  # fmt: skip
     if causal and simple and Sq == Sk:
         is_causal = True
     else:
         is_causal = False
-        keep = _mask_keep(a) if causal else _mask_keep(AttentionInputs(**{**vars(a), "causal": False}))
+        keep = _mask_keep(a, causal=causal)
         if keep is not None:
             # Rows that see no key: let them see everything, then zero them, so that neither the output
             # nor the gradients carry SDPA's NaN for an all -inf row.
@@ -310,7 +388,8 @@ def _sdpa(a: AttentionInputs) -> torch.Tensor:
                 mask = mask.masked_fill(~keep, float("-inf"))
         elif keep is not None:
             mask = keep
-    out = _sdpa_call(q, k, v, mask, is_causal=is_causal, scale=a.scale, groups=a.groups, per_query_mask=causal,
+    out = _sdpa_call(q, k, v, mask, is_causal=is_causal, scale=a.scale, groups=a.groups,
+                     per_query_mask=causal or a.window is not None or a.segment_ids is not None,
                      cuda_rules=q.is_cuda)  # fmt: skip
     if row_has_key is not None:
         out = torch.where(row_has_key, out, 0.0)
@@ -334,23 +413,27 @@ def _chunked(a: AttentionInputs) -> torch.Tensor:
         k_chunk_size=a.k_chunk_size,
         window=a.window,
         softcap=a.softcap,
+        sinks=a.sinks,
+        q_segment_ids=a.q_segment_ids,
+        segment_ids=a.segment_ids,
     )
 
 
 def _triton(a: AttentionInputs) -> torch.Tensor:
     """The fused Triton kernel; CUDA tensors only."""
+    if a.segment_ids is not None:
+        raise ValueError("backend 'triton' has no segment ids; use 'chunked', 'sdpa' or 'auto'")
     if a.q.device.type != "cuda":
         raise ValueError(
             f"backend 'triton' needs CUDA tensors, got {a.q.device.type} tensors; use 'chunked', 'sdpa' or 'auto'"
         )
     if not triton_installed():
         raise ValueError("backend 'triton' needs the triton package (pip install triton); use 'sdpa' or 'auto'")
-    if a.window is not None or a.softcap is not None:
-        raise ValueError("backend 'triton' has no sliding window or softcap; use 'chunked' or 'auto'")
     kernel = importlib.import_module("kernels.flash_attention")
     return kernel.flash_attention(
-        a.q, a.k, a.v, causal=a.causal, key_padding_mask=a.key_padding_mask, attn_bias=a.attn_bias, scale=a.scale
-    )
+        a.q, a.k, a.v, causal=a.causal, key_padding_mask=a.key_padding_mask, attn_bias=a.attn_bias, scale=a.scale,
+        window=a.window, softcap=a.softcap, sinks=a.sinks,
+    )  # fmt: skip
 
 
 #: The backend table: name -> function of validated inputs. Registered explicitly, nothing discovered.
@@ -377,6 +460,9 @@ def attention(
     k_chunk_size: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    q_segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, ``softmax(q kᵀ · scale + bias) v``.
 
@@ -393,8 +479,12 @@ def attention(
             (default ``DEFAULT_MEMORY_BUDGET``, 512 MiB).
         q_chunk_size: ``chunked`` only: queries per chunk (default up to 1024, fewer for large ``B · H_q``).
         k_chunk_size: ``chunked`` only: keys per chunk (default 1024).
-        window: with ``causal``, each query sees its ``window`` latest keys only (sliding window).
-        softcap: scores become ``softcap · tanh(scores / softcap)`` (``reference``/``chunked`` only).
+        window: sliding window (module docs): with ``causal`` each query sees its ``window`` latest keys only;
+            without, the keys within distance ``< window`` of its position on both sides.
+        softcap: scores become ``softcap · tanh(scores / softcap)`` (not ``sdpa``).
+        sinks: attention-sink logits, ``(H_q,)`` or broadcastable to ``(B, H_q, S_q)`` (not ``sdpa``).
+        segment_ids: int ``(B, S_k)`` segment of each key; queries see their own segment only.
+        q_segment_ids: int ``(B, S_q)`` segment of each query (default: ``segment_ids[:, S_k - S_q:]``).
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in the dtype of ``q``.
@@ -412,6 +502,9 @@ def attention(
         k_chunk_size=k_chunk_size,
         window=window,
         softcap=softcap,
+        sinks=sinks,
+        segment_ids=segment_ids,
+        q_segment_ids=q_segment_ids,
     )
     if backend == "auto":
         name = choose_backend(a, memory_budget=memory_budget)

@@ -10,27 +10,40 @@ Autograd recomputes the scores chunk by chunk (FlashAttention-2 backward): the f
 ``q, k, v, out`` and the row log-sum-exp ``L``; the backward rebuilds ``P = exp(S - L)`` block by block and
 uses ``dS = P ∘ (dP - rowsum(dO ∘ O))``, so training memory is bounded the same way.
 
-Layout and mask semantics are those of :mod:`core.attention`. Grouped-query heads are handled without
-repeating keys/values: the ``G = H_q / H_kv`` query heads sharing a key/value head are stacked along the
-row axis of one matmul. Key chunks that causality hides from every query of a block are skipped.
-Computation runs in ``float32`` (or ``float64`` for double inputs); the output is cast back to ``q``'s dtype.
+Layout and mask semantics are those of :mod:`core.attention`; the block geometry (which key chunks a query chunk
+sees, the masks of a block) is :class:`core.attention_blocks.Blocks`. Grouped-query heads are handled without
+repeating keys/values: the ``G = H_q / H_kv`` query heads sharing a key/value head are stacked along the row axis
+of one matmul. Key chunks that causality, the window or the segment ids hide from every query of a block are
+skipped. Computation runs in ``float32`` (or ``float64`` for double inputs); the output is cast back to ``q``'s
+dtype.
+
+Attention sinks (GPT-OSS): one extra logit ``s`` per row in the softmax denominator whose value is zero. With the
+row's log-sum-exp over the keys ``L_k``, the output is scaled by ``exp(L_k - L)``, ``L = log(e^{L_k} + e^s)``, and
+``L`` is saved: the backward above is then exact unchanged (the sink's value is zero), and the sink's gradient is
+``-Σ_rows exp(s - L) · rowsum(dO ∘ O)``.
 
 Two block engines, same chunking and results:
-    fused (CPU tensors with ``D_v = D``, the default there): each block is one call of PyTorch's fused CPU
-        attention kernel, which returns the block's output and log-sum-exp; blocks are merged by their
-        log-sum-exp. The backward calls the fused backward kernel per block with the *global* output and
-        log-sum-exp of the rows, which yields exact partial gradients. Causal blocks whose diagonal starts
-        at their top-left corner use the kernel's own causal mode; other masks go in as an additive block.
+    fused (CPU tensors with ``D_v = D``, the default there): PyTorch's fused CPU attention kernel on whole inputs
+        or on blocks (:mod:`core.attention_fused`).
     plain (every other case, and the bias gradient): scores ``q kᵀ`` per block, running max and denominator,
         ``exp`` in place, FlashAttention-2 backward as above.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd.function import once_differentiable
+
+from core.attention_blocks import Blocks as _Blocks
+from core.attention_blocks import bias_4d as _bias_4d
+from core.attention_fused import (
+    backward_blocks,
+    backward_whole,
+    forward_blocks,
+    forward_whole,
+    fused_block_ops,
+    whole_call_fits,
+)
 
 __all__ = [
     "chunked_attention",
@@ -62,184 +75,6 @@ def default_chunks(batch_heads: int) -> int:
 def default_q_chunk(batch_heads: int, k_chunk: int) -> int:
     """Query rows per chunk so that one ``(B·H_q, q_chunk, k_chunk)`` block fits ``MAX_BLOCK_ELEMENTS``."""
     return int(max(16, min(DEFAULT_Q_CHUNK, MAX_BLOCK_ELEMENTS // max(1, batch_heads * k_chunk))))
-
-
-@functools.lru_cache(maxsize=1)
-def fused_block_ops():
-    """PyTorch's fused CPU attention forward/backward ops (they return/take the row log-sum-exp), or None.
-
-    They are ATen internals behind ``scaled_dot_product_attention`` on CPU; when a PyTorch build lacks them
-    the chunked backend uses its plain block math instead.
-    """
-    try:
-        aten = torch.ops.aten
-        fwd = aten._scaled_dot_product_flash_attention_for_cpu
-        bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
-        return fwd, bwd
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _bias_4d(bias: torch.Tensor) -> torch.Tensor:
-    """View a bias broadcastable to ``(B, H, S_q, S_k)`` as a 4-d tensor (leading size-1 dims added)."""
-    while bias.dim() < 4:
-        bias = bias.unsqueeze(0)
-    return bias
-
-
-class _Blocks:
-    """Shared geometry of forward and backward: chunk ranges, masks and bias slices.
-
-    Score blocks have shape ``(B, H_kv, G · n_q, n_k)``; row ``g · n_q + r`` is query ``i0 + r`` of query
-    head ``h_kv · G + g``. ``block5`` views them as ``(B, H_kv, G, n_q, n_k)`` for masks and bias.
-    """
-
-    def __init__(self, q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk, window=None, softcap=None):
-        self.B, self.Hq, self.Sq, self.D = q.shape
-        self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
-        self.G = self.Hq // self.Hkv
-        self.offset = self.Sk - self.Sq  # causal: query i sees key j iff j <= i + offset
-        self.kpm = key_padding_mask
-        self.bias4 = bias4
-        self.scale = scale
-        self.causal = causal
-        self.window = window  # causal only: query i sees keys i + offset - window < j <= i + offset
-        self.softcap = softcap  # scores become softcap * tanh(scores / softcap) before bias and masks
-        self.qc = q_chunk
-        self.kc = k_chunk
-        self.cdtype = torch.promote_types(q.dtype, torch.float32)
-        self.device = q.device
-        self._k = k
-        self._kT = None
-        self._buf = None  # reused score block storage: fresh large tensors per block cost page faults
-
-    @property
-    def kT(self) -> torch.Tensor:
-        """Keys transposed once, ``(B, H_kv, D, S_k)``: a key chunk is then a plain strided matmul operand."""
-        if self._kT is None:
-            self._kT = self._k.to(self.cdtype).transpose(-1, -2).contiguous()
-        return self._kT
-
-    def block_buffer(self, rows: int, cols: int) -> torch.Tensor:
-        """A reusable ``(B, H_kv, rows, cols)`` block (contents undefined)."""
-        size = self.B * self.Hkv * rows * cols
-        if self._buf is None or self._buf.numel() < size:
-            self._buf = torch.empty(max(size, self.B * self.Hq * self.qc * self.kc), dtype=self.cdtype,
-                                    device=self.device)
-        return self._buf[:size].view(self.B, self.Hkv, rows, cols)
-
-    def q_ranges(self):
-        for i0 in range(0, self.Sq, self.qc):
-            yield i0, min(i0 + self.qc, self.Sq)
-
-    def k_ranges(self, i0: int, i1: int):
-        """Key chunks a query block ``[i0, i1)`` can see; chunks past the causal frontier are skipped."""
-        end = self.Sk
-        if self.causal:
-            end = max(0, min(self.Sk, i1 + self.offset))  # last visible key of the last row is i1-1+offset
-        start = 0
-        if self.window is not None:  # first visible key of the first row is i0+offset-window+1
-            start = max(0, i0 + self.offset - self.window + 1) // self.kc * self.kc
-        for j0 in range(start, end, self.kc):
-            yield j0, min(j0 + self.kc, end)
-
-    def window_hides(self, i0: int, i1: int, j0: int, j1: int) -> bool:
-        """Whether the sliding window hides some key of chunk ``[j0, j1)`` from some query of ``[i0, i1)``."""
-        return self.window is not None and j0 <= i1 - 1 + self.offset - self.window
-
-    def hidden_pairs(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
-        """Bool ``(n_q, n_k)``: True where causality or the window hides key ``j`` from query ``i`` (None: none)."""
-        causal_hides = self.causal and j1 - 1 > i0 + self.offset  # some key after some query's frontier
-        window_hides = self.window_hides(i0, i1, j0, j1)
-        if not (causal_hides or window_hides):
-            return None
-        qi = torch.arange(i0 + self.offset, i1 + self.offset, device=self.device)[:, None]
-        kj = torch.arange(j0, j1, device=self.device)[None, :]
-        hide = kj > qi
-        if window_hides:
-            hide = hide | (kj <= qi - self.window)
-        return hide
-
-    def rows(self, x: torch.Tensor, i0: int, i1: int, scale: float | None = None) -> torch.Tensor:
-        """``(B, H_q, S, E)`` slice ``[i0, i1)`` as ``(B, H_kv, G·n, E)`` in the compute dtype."""
-        n = i1 - i0
-        x = x[:, :, i0:i1]
-        if scale is not None:
-            x = x * scale
-        return x.to(self.cdtype).reshape(self.B, self.Hkv, self.G * n, x.shape[-1])  # (B, Hkv, G*n, E)
-
-    def scores(self, q_rows: torch.Tensor, i0: int, i1: int, j0: int, j1: int, want_dtanh: bool = False):
-        """Scaled, soft-capped, biased, masked scores ``(B, H_kv, G·n_q, n_k)`` for queries ``[i0,i1)``, keys
-        ``[j0,j1)``, written into the reusable block buffer (valid until the next call). With ``want_dtanh``
-        also ``1 - tanh²`` of the soft cap's argument (the cap's derivative; None without a cap)."""
-        n, m = i1 - i0, j1 - j0
-        s = self.block_buffer(self.G * n, m)
-        torch.matmul(q_rows, self.kT[:, :, :, j0:j1], out=s)  # (B, Hkv, G*n, m); q_rows is pre-scaled
-        dtanh = None
-        if self.softcap is not None:
-            s.div_(self.softcap).tanh_()
-            if want_dtanh:
-                dtanh = 1.0 - s * s
-            s.mul_(self.softcap)
-        s5 = s.view(self.B, self.Hkv, self.G, n, m)
-        if self.bias4 is not None:
-            s5.add_(self.bias_block(i0, i1, j0, j1))
-        hide = self.hidden_pairs(i0, i1, j0, j1)
-        if hide is not None:
-            s5.masked_fill_(hide, float("-inf"))
-        if self.kpm is not None:
-            s5.masked_fill_(self.kpm[:, j0:j1].view(self.B, 1, 1, 1, m), float("-inf"))
-        return (s, dtanh) if want_dtanh else s
-
-    def additive_mask(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
-        """Bias plus ``-inf`` for hidden pairs as one float block broadcastable to ``(B, H_kv, G·n, m)``,
-        or None when nothing applies (the fused ops take masks in this form)."""
-        n, m = i1 - i0, j1 - j0
-        G = self.G
-        mask = None
-        if self.bias4 is not None:
-            b5 = self.bias_block(i0, i1, j0, j1)  # (B|1, Hkv|1, G|1, n|1, m|1)
-            if b5.shape[2] == 1 and b5.shape[3] == 1:
-                mask = b5.flatten(2, 3)  # (B|1, Hkv|1, 1, m|1)
-            else:
-                mask = b5.expand(*b5.shape[:2], G, n, b5.shape[4]).reshape(*b5.shape[:2], G * n, b5.shape[4])
-        hidden = self.hidden_pairs(i0, i1, j0, j1)
-        if hidden is not None:
-            hide = torch.zeros(n, m, dtype=self.cdtype, device=self.device).masked_fill_(hidden, float("-inf"))
-            hide = hide.repeat(G, 1) if G > 1 else hide  # (G*n, m)
-            mask = hide if mask is None else mask + hide
-        if self.kpm is not None:
-            pad = torch.zeros(self.B, 1, 1, m, dtype=self.cdtype, device=self.device)
-            pad.masked_fill_(self.kpm[:, j0:j1].view(self.B, 1, 1, m), float("-inf"))
-            mask = pad if mask is None else mask + pad
-        if mask is not None:
-            while mask.dim() < 4:
-                mask = mask.unsqueeze(0)
-        return mask
-
-    def aligned_diagonal(self, i0: int, i1: int, j0: int, j1: int) -> bool:
-        """Whether the block's only mask is causal with the diagonal at its top-left corner, i.e. exactly
-        the fused kernel's own ``is_causal`` (which then skips the hidden half instead of masking it)."""
-        return (
-            self.causal
-            and self.bias4 is None
-            and self.kpm is None
-            and not self.window_hides(i0, i1, j0, j1)
-            and i0 + self.offset == j0
-            and j1 - 1 > i0 + self.offset
-        )
-
-    def bias_block(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
-        """The bias slice for the block, 5-d ``(B|1, H_kv|1, G|1, n_q|1, n_k|1)``, never expanded."""
-        b = self.bias4
-        if b.shape[2] != 1:
-            b = b[:, :, i0:i1]
-        if b.shape[3] != 1:
-            b = b[:, :, :, j0:j1]
-        b = b.to(self.cdtype)
-        if b.shape[1] == 1:
-            return b.unsqueeze(1)  # (B|1, 1, 1, n|1, m|1)
-        return b.unflatten(1, (self.Hkv, self.G))  # (B|1, Hkv, G, n|1, m|1)
 
 
 def _forward(blocks: _Blocks, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,118 +112,6 @@ def _forward(blocks: _Blocks, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         row_lse = torch.where(seen, row_max + torch.log(torch.where(seen, denom, 1.0)), float("inf"))
         lse5[:, :, :, i0:i1] = row_lse.view(B, Hkv, G, n)
     return out, lse
-
-
-def _per_head(x: torch.Tensor, G: int, rows: int) -> torch.Tensor:
-    """``(B, H_kv, G·rows, E)`` -> ``(B, H_q, rows, E)`` (same memory order, a view)."""
-    return x.view(x.shape[0], x.shape[1] * G, rows, x.shape[-1])
-
-
-def _kv_per_head(x: torch.Tensor, G: int) -> torch.Tensor:
-    """A key/value chunk ``(B, H_kv, m, E)`` repeated for the ``G`` query heads of its group (block-sized)."""
-    B, Hkv, m, E = x.shape
-    return x if G == 1 else x.unsqueeze(2).expand(B, Hkv, G, m, E).reshape(B, Hkv * G, m, E)
-
-
-def _fused_block(bl: _Blocks, fwd, q_rows, kc, vc, i0, i1, j0, j1):
-    """One block by the fused forward kernel: output ``(B, H_kv, G·n, D_v)`` and its log-sum-exp
-    ``(B, H_kv, G·n, 1)``, ``-inf`` on rows that see no key of the block."""
-    n = i1 - i0
-    k_b, v_b = kc[:, :, j0:j1], vc[:, :, j0:j1]
-    if bl.aligned_diagonal(i0, i1, j0, j1):
-        # is_causal is per head and top-left aligned: give the kernel (B, Hq, n, D) queries.
-        o, lse = fwd(_per_head(q_rows, bl.G, n), _kv_per_head(k_b, bl.G), _kv_per_head(v_b, bl.G),
-                     is_causal=True, scale=bl.scale)
-        return o.reshape(q_rows.shape[:3] + (bl.Dv,)), lse.reshape(q_rows.shape[:3] + (1,))
-    mask = bl.additive_mask(i0, i1, j0, j1)
-    o, lse = fwd(q_rows, k_b, v_b, attn_mask=mask, scale=bl.scale)
-    lse = lse.unsqueeze(-1)
-    if mask is not None:  # the kernel reports L = 0 for a row that sees no key of the block
-        lse = lse.masked_fill(mask.amax(dim=-1, keepdim=True) == float("-inf"), float("-inf"))
-    return o, lse
-
-
-def _forward_fused(blocks: _Blocks, q, k, v, ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`_forward`, each block computed by PyTorch's fused CPU kernel, blocks merged by their
-    log-sum-exp: ``out = Σ_j exp(L_j - L) o_j`` with ``L = log Σ_j exp(L_j)``."""
-    fwd, _ = ops
-    bl = blocks
-    B, Hkv, G, cd = bl.B, bl.Hkv, bl.G, bl.cdtype
-    out = torch.empty(B, bl.Hq, bl.Sq, bl.Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, bl.Hq, bl.Sq, dtype=cd, device=q.device)
-    out5 = out.view(B, Hkv, G, bl.Sq, bl.Dv)
-    lse5 = lse.view(B, Hkv, G, bl.Sq)
-    neg_inf = float("-inf")
-    kc, vc = k.to(cd), v.to(cd)
-    for i0, i1 in bl.q_ranges():
-        n = i1 - i0
-        q_rows = bl.rows(q, i0, i1)  # (B, Hkv, G*n, D), unscaled: the kernel scales
-        run_max = denom = acc = None
-        for j0, j1 in bl.k_ranges(i0, i1):
-            o_j, lse_j = _fused_block(bl, fwd, q_rows, kc, vc, i0, i1, j0, j1)  # (B,Hkv,G*n,Dv), (B,Hkv,G*n,1)
-            if acc is None:  # first key block: nothing to merge with
-                run_max, acc = lse_j, o_j
-                denom = torch.ones_like(lse_j)
-                continue
-            new_max = torch.maximum(run_max, lse_j)
-            shift = torch.where(new_max == neg_inf, 0.0, new_max)
-            correction, weight = torch.exp(run_max - shift), torch.exp(lse_j - shift)
-            denom.mul_(correction).add_(weight)
-            acc.mul_(correction).add_(o_j.mul_(weight))
-            run_max = new_max
-        if acc is None:  # causality hides every key from this query block
-            out5[:, :, :, i0:i1] = 0
-            lse5[:, :, :, i0:i1] = float("inf")
-            continue
-        # Rows that saw no key carry run_max = -inf and acc = 0; first-block rows have denom 1 but maybe -inf.
-        denom = torch.where(run_max == neg_inf, 0.0, denom)
-        seen = denom > 0
-        o = torch.where(seen, acc / torch.where(seen, denom, 1.0), 0.0)  # fully masked rows -> 0
-        out5[:, :, :, i0:i1] = o.view(B, Hkv, G, n, bl.Dv).to(q.dtype)
-        row_lse = torch.where(seen, run_max + torch.log(torch.where(seen, denom, 1.0)), float("inf"))
-        lse5[:, :, :, i0:i1] = row_lse.view(B, Hkv, G, n)
-    return out, lse
-
-
-def _backward_fused(blocks: _Blocks, q, k, v, out, lse, dout, ops):
-    """As :func:`_backward` without the bias gradient, each block by PyTorch's fused CPU backward kernel,
-    given the global output and log-sum-exp of the rows (so each block yields exact partial gradients)."""
-    _, bwd = ops
-    bl = blocks
-    B, Hkv, G, cd = bl.B, bl.Hkv, bl.G, bl.cdtype
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=cd, device=q.device)
-    dv = torch.zeros(v.shape, dtype=cd, device=q.device)
-    dq5 = dq.view(B, Hkv, G, bl.Sq, bl.D)
-    kc, vc = k.to(cd), v.to(cd)
-    for i0, i1 in bl.q_ranges():
-        n = i1 - i0
-        q_rows = bl.rows(q, i0, i1)  # (B, Hkv, G*n, D)
-        do_rows = bl.rows(dout, i0, i1)  # (B, Hkv, G*n, Dv)
-        o_rows = bl.rows(out, i0, i1)
-        lse_rows = lse[:, :, i0:i1].reshape(B, Hkv, G * n)  # +inf on rows that see no key: P = 0 there
-        dq_rows = torch.zeros_like(q_rows)
-        for j0, j1 in bl.k_ranges(i0, i1):
-            k_b, v_b = kc[:, :, j0:j1], vc[:, :, j0:j1]
-            if bl.aligned_diagonal(i0, i1, j0, j1):  # per-head layout for the kernel's own causal mask
-                m = j1 - j0
-                dq_j, dk_j, dv_j = bwd(
-                    _per_head(do_rows, G, n), _per_head(q_rows, G, n), _kv_per_head(k_b, G), _kv_per_head(v_b, G),
-                    _per_head(o_rows, G, n), lse_rows.view(B, Hkv * G, n), 0.0, True, scale=bl.scale,
-                )
-                dq_j = dq_j.reshape(q_rows.shape)
-                dk_j = dk_j.reshape(B, Hkv, G, m, bl.D).sum(dim=2)
-                dv_j = dv_j.reshape(B, Hkv, G, m, bl.Dv).sum(dim=2)
-            else:
-                dq_j, dk_j, dv_j = bwd(
-                    do_rows, q_rows, k_b, v_b, o_rows, lse_rows, 0.0, False,
-                    attn_mask=bl.additive_mask(i0, i1, j0, j1), scale=bl.scale,
-                )
-            dq_rows += dq_j
-            dk[:, :, j0:j1] += dk_j
-            dv[:, :, j0:j1] += dv_j
-        dq5[:, :, :, i0:i1] = dq_rows.view(B, Hkv, G, n, bl.D).to(q.dtype)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _backward(blocks: _Blocks, q, k, v, out, lse, dout, need_dbias: bool):
@@ -441,33 +164,68 @@ def _accumulate_bias_grad(bl: _Blocks, dbias4: torch.Tensor, ds5: torch.Tensor, 
     dbias4[:, :, rows, cols] += g
 
 
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold sink logits ``(B|1, H_q|1, S_q|1)`` into an output and its row log-sum-exp (``+inf``: no key seen):
+    the output scaled by ``exp(L_k - L)``, and ``L = log(e^{L_k} + e^s)``."""
+    lk = lse.masked_fill(lse == float("inf"), float("-inf"))  # log of the keys' total weight (-inf: none)
+    L = torch.logaddexp(lk, sinks.to(lse.dtype))
+    weight = torch.exp(lk - L).unsqueeze(-1)  # (B, H_q, S_q, 1), 0 on rows that see no key
+    return (out.to(lse.dtype) * weight).to(out.dtype), L
+
+
+def _sink_grad(sinks: torch.Tensor, out, lse, dout) -> torch.Tensor:
+    """``d sinks = -Σ exp(s - L) · rowsum(dO ∘ O)``, summed over the dims ``sinks`` broadcasts along."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)  # (B, H_q, S_q)
+    g = -torch.exp(sinks.to(lse.dtype) - lse) * delta
+    dims = [d for d in range(3) if sinks.shape[d] == 1 and g.shape[d] != 1]
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    return g.to(sinks.dtype)
+
+
 class _ChunkedAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, key_padding_mask, causal, scale, q_chunk, k_chunk, fused, window, softcap):
-        bias4 = _bias_4d(attn_bias) if attn_bias is not None else None
-        blocks = _Blocks(q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk, window, softcap)
-        ops = _ops_for(q, v, fused, softcap)
-        out, lse = _forward_fused(blocks, q, k, v, ops) if ops is not None else _forward(blocks, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
-        ctx.options = (causal, scale, q_chunk, k_chunk, fused, window, softcap)
+    def forward(ctx, q, k, v, attn_bias, key_padding_mask, sinks, q_seg, k_seg, options):
+        blocks = _blocks(q, k, v, attn_bias, key_padding_mask, q_seg, k_seg, options)
+        ops = _ops_for(q, v, options["fused"], options["softcap"])
+        if ops is None:
+            out, lse = _forward(blocks, q, k, v)
+        elif options["whole"] and whole_call_fits(blocks):
+            out, lse = forward_whole(blocks, q, k, v, ops)
+        else:
+            out, lse = forward_blocks(blocks, q, k, v, ops)
+        if sinks is not None:
+            out, lse = _apply_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask, sinks, q_seg, k_seg)
+        ctx.options = options
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
-        causal, scale, q_chunk, k_chunk, fused, window, softcap = ctx.options
-        bias4 = _bias_4d(attn_bias) if attn_bias is not None else None
-        blocks = _Blocks(q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk, window, softcap)
+        q, k, v, out, lse, attn_bias, key_padding_mask, sinks, q_seg, k_seg = ctx.saved_tensors
+        options = ctx.options
+        blocks = _blocks(q, k, v, attn_bias, key_padding_mask, q_seg, k_seg, options)
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
-        ops = None if need_dbias else _ops_for(q, v, fused, softcap)  # the fused backward gives no bias gradient
-        dbias = None
-        if ops is not None:
-            dq, dk, dv = _backward_fused(blocks, q, k, v, out, lse, dout.contiguous(), ops)
-        else:
-            dq, dk, dv, dbias4 = _backward(blocks, q, k, v, out, lse, dout.contiguous(), need_dbias)
+        ops = None if need_dbias else _ops_for(q, v, options["fused"], options["softcap"])  # no bias gradient there
+        dbias = dsinks = None
+        dout = dout.contiguous()
+        if ops is None:
+            dq, dk, dv, dbias4 = _backward(blocks, q, k, v, out, lse, dout, need_dbias)
             dbias = dbias4.reshape(attn_bias.shape).to(attn_bias.dtype) if dbias4 is not None else None
-        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None
+        elif options["whole"] and whole_call_fits(blocks):
+            dq, dk, dv = backward_whole(blocks, q, k, v, out, lse, dout, ops)
+        else:
+            dq, dk, dv = backward_blocks(blocks, q, k, v, out, lse, dout, ops)
+        if sinks is not None and ctx.needs_input_grad[5]:
+            dsinks = _sink_grad(sinks, out, lse, dout)
+        return dq, dk, dv, dbias, None, dsinks, None, None, None
+
+
+def _blocks(q, k, v, attn_bias, key_padding_mask, q_seg, k_seg, o) -> _Blocks:
+    bias4 = _bias_4d(attn_bias) if attn_bias is not None else None
+    return _Blocks(q, k, v, key_padding_mask, bias4, o["scale"], o["causal"], o["q_chunk"], o["k_chunk"], o["window"],
+                   o["softcap"], q_seg, k_seg)  # fmt: skip
 
 
 def _ops_for(q: torch.Tensor, v: torch.Tensor, fused: bool | None, softcap: float | None = None):
@@ -499,6 +257,9 @@ def chunked_attention(
     fused: bool | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    q_segment_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention on already validated inputs (see :func:`core.attention.prepare_inputs`).
 
@@ -510,27 +271,34 @@ def chunked_attention(
             receives a gradient when it requires one.
         scale: score scale.
         q_chunk_size: queries per chunk. Both sizes unset: ``default_chunks(B·H_q)`` for both (1024 unless
-            ``B·H_q`` is large); only ``k_chunk_size`` set: ``default_q_chunk(B·H_q, k_chunk_size)``.
+            ``B·H_q`` is large), and on CPU causal/padding-only inputs run as one fused kernel call
+            (:mod:`core.attention_fused`); only ``k_chunk_size`` set: ``default_q_chunk(B·H_q, k_chunk_size)``.
         k_chunk_size: keys per chunk; 1024 when only ``q_chunk_size`` is set.
-        fused: on CPU, compute each block with PyTorch's fused attention kernel (None: when available;
-            False: plain PyTorch block math, the path used on other devices). The bias gradient always
-            uses the plain block math.
-        window: with ``causal``, each query sees only its ``window`` latest keys (itself included); key chunks
-            wholly outside every query's window are skipped.
+        fused: on CPU, compute with PyTorch's fused attention kernel (None: when available; False: plain PyTorch
+            block math, the path used on other devices). The bias gradient always uses the plain block math.
+        window: each query sees only keys within distance ``< window`` of its position (with ``causal``: its
+            ``window`` latest keys, itself included); key chunks wholly outside every query's window are skipped.
         softcap: scores become ``softcap · tanh(scores / softcap)`` before bias and masks (Gemma 2); uses the
             plain block math.
+        sinks: sink logits broadcastable to ``(B, H_q, S_q)`` (3-d), or None; receives a gradient.
+        q_segment_ids: int ``(B, S_q)`` segment of each query, or None.
+        segment_ids: int ``(B, S_k)`` segment of each key (with ``q_segment_ids``): a query sees keys of its
+            own segment only.
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in ``q.dtype``; rows that see no key are zeros.
     """
     batch_heads = q.shape[0] * q.shape[1]
-    if q_chunk_size is None and k_chunk_size is None:
+    whole = q_chunk_size is None and k_chunk_size is None
+    if whole:
         q_chunk = k_chunk = default_chunks(batch_heads)
     else:
         k_chunk = DEFAULT_K_CHUNK if k_chunk_size is None else int(k_chunk_size)
         q_chunk = default_q_chunk(batch_heads, k_chunk) if q_chunk_size is None else int(q_chunk_size)
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"chunk sizes must be positive, got q_chunk_size={q_chunk}, k_chunk_size={k_chunk}")
-    return _ChunkedAttentionFn.apply(
-        q, k, v, attn_bias, key_padding_mask, causal, float(scale), q_chunk, k_chunk, fused, window, softcap
-    )
+    if (q_segment_ids is None) != (segment_ids is None):
+        raise ValueError("q_segment_ids and segment_ids go together (both or neither)")
+    options = dict(causal=causal, scale=float(scale), q_chunk=q_chunk, k_chunk=k_chunk, fused=fused, window=window,
+                   softcap=softcap, whole=whole)  # fmt: skip
+    return _ChunkedAttentionFn.apply(q, k, v, attn_bias, key_padding_mask, sinks, q_segment_ids, segment_ids, options)

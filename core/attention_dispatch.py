@@ -54,11 +54,14 @@ def _sdpa_mask_shape(a: AttentionInputs) -> tuple[int, ...] | None:
     B, Hq, Sq, _ = a.q.shape
     Sk = a.k.shape[2]
     causal = _sdpa_causal(a) or a.window is not None
-    if causal and a.key_padding_mask is None and a.attn_bias is None and Sq == Sk and a.window is None:
+    if causal and a.key_padding_mask is None and a.attn_bias is None and Sq == Sk and a.window is None \
+            and a.segment_ids is None:  # fmt: skip
         return None
     shapes = []
     if causal:
         shapes.append((1, 1, Sq, Sk))
+    if a.segment_ids is not None:
+        shapes.append((B, 1, Sq, Sk))
     if a.key_padding_mask is not None:
         shapes.append((B, 1, 1, Sk))
     if a.attn_bias is not None:
@@ -123,7 +126,9 @@ def dispatch_facts(a: AttentionInputs, *, device_type: str | None = None, allow_
         "triton_ok": allow_triton and device_type == "cuda" and triton_installed(),
         "has_window": a.window is not None,
         "has_softcap": a.softcap is not None,
-        "masked_causal": _sdpa_causal(a) or a.window is not None,
+        "has_sinks": a.sinks is not None,
+        "has_segments": a.segment_ids is not None,
+        "masked_causal": _sdpa_causal(a) or a.window is not None or a.segment_ids is not None,
         "k_len": a.k.shape[2],
     }
 
@@ -145,6 +150,8 @@ def auto_rule(
     has_softcap: bool = False,
     masked_causal: bool = False,
     k_len: int | None = None,
+    has_sinks: bool = False,
+    has_segments: bool = False,
 ) -> str:
     """The ``auto`` rule as a plain function of the facts it looks at (see module docs).
 
@@ -159,12 +166,13 @@ def auto_rule(
         q_len: ``S_q``; up to ``DECODE_MAX_QUERIES`` is decode-sized (None: not known, not decode).
         sdpa_fused: whether SDPA runs these inputs on this device with a fused kernel (:func:`sdpa_fused`).
         mask_bytes: bytes of the masks ``sdpa`` would build (:func:`sdpa_mask_bytes`).
-        has_window: a sliding window is set (the Triton kernel has none; ``sdpa`` builds it as a mask).
-        has_softcap: a softcap is set: only ``reference`` (dense scores within the budget) and ``chunked``
-            apply one.
-        masked_causal: the call is causal (per-query mask, ``S_q > 1``) or windowed; with ``mask_bytes > 0``
-            ``sdpa`` would build that mask densely.
+        has_window: a sliding window is set (``sdpa`` builds it as a mask; the Triton kernel takes it).
+        has_softcap: a softcap is set: ``sdpa`` cannot apply one (``triton``, ``reference``, ``chunked`` do).
+        masked_causal: the call needs a per-query mask (causal with ``S_q > 1``, a window, segment ids); with
+            ``mask_bytes > 0`` ``sdpa`` would build that mask densely.
         k_len: ``S_k`` (None: not known).
+        has_sinks: attention sinks are given: as ``has_softcap``, ``sdpa`` cannot apply them.
+        has_segments: segment ids are given (the Triton kernel has none; ``sdpa`` builds them as a mask).
     """
     lo, hi = TRITON_HEAD_DIMS
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
@@ -174,11 +182,13 @@ def auto_rule(
         and lo <= head_dim <= hi
         and lo <= value_dim <= hi
         and not has_bias
+        and not has_segments
         and triton_ok
     )
-    if has_softcap:
+    if has_softcap or has_sinks:  # not sdpa
+        if triton_fits:
+            return "triton"
         return "reference" if score_bytes <= budget else "chunked"
-    triton_fits = triton_fits and not has_window
     decode = q_len is not None and q_len <= DECODE_MAX_QUERIES
     if triton_fits and not decode:
         return "triton"

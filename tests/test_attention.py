@@ -231,10 +231,10 @@ def test_chunked_gradients_with_a_constant_bias(fused):
 @pytest.mark.parametrize("fused", [None, False], ids=["fused", "plain"])
 def test_chunked_skips_key_chunks_hidden_by_causality(monkeypatch, fused):
     """With causal masking, key chunks after a query chunk's frontier are never computed."""
-    from core import attention_chunked
+    from core import attention_blocks, attention_fused
 
     seen = []
-    real_block, real_scores = attention_chunked._fused_block, attention_chunked._Blocks.scores
+    real_block, real_scores = attention_fused.fused_block, attention_blocks.Blocks.scores
 
     def spy_block(bl, fwd, q_rows, kc, vc, i0, i1, j0, j1):
         seen.append((i0, j0))
@@ -244,8 +244,8 @@ def test_chunked_skips_key_chunks_hidden_by_causality(monkeypatch, fused):
         seen.append((i0, j0))
         return real_scores(self, q_rows, i0, i1, j0, j1)
 
-    monkeypatch.setattr(attention_chunked, "_fused_block", spy_block)
-    monkeypatch.setattr(attention_chunked._Blocks, "scores", spy_scores)
+    monkeypatch.setattr(attention_fused, "fused_block", spy_block)
+    monkeypatch.setattr(attention_blocks.Blocks, "scores", spy_scores)
     S, c = 256, 64
     q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
     a = prepare_inputs(q, k, v, causal=True)

@@ -109,8 +109,6 @@ def test_sdpa_window_matches_truth_and_refuses_softcap():
 
 def test_window_and_softcap_validation_and_dispatch():
     q = torch.randn(1, 1, 4, 8)
-    with pytest.raises(ValueError, match="causal"):
-        attention(q, q, q, window=2)
     with pytest.raises(ValueError, match="window"):
         attention(q, q, q, causal=True, window=0)
     with pytest.raises(ValueError, match="softcap"):
@@ -120,9 +118,14 @@ def test_window_and_softcap_validation_and_dispatch():
     assert choose_backend(a, memory_budget=0) == "chunked"
     common = dict(head_dim=64, value_dim=64, has_bias=False, score_bytes=1 << 40, q_len=4096)
     assert auto_rule(device_type="cuda", dtype=torch.float16, **common) == "triton"
-    assert auto_rule(device_type="cuda", dtype=torch.float16, has_window=True, **common) == "chunked"
-    assert auto_rule(device_type="cuda", dtype=torch.float16, has_window=True, sdpa_fused=True, **common) == "sdpa"
-    assert auto_rule(device_type="cuda", dtype=torch.float16, has_softcap=True, **common) == "chunked"
+    # the Triton kernel takes windows, caps and sinks; segment ids go to SDPA's masks or the chunked backend
+    for extra in ({"has_window": True}, {"has_softcap": True}, {"has_sinks": True}, {"has_window": True, "q_len": 1}):
+        assert auto_rule(device_type="cuda", dtype=torch.float16, **{**common, **extra}) == "triton", extra
+    assert auto_rule(device_type="cuda", dtype=torch.float16, has_segments=True, **common) == "chunked"
+    assert auto_rule(device_type="cuda", dtype=torch.float16, has_segments=True, sdpa_fused=True, **common) == "sdpa"
+    for extra in ({"has_softcap": True}, {"has_sinks": True}):  # without Triton: never sdpa
+        assert auto_rule(device_type="cuda", dtype=torch.float16, triton_ok=False, sdpa_fused=True,
+                         **{**common, **extra}) == "chunked"  # fmt: skip
 
 
 def test_cpu_masked_causal_goes_to_chunked_from_the_threshold():
