@@ -130,3 +130,75 @@ FAMILIES = {
     "instructblip-video": instructblip_video,
 }
 TEXT_ONLY = ("llama", "qwen2", "mistral-sliding", "gemma2-sliding-softcap")
+
+
+# --- families whose attention calls carry extra keywords or patterns (served by the core, never eager) ------------
+
+
+def gpt_oss(B=2, S=14, window=6):
+    """GPT-OSS: attention sinks (``s_aux``, drawn large so that they matter), sliding and full layers, GQA."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(**{**LLM, "num_hidden_layers": 2}, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                       sliding_window=window, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    model = _finish(GptOssForCausalLM(cfg))
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    return model, {"input_ids": _ids(B, S)}
+
+
+def modernbert(B=2, S=30):
+    """ModernBERT: bidirectional local layers (window 8, ``|q - kv| <= 4``) and global layers, ``deterministic``."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    cfg = ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                           max_position_embeddings=128)  # fmt: skip
+    return _finish(ModernBertForMaskedLM(cfg)), {"input_ids": _ids(B, S)}
+
+
+def llama4(B=2, S=30, chunk=8):
+    """Llama 4 text: chunked attention (chunks of 8) on three layers, full attention (no RoPE) on the fourth."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(**{**LLM, "num_hidden_layers": 4}, head_dim=16, attention_chunk_size=chunk,
+                           num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                           intermediate_size_mlp=128, no_rope_layers=[1, 1, 1, 0])  # fmt: skip
+    return _finish(Llama4ForCausalLM(cfg)), {"input_ids": _ids(B, S)}
+
+
+def deepseek_v32(B=2, S=20):
+    """DeepSeek-V3.2: MLA attention over the top-6 keys per query its lightning indexer selects (``indices``)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    cfg = DeepseekV32Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                            topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                            v_head_dim=16, index_topk=6, index_n_heads=2, index_head_dim=16, pad_token_id=0,
+                            max_position_embeddings=128)  # fmt: skip
+    return _finish(DeepseekV32ForCausalLM(cfg)), {"input_ids": _ids(B, S)}
+
+
+def minimax_m3(B=2, S=23):
+    """MiniMax-M3 text: a sparse layer attending the top-2 key blocks of 4 per query and key/value head
+    (``block_indices``), then a full layer."""
+    from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
+    cfg = MiniMaxM3VLTextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                                dense_intermediate_size=64, shared_intermediate_size=32, rotary_dim=8, index_n_heads=2,
+                                index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+                                layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)  # fmt: skip
+    return _finish(MiniMaxM3VLForCausalLM(cfg)), {"input_ids": _ids(B, S)}
+
+
+SERVED_FAMILIES = {
+    "gpt-oss-sinks": gpt_oss,
+    "modernbert-bidirectional-window": modernbert,
+    "llama4-chunked": llama4,
+    "deepseek-v32-indices": deepseek_v32,
+    "minimax-m3-block-indices": minimax_m3,
+}

@@ -3,7 +3,8 @@
 For each family (Llama, Qwen2, Mistral with a sliding window, Gemma 2 with sliding layers and soft-capping,
 Qwen2-VL, InternVL, InstructBLIP-Video) built tiny from a config: prefill logits within 1e-5, 32 greedy decode
 steps with the cache give identical tokens; padded batches (left and right) match at the real positions; LoRA
-gradients match; what the core cannot serve falls back with a warning that names the reason.
+gradients match; masks stay compact (packed sequences, static caches: no dense mask); dropout falls back per call
+with a warning that names the reason. Keyword-carrying families (sinks, indices, ...): ``tests/test_hf_served.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class Spy:
 
         def spy(q, k, v, **kw):
             self.calls.append({"causal": kw.get("causal"), "window": kw.get("window"), "softcap": kw.get("softcap"),
-                               "bias": kw.get("attn_bias") is not None, "backend": kw.get("backend", "auto")})
+                               "bias": kw.get("attn_bias") is not None, "backend": kw.get("backend", "auto"),
+                               "segments": kw.get("segment_ids") is not None})
             return real(q, k, v, **kw)
 
         monkeypatch.setattr(B, "attention", spy)
@@ -126,52 +128,103 @@ def test_lora_gradients_match_eager():
 
 
 def test_masks_stay_compact_and_match_transformers_dense_masks():
+    """Every pattern transformers composes for causal, sliding (causal and bidirectional), chunked (Llama 4) and
+    packed attention, at dynamic- and static-cache offsets, stays compact and equals transformers' dense mask; an
+    image overlay (``or_masks``) is built densely."""
     from transformers.masking_utils import (
         bidirectional_mask_function,
         causal_mask_function,
+        chunked_causal_mask_function,
         or_masks,
+        packed_sequence_compatibility_function,
         sdpa_mask,
+        sliding_window_bidirectional_mask_function,
         sliding_window_causal_mask_function,
     )
 
     pad = torch.ones(2, 12, dtype=torch.bool)
     pad[1, :3] = False
-    cases = [
-        (causal_mask_function, ("causal", None), dict(q_length=5, kv_length=12, q_offset=7)),
-        (sliding_window_causal_mask_function(4), ("causal", 4), dict(q_length=12, kv_length=12, q_offset=0)),
-        (sliding_window_causal_mask_function(4), ("causal", 4), dict(q_length=1, kv_length=4, q_offset=11,
-                                                                      kv_offset=8)),  # fmt: skip
-        (bidirectional_mask_function, ("full", None), dict(q_length=12, kv_length=12, q_offset=0)),
-        (causal_mask_function, ("causal", None), dict(q_length=4, kv_length=12, q_offset=2)),  # static-cache tail
-        (or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0), None, dict(q_length=12, kv_length=12,
-                                                                                  q_offset=0)),  # fmt: skip
-    ]
-    for fn, pattern, sizes in cases:
-        assert B.recognise(fn) == pattern
-        m = B.longctx_mask(batch_size=2, mask_function=fn, attention_mask=pad, **sizes)
-        want = sdpa_mask(batch_size=2, mask_function=fn, attention_mask=pad, allow_is_causal_skip=False, **sizes)
-        compact = isinstance(m, B.LongctxMask)
-        assert torch.equal(m.to_bool(2, torch.device("cpu")) if compact else m, want), (pattern, sizes)
-        assert compact == (pattern is not None and sizes.get("q_offset", 0) - sizes.get("kv_offset", 0)
-                           == sizes["kv_length"] - sizes["q_length"])  # fmt: skip
+    left = torch.tensor([0, 3])
+    packed_pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    packed_ids = torch.tensor([[0] * 4 + [1] * 6 + [2] * 2, [0] * 12])
+    full = dict(q_length=12, kv_length=12, q_offset=0)
+    cases = [  # (mask function, compact, (causal, window, has segments), sizes, padding)
+        (causal_mask_function, True, (True, None, False), dict(q_length=5, kv_length=12, q_offset=7), pad),
+        (sliding_window_causal_mask_function(4), True, (True, 4, False), full, pad),
+        (sliding_window_causal_mask_function(4), True, (True, 4, False),
+         dict(q_length=1, kv_length=4, q_offset=11, kv_offset=8), pad),
+        (bidirectional_mask_function, True, (False, None, False), full, pad),
+        (sliding_window_bidirectional_mask_function(3), True, (False, 4, False), full, pad),
+        (causal_mask_function, True, (True, None, False), dict(q_length=4, kv_length=12, q_offset=2), pad),  # static
+        (sliding_window_causal_mask_function(3), True, (True, 3, False), dict(q_length=1, kv_length=12, q_offset=6),
+         pad),  # static cache, decode step
+        (chunked_causal_mask_function(4, left), True, (True, None, True), full, pad),
+        (chunked_causal_mask_function(4, left), True, (True, None, True), dict(q_length=3, kv_length=12, q_offset=9),
+         pad),  # queries after a prefix
+        (packed_sequence_compatibility_function(causal_mask_function, packed_pos, packed_ids), True, (True, None, True),
+         full, None),
+        (packed_sequence_compatibility_function(sliding_window_causal_mask_function(2), packed_pos, packed_ids), True,
+         (True, 2, True), full, None),
+        (or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0), False, None, full, pad),  # image overlay
+        (causal_mask_function, False, None, dict(q_length=4, kv_length=12, q_offset=10), pad),  # past the keys
+    ]  # fmt: skip
+    for fn, compact, pattern, sizes, padding in cases:
+        p = B.recognise(fn)
+        if pattern is not None:
+            assert (p.causal, p.window, bool(p.segments)) == pattern, (pattern, sizes)
+        m = B.longctx_mask(batch_size=2, mask_function=fn, attention_mask=padding, **sizes)
+        want = sdpa_mask(batch_size=2, mask_function=fn, attention_mask=padding, allow_is_causal_skip=False, **sizes)
+        assert isinstance(m, B.LongctxMask) == compact, (pattern, sizes)
+        got = m.to_bool(2, torch.device("cpu")) if compact else m
+        assert torch.equal(got, want.expand_as(got)), (pattern, sizes)
 
 
-def test_dense_patterns_are_exact_packed_sequences_and_static_cache():
-    model, inputs = T.llama(B=1, S=16)
+class DenseMasks:
+    """Counts the dense masks the ``"longctx"`` mask function builds."""
+
+    def __init__(self, monkeypatch):
+        from core.hf import masks as M
+
+        self.n = 0
+        real = M.sdpa_mask
+
+        def spy(**kw):
+            self.n += 1
+            return real(**kw)
+
+        monkeypatch.setattr(M, "sdpa_mask", spy)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-sliding"])
+def test_packed_sequences_are_served_with_segment_ids(family, monkeypatch):
+    """Packed sequences (``position_ids`` restart, no attention mask, ``use_cache=False``: transformers detects the
+    packing only without a cache) run as segment ids in the core: no dense mask, logits equal eager's."""
+    model, inputs = T.FAMILIES[family](B=2, S=16)
     ids = inputs["input_ids"]
-    packed = torch.cat([torch.arange(6), torch.arange(10)])[None]  # two sequences in one row, no attention mask
-    ref = _logits(model, "eager", {"input_ids": ids}, position_ids=packed)
-    got = _logits(model, "longctx", {"input_ids": ids}, position_ids=packed)
+    packed = torch.stack([torch.cat([torch.arange(6), torch.arange(10)]), torch.cat([torch.arange(11), torch.arange(5)])])
+    ref = _logits(model, "eager", {"input_ids": ids}, position_ids=packed, use_cache=False)
+    dense, spy = DenseMasks(monkeypatch), Spy(monkeypatch)
+    got = _logits(model, "longctx", {"input_ids": ids}, position_ids=packed, use_cache=False)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    kw = dict(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")
+    assert dense.n == 0, "a dense mask was built"
+    assert spy.calls and all(c["segments"] for c in spy.calls)
+    # the packing matters: one sequence over all 16 tokens gives other logits
+    assert (_logits(model, "eager", {"input_ids": ids}, use_cache=False) - ref).abs().max() > 1e-3
+
+
+def test_static_cache_generation_builds_no_dense_mask(monkeypatch):
+    model, inputs = T.llama(B=1, S=16)
+    kw = dict(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")
     with torch.no_grad():
         model.set_attn_implementation("eager")
         want = model.generate(**kw)
+        dense = DenseMasks(monkeypatch)
         model.set_attn_implementation("longctx")
         assert torch.equal(model.generate(**kw), want)
+    assert dense.n == 0
 
 
-def test_fallbacks_warn_once_and_stay_exact(caplog):
+def test_dropout_falls_back_per_call_with_one_warning_and_output_attentions_is_served(caplog):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(**T.LLM, attention_dropout=0.5))
@@ -190,7 +243,7 @@ def test_fallbacks_warn_once_and_stay_exact(caplog):
         got = model(input_ids=ids, output_attentions=True)
         model.set_attn_implementation("eager")
         ref = model(input_ids=ids, output_attentions=True)
-    assert any("output_attentions" in r.getMessage() for r in caplog.records)
+    assert not caplog.records  # served: no fallback
     assert len(got.attentions) == 2 and got.attentions[0] is not None
     for a, b in zip(got.attentions, ref.attentions):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
@@ -254,27 +307,3 @@ def test_cuda_bf16_matches_eager_within_eagers_own_error(family):
     own error against it, plus 0.02 (logits of a random tiny model are O(1))."""
     err_ours, err_eager = bf16_parity_errors(family, "cuda")
     assert err_ours <= 2 * err_eager + 0.02, (err_ours, err_eager)
-
-
-def test_an_argument_the_core_cannot_serve_goes_to_the_models_own_eager(caplog):
-    """GPT-OSS passes attention sinks (``s_aux``): the core has none, so its own eager math runs, with a warning."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    cfg = GptOssConfig(**{**T.LLM, "num_hidden_layers": 2}, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
-                       sliding_window=6, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    model = T._finish(GptOssForCausalLM(cfg))
-    torch.nn.init.normal_(model.model.layers[0].self_attn.sinks, std=2.0)  # sinks that matter
-    ids = T._ids(2, 14)
-    ref = _logits(model, "eager", {"input_ids": ids})
-    B._WARNED.clear()
-    with caplog.at_level(logging.WARNING, logger="core.hf.backend"):
-        got = _logits(model, "longctx", {"input_ids": ids})
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    assert any("'s_aux'" in r.getMessage() for r in caplog.records)
-
-    class Bare(torch.nn.Module):  # no modeling file with an eager function: refuse rather than drop the argument
-        is_causal = True
-
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="'s_aux'.*attn_implementation='eager'"):
-        B.longctx_attention(Bare(), q, q, q, None, s_aux=torch.zeros(2))

@@ -112,6 +112,7 @@ def test_hidden_keys_are_honoured_by_the_attention_function_and_its_fallback():
 
     class M(torch.nn.Module):
         is_causal = True
+        num_key_value_groups = 2  # as transformers' attention modules say it (its sdpa function reads it)
 
     mod = M().eval()
     mask = B.LongctxMask(causal=True, window=None, key_padding=None, q_length=5, kv_length=9)
@@ -120,9 +121,12 @@ def test_hidden_keys_are_honoured_by_the_attention_function_and_its_fallback():
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     ref = torch.softmax((q @ kk.transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf")), -1) @ vv
     torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-5, rtol=0)
-    fb, weights = B.longctx_attention(mod, q, k, v, mask, scaling=0.25, output_attentions=True)  # eager fallback
+    served, weights = B.longctx_attention(mod, q, k, v, mask, scaling=0.25, output_attentions=True)
+    torch.testing.assert_close(served, ref.transpose(1, 2), atol=1e-5, rtol=0)
+    assert (weights.masked_fill(keep, 0) == 0).all() and torch.allclose(weights.sum(-1), torch.ones(()))
+    mod.train()  # dropout in training: the sdpa fallback, on a dense mask that holds the hidden keys
+    fb, _ = B.longctx_attention(mod, q, k, v, mask, scaling=0.25, dropout=1e-12)
     torch.testing.assert_close(fb, ref.transpose(1, 2), atol=1e-5, rtol=0)
-    assert (weights.masked_fill(keep, 0) == 0).all()
 
 
 def test_saved_cache_reloads_bit_identically_and_is_refused_for_another_model(tmp_path):

@@ -2,18 +2,22 @@
 
 Two functions are registered under one name:
 
-* a **mask function** (transformers' ``AttentionMaskInterface``). transformers hands it the mask *pattern* (a
-  composed ``mask_function``) and sizes; it returns a :class:`LongctxMask` that keeps the pattern compact: causal or
-  not, the sliding window, the ``(B, S_k)`` key padding. A pattern it does not recognise (image-token overlays,
-  packed sequences, chunked attention, static-cache offsets it cannot align) is built densely with transformers'
-  own ``sdpa_mask`` (exact, ``O(S_q · S_k)`` memory; logged once per pattern).
+* a **mask function** (transformers' ``AttentionMaskInterface``, :mod:`core.hf.masks`). transformers hands it the
+  mask *pattern* (a composed ``mask_function``) and sizes; it returns a :class:`LongctxMask` that keeps the pattern
+  compact: causal or not, sliding windows (causal and bidirectional), the ``(B, S_k)`` key padding, segment ids
+  (packed sequences, Llama 4's chunked attention) and a static cache's offsets. A pattern it does not recognise
+  (image-token overlays) is built densely with transformers' own ``sdpa_mask`` (exact, ``O(S_q · S_k)`` memory;
+  logged once per pattern).
 * an **attention function** (``AttentionInterface``), called by every attention layer with ``(B, H, S, D)``
   tensors. It maps the mask onto :func:`core.attention.attention` (``backend="auto"``: ``chunked`` on a CPU
-  when the scores would not fit, Triton/SDPA on CUDA), with GQA, scaling, sliding window and softcapping, and
-  returns ``(B, S, H, D)``. What it cannot serve falls back with a warning, once per reason, that names the reason:
-  dropout in training to transformers' ``sdpa``; ``output_attentions`` and any keyword argument it does not know
-  (attention sinks, ...) to the model's own ``eager_attention_forward`` — refused with an error where the modeling
-  file has none, never dropped.
+  when the scores would not fit, Triton/SDPA on CUDA), with GQA, scaling, windows, soft-capping, attention sinks
+  (``s_aux`` / ``sinks``: GPT-OSS and the models that copy it), sparse key selections (``indices``: top-k keys per
+  query, DeepSeek-V3.2's indexer; ``block_indices``: top-k key blocks per query and key/value head, MiniMax-M3;
+  :mod:`core.attention_indexed`), and returns ``(B, S, H, D)``; with ``output_attentions`` it also returns the
+  attention probabilities, recomputed densely for that call only. What it cannot serve falls back *for that call
+  only*, with a warning once per reason that names it: dropout in training to transformers' ``sdpa``; a keyword
+  argument it does not know to the model's own ``eager_attention_forward`` (refused with an error where the
+  modeling file has none, never dropped).
 
 Per-head hidden keys (a pruned cache whose heads keep different tokens, :mod:`core.hf.cache`) arrive as an
 attribute of the key tensor the cache returns and become an additive ``-inf`` bias per key/value head; the
@@ -24,29 +28,21 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    AttentionMaskInterface,
-    and_masks,
-    bidirectional_mask_function,
-    causal_mask_function,
-    prepare_padding_mask,
-    sdpa_mask,
-    sliding_window_overlay,
-)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from core.attention import attention, causal_keep
+from core.attention_indexed import blocks_to_keys, indexed_attention
 from core.hf import probes
+from core.hf.masks import _WARNED, LongctxMask, Pattern, dense_mask, longctx_mask, recognise, warn_once
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTN_NAME", "LongctxMask", "longctx_attention", "longctx_mask", "register", "is_registered",
-           "HIDDEN_ATTR", "OPTIONS_ATTR", "set_attention_options"]
+__all__ = ["ATTN_NAME", "LongctxMask", "Pattern", "longctx_attention", "longctx_mask", "recognise", "register",
+           "is_registered", "HIDDEN_ATTR", "OPTIONS_ATTR", "set_attention_options", "dense_mask"]  # fmt: skip
 
 #: The name models are loaded with: ``attn_implementation="longctx"``.
 ATTN_NAME = "longctx"
@@ -55,186 +51,46 @@ ATTN_NAME = "longctx"
 OPTIONS_ATTR = "longctx_options"
 #: Attribute of a key tensor returned by a pruned cache layer: bool ``(B, H_kv, S_k)``, True = hidden from that head.
 HIDDEN_ATTR = "_longctx_hidden"
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(reason: str, message: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        logger.warning(message)
-
-
-@dataclass(eq=False)
-class LongctxMask:
-    """The attention pattern of one mask call, kept compact (what the mask function returns to the model).
-
-    Attributes:
-        causal: bottom-right aligned causal mask (:mod:`core.attention`'s convention).
-        window: with ``causal``, each query sees its ``window`` latest keys (transformers' ``sliding_window``).
-        key_padding: bool ``(B, S_k)``, True = padded key; None when nothing is padded.
-        q_length, kv_length: the sizes the mask was made for.
-
-    A pattern without a compact form is returned by the mask function as transformers' dense bool mask instead.
-    """
-
-    causal: bool
-    window: int | None
-    key_padding: torch.Tensor | None
-    q_length: int
-    kv_length: int
-
-    #: Reads as an already prepared 4-D mask to transformers' mask helpers (generation prepares masks ahead for
-    #: static caches and passes them back in; :func:`longctx_mask` then returns them unchanged).
-    ndim = 4
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        b = self.key_padding.shape[0] if self.key_padding is not None else 1
-        return (b, 1, self.q_length, self.kv_length)
-
-    def contiguous(self) -> LongctxMask:
-        """Itself (transformers' generation calls ``.contiguous()`` on prepared masks)."""
-        return self
-
-    def to(self, *args, **kwargs) -> LongctxMask:
-        """The same pattern with its tensors moved (``Tensor.to`` arguments)."""
-        pad = self.key_padding
-        if pad is not None and "dtype" not in kwargs and not any(isinstance(a, torch.dtype) for a in args):
-            pad = pad.to(*args, **kwargs)
-        return LongctxMask(causal=self.causal, window=self.window, key_padding=pad, q_length=self.q_length,
-                           kv_length=self.kv_length)  # fmt: skip
-
-    def to_bool(self, batch_size: int, device: torch.device) -> torch.Tensor:
-        """The same pattern as a dense bool ``(B, 1, S_q, S_k)`` keep mask (for the fallbacks and tests)."""
-        sq, sk = self.q_length, self.kv_length
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
-        if self.causal:
-            qi = torch.arange(sk - sq, sk, device=device)[:, None]
-            kj = torch.arange(sk, device=device)[None, :]
-            keep = kj <= qi
-            if self.window is not None:
-                keep = keep & (kj > qi - self.window)
-        keep = keep[None, None].expand(batch_size, 1, sq, sk)
-        if self.key_padding is not None:
-            keep = keep & ~self.key_padding[:, None, None, :].to(device)
-        return keep
-
-
-# --- recognising transformers' mask patterns -------------------------------------------------------------------
-
-_AND_CODE = and_masks(causal_mask_function).__code__
-_WINDOW_CODE = sliding_window_overlay(1).__code__
-
-
-def _closure(fn) -> dict:
-    code = getattr(fn, "__code__", None)
-    cells = getattr(fn, "__closure__", None) or ()
-    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
-
-
-def recognise(mask_function) -> tuple[str, int | None] | None:
-    """``("causal", None)``, ``("causal", window)``, ``("full", None)`` for the patterns transformers builds for
-    plain causal, sliding-window causal and bidirectional attention; None for anything else (structural match on
-    the functions transformers composes, so an unknown composition is never mistaken for a known one)."""
-    if mask_function is causal_mask_function:
-        return "causal", None
-    if mask_function is bidirectional_mask_function:
-        return "full", None
-    if getattr(mask_function, "__code__", None) is _AND_CODE:
-        parts = _closure(mask_function).get("mask_functions", ())
-        if len(parts) == 2 and causal_mask_function in parts:
-            other = parts[0] if parts[1] is causal_mask_function else parts[1]
-            if getattr(other, "__code__", None) is _WINDOW_CODE:
-                window = _closure(other).get("sliding_window")
-                if isinstance(window, int) and window >= 1:
-                    return "causal", window
-    return None
-
-
-def longctx_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset=0,
-    kv_offset: int = 0,
-    mask_function=causal_mask_function,
-    attention_mask: torch.Tensor | None = None,
-    device: torch.device | str = "cpu",
-    use_vmap: bool = False,
-    **kwargs,
-) -> LongctxMask | torch.Tensor:
-    """transformers' mask interface for ``"longctx"`` (signature of ``transformers.masking_utils.sdpa_mask``).
-
-    Query ``i`` has absolute index ``q_offset + i``, key ``j`` has ``kv_offset + j``; the 2-D ``attention_mask``
-    (True = real token) is indexed by absolute key index. Returns a compact :class:`LongctxMask` for plain causal,
-    sliding-window causal and bidirectional patterns aligned as :mod:`core.attention` aligns them; otherwise
-    (overlays, packed sequences, a static cache's offsets) transformers' own dense bool ``(B, 1, S_q, S_k)`` mask.
-    """
-    if isinstance(attention_mask, LongctxMask):  # prepared ahead (generation with a static cache)
-        return attention_mask
-    q_offset = int(q_offset)
-    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    key_padding = None
-    if padding is not None:
-        padding = padding[:, kv_offset : kv_offset + kv_length].to(device=device, dtype=torch.bool)
-        if not bool(padding.all()):
-            key_padding = ~padding
-    pattern = recognise(mask_function)
-    common = dict(q_length=q_length, kv_length=kv_length)
-    if pattern is not None:
-        kind, window = pattern
-        if kind == "full":
-            return LongctxMask(causal=False, window=None, key_padding=key_padding, **common)
-        # causal: key j visible to query i iff kv_offset + j <= q_offset + i, i.e. j <= i + d; core.attention's
-        # bottom-right alignment is d = S_k - S_q (a dynamic cache; a static cache's unfilled tail is not)
-        if q_offset - kv_offset == kv_length - q_length:
-            return LongctxMask(causal=True, window=window, key_padding=key_padding, **common)
-    _warn_once(
-        f"dense:{getattr(mask_function, '__qualname__', mask_function)}",
-        "longctx: this mask pattern has no compact form here (an overlay, packed sequences or a static cache's "
-        "offsets); it is built densely, O(S_q * S_k) memory",
-    )
-    return sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=mask_function,
-        attention_mask=attention_mask,
-        allow_is_causal_skip=False,
-        allow_is_bidirectional_skip=False,
-        use_vmap=use_vmap,
-        device=device,
-    )
+_warn_once = warn_once
+assert _WARNED is not None  # re-exported: tests clear it to see the one-time warnings again
 
 
 # --- the attention function -----------------------------------------------------------------------------------
 
 
 #: Keyword arguments the attention function serves (the rest of the pattern comes through the mask).
-_SERVED = frozenset({"softcap", "is_causal", "position_bias", "output_attentions"})
+_SERVED = frozenset({"softcap", "is_causal", "position_bias", "output_attentions", "s_aux", "sinks", "indices",
+                     "block_indices"})  # fmt: skip
+#: Served keyword arguments that transformers' ``sdpa`` cannot take (the dropout fallback goes to eager with them).
+_NOT_SDPA = ("softcap", "position_bias", "s_aux", "sinks", "indices", "block_indices")
 #: Keyword arguments models pass that do not change the attention (positions are already in q and k; the varlen
-#: and window arguments are for flash kernels, whose pattern the mask already holds).
+#: and window arguments are for flash kernels, whose pattern the mask already holds; ``deterministic`` asks a
+#: flash kernel for a deterministic backward, which the core's kernels are).
 _INFORMATIONAL = frozenset({"position_ids", "use_cache", "cache_position", "sliding_window", "cu_seq_lens_q",
                             "cu_seq_lens_k", "max_length_q", "max_length_k", "output_hidden_states", "return_dict",
-                            "layer_idx", "image_sizes", "past_key_values", "past_key_value", "logits_to_keep"})  # fmt: skip
+                            "layer_idx", "image_sizes", "past_key_values", "past_key_value", "logits_to_keep",
+                            "deterministic"})  # fmt: skip
 
 
 def _fallback_reason(module, query, dropout: float, kwargs: dict) -> str | None:
     if dropout and dropout > 0 and module.training:
         return "dropout"
-    if kwargs.get("output_attentions"):
-        return "output_attentions"
     unknown = sorted(
         k for k, v in kwargs.items()
         if v is not None and k not in _SERVED and k not in _INFORMATIONAL
         and not (isinstance(v, bool) and k.startswith(("output_", "return_", "use_")))  # flags for the outputs
     )  # fmt: skip
-    if unknown:  # e.g. attention sinks (s_aux): never drop an argument that may change the answer
+    if unknown:  # never drop an argument that may change the answer
         return f"argument {unknown[0]!r}"
+    if kwargs.get("block_indices") is not None and _block_size(module) is None:
+        return "argument 'block_indices' (no indexer.block_size on the module)"
     return None
+
+
+def _block_size(module) -> int | None:
+    """The key-block size of a module's block selection (MiniMax-M3: ``module.indexer.block_size``)."""
+    size = getattr(getattr(module, "indexer", None), "block_size", None)
+    return size if isinstance(size, int) and size >= 1 else None
 
 
 def _implicit_causal(module, query: torch.Tensor, kwargs: dict) -> bool:
@@ -287,15 +143,15 @@ def _fallback(reason, module, query, key, value, attention_mask, scaling, dropou
 
     mask = _as_dense_for_fallback(attention_mask, query, key, module, kwargs)
     rest = {k: v for k, v in kwargs.items() if k != "is_causal"}  # the mask now holds any causality
-    if reason == "dropout" and rest.get("softcap") is None and rest.get("position_bias") is None:
+    if reason == "dropout" and all(rest.get(name) is None for name in _NOT_SDPA):
         _warn_once(reason, "longctx: dropout in training is not served by core.attention; these calls run "
                            "transformers' sdpa")  # fmt: skip
         if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             mask = mask.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                       is_causal=False, **rest)  # fmt: skip
-    _warn_once(reason, f"longctx: {reason} is not served by core.attention; these calls run the model's eager "
-                       "attention")  # fmt: skip
+    _warn_once(reason, f"longctx: {reason} is not served by core.attention; these calls (only) run the model's "
+                       "eager attention")  # fmt: skip
     if mask is not None and mask.dtype == torch.bool:  # eager functions take an additive float mask
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min)  # fmt: skip
@@ -345,8 +201,9 @@ def longctx_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface for ``"longctx"``: ``(B, H, S, D)`` in, ``((B, S_q, H, D_v), None)`` out.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention interface for ``"longctx"``: ``(B, H, S, D)`` in, ``((B, S_q, H, D_v), weights)`` out
+    (``weights``: ``(B, H, S_q, S_k)`` probabilities with ``output_attentions``, else None).
 
     ``attention_mask`` is a :class:`LongctxMask` (decoders: our mask function made it), None (vision towers:
     ``is_causal`` from the call or the module decides, as in transformers' ``sdpa``), or a tensor a model built
@@ -356,19 +213,23 @@ def longctx_attention(
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
     Sq = query.shape[2]
-    causal, window, key_padding, bias = False, None, None, None
+    causal, window, key_padding, bias, q_seg, k_seg = False, None, None, None, None, None
     hidden = getattr(key, HIDDEN_ATTR, None)  # read before any slicing: a slice does not carry the attribute
     if isinstance(attention_mask, LongctxMask):
         m = attention_mask
-        causal, window = m.causal, m.window
-        if m.key_padding is not None:
-            if m.kv_length != key.shape[2]:
-                raise ValueError(
-                    f"this layer holds {key.shape[2]} keys, the padding mask was made for {m.kv_length} (a cache whose "
-                    "layers differ in length, e.g. pruned per layer): prune padded tokens out of the cache and pass "
-                    "an all-ones attention_mask"
-                )
-            key_padding = m.key_padding
+        causal, window, q_seg, k_seg = m.causal, m.window, m.q_segments, m.k_segments
+        if m.kv_length != key.shape[2] and (m.key_padding is not None or k_seg is not None or m.kv_used != m.kv_length):
+            raise ValueError(
+                f"this layer holds {key.shape[2]} keys, the mask was made for {m.kv_length} (a cache whose layers "
+                "differ in length, e.g. pruned per layer): prune padded tokens out of the cache and pass an all-ones "
+                "attention_mask"
+            )
+        key_padding = m.key_padding
+        if m.kv_used < key.shape[2]:  # a static cache's unfilled tail: seen by no query
+            used = m.kv_used
+            key, value = key[:, :, :used], value[:, :, :used]
+            key_padding = key_padding[:, :used] if key_padding is not None else None
+            k_seg = k_seg[:, :used] if k_seg is not None else None
     elif attention_mask is None:
         causal = _implicit_causal(module, query, kwargs)
         if causal and key.shape[2] > Sq:  # as transformers' sdpa: is_causal aligns top-left, extra keys unseen
@@ -393,13 +254,50 @@ def longctx_attention(
         position_bias = position_bias[..., : key.shape[2]].to(query.dtype)
         bias = position_bias if bias is None else bias + position_bias
     softcap = kwargs.get("softcap")
-    options = getattr(module, OPTIONS_ATTR, None) or {}
-    out = attention(query, key, value, causal=causal, key_padding_mask=key_padding, attn_bias=bias, scale=scaling,
-                    window=window if causal else None, softcap=softcap, **options)  # fmt: skip
-    if probes.active():
-        probes.record(module, query, key, causal=causal, window=window, key_padding=key_padding, bias=bias,
-                      scale=scaling, softcap=softcap)  # fmt: skip
-    return out.transpose(1, 2).contiguous(), None
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    selection = _selection(module, kwargs, key.shape[2])
+    pattern = dict(causal=causal, window=window, key_padding=key_padding, sinks=sinks, q_segments=q_seg,
+                   k_segments=k_seg)  # fmt: skip
+    if selection is not None:
+        if bias is not None:  # the selection meets a dense mask or bias: that call runs eager
+            return _fallback("argument 'indices' with a dense mask", module, query, key, value, attention_mask,
+                             scaling, dropout, kwargs)  # fmt: skip
+        out = indexed_attention(query, key, value, selection, causal=causal, window=window,
+                                key_padding_mask=key_padding, q_segment_ids=q_seg, segment_ids=k_seg, sinks=sinks,
+                                softcap=softcap, scale=scaling)  # fmt: skip
+    else:
+        options = getattr(module, OPTIONS_ATTR, None) or {}
+        out = attention(query, key, value, causal=causal, key_padding_mask=key_padding, attn_bias=bias, scale=scaling,
+                        window=window, softcap=softcap, sinks=sinks, segment_ids=k_seg, q_segment_ids=q_seg,
+                        **options)  # fmt: skip
+    weights = None
+    if kwargs.get("output_attentions") or probes.active():
+        keep = None if selection is None else _selection_keep(selection, key.shape[2], query.shape[1])
+        if probes.active():
+            probes.record(module, query, key, bias=bias, scale=scaling, softcap=softcap, keep=keep, **pattern)
+        if kwargs.get("output_attentions"):  # dense by request, for this call only
+            weights = probes.attention_probabilities(query, key, bias=bias, scale=scaling, softcap=softcap, keep=keep,
+                                                     last_queries=None, **pattern).to(query.dtype)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _selection(module, kwargs: dict, kv_length: int) -> torch.Tensor | None:
+    """The sparse key selection of the call as key indices ``(B, H_i, S_q, K)`` (``-1`` unused), or None."""
+    if kwargs.get("indices") is not None:  # (B, S_q, K) top-k keys per query, shared by every head
+        idx = kwargs["indices"]
+        return idx.unsqueeze(1) if idx.dim() == 3 else idx
+    if kwargs.get("block_indices") is not None:  # (B, H_kv, S_q, K) top-k key blocks per query and kv head
+        return blocks_to_keys(kwargs["block_indices"], _block_size(module), kv_length)
+    return None
+
+
+def _selection_keep(selection: torch.Tensor, kv_length: int, hq: int) -> torch.Tensor:
+    """The selection as a dense bool ``(B, 1|H_q, S_q, S_k)`` keep mask (for the probabilities only)."""
+    B, Hi, Sq, _ = selection.shape
+    keep = torch.zeros(B, Hi, Sq, kv_length + 1, dtype=torch.bool, device=selection.device)
+    keep.scatter_(-1, selection.long().masked_fill(selection < 0, kv_length), True)
+    keep = keep[..., :kv_length]
+    return keep if Hi == 1 else keep.repeat_interleave(hq // Hi, dim=1)
 
 
 def _bool_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -56,9 +56,14 @@ def attention_probabilities(
     scale: float | None,
     softcap: float | None,
     last_queries: int | None,
+    sinks: torch.Tensor | None = None,
+    q_segments: torch.Tensor | None = None,
+    k_segments: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``(B, H_q, n, S_k)`` softmax probabilities of the last ``n`` queries (all when None), with
-    :mod:`core.attention`'s mask semantics (bottom-right causal, window, padding; rows with no key are zeros)."""
+    :mod:`core.attention`'s mask semantics (bottom-right causal, windows, padding, segment ids, attention sinks as
+    one more value-zero column, an extra bool ``keep`` mask ``(B, 1|H_q, S_q, S_k)``; rows with no key are zeros)."""
     Sq, Sk = query.shape[2], key.shape[2]
     n = Sq if last_queries is None else min(Sq, last_queries)
     q = query[:, :, Sq - n :].float()
@@ -70,15 +75,24 @@ def attention_probabilities(
     if bias is not None:
         b = bias.float()
         s = s + (b[..., Sq - n :, :] if b.shape[-2] != 1 else b)
-    if causal:
-        qi = torch.arange(Sk - n, Sk, device=s.device)[:, None]
-        kj = torch.arange(Sk, device=s.device)[None, :]
-        hide = kj > qi
-        if window is not None:
-            hide = hide | (kj <= qi - window)
-        s = s.masked_fill(hide, float("-inf"))
+    qi = torch.arange(Sk - n, Sk, device=s.device)[:, None]
+    kj = torch.arange(Sk, device=s.device)[None, :]
+    hide = kj > qi if causal else torch.zeros(n, Sk, dtype=torch.bool, device=s.device)
+    if window is not None:
+        hide = hide | (kj <= qi - window)
+        if not causal:
+            hide = hide | (kj >= qi + window)
+    s = s.masked_fill(hide, float("-inf"))
     if key_padding is not None:
         s = s.masked_fill(key_padding[:, None, None, :], float("-inf"))
+    if q_segments is not None:
+        s = s.masked_fill((q_segments[:, Sq - n :, None] != k_segments[:, None, :])[:, None], float("-inf"))
+    if keep is not None:
+        s = s.masked_fill(~keep[..., Sq - n :, :], float("-inf"))
+    if sinks is not None:
+        col = sinks.float().reshape((1, -1, 1) if sinks.dim() == 1 else sinks.shape[:3])
+        col = col.expand(q.shape[0], q.shape[1], Sq)[:, :, Sq - n :, None]
+        return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1].nan_to_num(0.0)
     return torch.softmax(s, dim=-1).nan_to_num(0.0)
 
 
