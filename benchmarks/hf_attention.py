@@ -12,7 +12,8 @@ Cases (each in a fresh subprocess, :func:`benchmarks.common.run_isolated`):
         transformers builds an explicit ``(B, 1, S, S)`` mask for ``sdpa`` and ``eager``; ``longctx`` keeps
         the ``(B, S)`` key padding).
 
-Measured per case: median wall time of the prefill (``benchmarks.common.time_call``; one run past 5 s) and
+Measured per case: median wall time of ``--repeats`` timed prefills after one warm-up
+(``benchmarks.common.time_call``; 3 by default, also past 5 s), every time kept, and
 the peak resident-memory growth during it (``benchmarks.common.PeakRSS``: the ``VmHWM`` high-water mark reset
 after the model and inputs exist). A case that does not finish inside ``--memory-limit-gb`` (an address-space
 limit set in the subprocess: the allocation fails) or ``--timeout`` is recorded with its reason; ``eager`` is
@@ -20,12 +21,17 @@ not started where its score and mask tensors alone (``B · H · S²`` elements, 
 softmax) exceed the limit (on CUDA: the GPU's memory). The last position's logits of every finished case are
 compared with ``longctx``'s (max abs difference), so a fast wrong answer cannot pass.
 
-Ratios are ``longctx / peer`` for time and memory (below 1: ``longctx`` is faster / leaner).
+Ratios are ``longctx / peer`` for time and memory (below 1: ``longctx`` is faster / leaner), within one thread count.
+Threads: ``--threads 1,2`` runs every case at each count (``torch.set_num_threads`` and ``OMP_NUM_THREADS`` in the
+case's process). The machine may be shared: each row records the 1-minute load average (``os.getloadavg``) before
+and after its process, and ``--max-load L`` waits (up to ``--load-wait-s``) before each case until the load is
+below ``L``; a row whose load rose above it is marked ``loaded`` (rerun those).
 FLOPs of attention per layer: ``4 · B · H · S² · D / 2`` (causal: half the score matrix).
 
 Usage:
     python -m benchmarks.hf_attention                       # S = 4K, 16K, 32K on CPU
     python -m benchmarks.hf_attention --sizes 4K --quick
+    python -m benchmarks.hf_attention --sizes 4K,32K --cases padded --threads 1,2 --max-load 1.5
     python -m benchmarks.hf_attention --device cuda --dtype bfloat16 --sizes 32K,128K   # on a GPU
 """
 
@@ -37,6 +43,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.common import (
@@ -67,13 +74,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {IMPLS}")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads on CPU (default 2)")
+    p.add_argument("--threads", type=_thread_list, default=[2], help="torch intra-op threads on CPU, a comma-separated "
+                   "list runs each (default 2)")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed prefills per case after one warm-up (median; 3)")
+    p.add_argument("--max-load", type=float, default=None, help="wait before each case until the 1-minute load "
+                   "average is below this (default: do not wait)")
+    p.add_argument("--load-wait-s", type=float, default=600.0, help="longest wait for --max-load per case (600 s)")
     p.add_argument("--memory-limit-gb", type=float, default=20.0, help="address-space cap per case on CPU (GiB)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case (default 1800)")
     p.add_argument("--quick", action="store_true", help="one timed run per case")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="result JSON (written atomically)")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return n
+
+
+def _thread_list(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"threads must be positive ints separated by commas, got {text!r}") from None
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"threads must be positive ints separated by commas, got {text!r}")
+    return counts
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _wait_for_load(max_load: float | None, wait_s: float) -> float | None:
+    """Wait until the 1-minute load average is below ``max_load`` (at most ``wait_s``); returns the last load."""
+    load = _load()
+    deadline = time.monotonic() + wait_s
+    while max_load is not None and load is not None and load >= max_load and time.monotonic() < deadline:
+        time.sleep(10)
+        load = _load()
+    return load
 
 
 def _dense_bytes(batch: int, S: int) -> int:
@@ -118,7 +167,8 @@ def run_case(spec: dict) -> dict:
     else:
         peak.start()
     try:
-        timing = time_call(prefill, reps=1 if spec["quick"] else 3, warmup=1)
+        timing = time_call(prefill, reps=1 if spec["quick"] else spec.get("repeats", 3), warmup=1,
+                           slow_s=float("inf"))
         if device.type == "cuda":
             torch.cuda.synchronize()
     except (RuntimeError, MemoryError) as err:  # an allocation past the cap
@@ -128,8 +178,8 @@ def run_case(spec: dict) -> dict:
     else:
         out["peak_mb"], out["peak_method"] = peak.peak_mb(), peak.method
     last = prefill()[:, -1].float().cpu()
-    return {**out, "status": "ok", "median_s": timing["median_s"], "runs": timing.get("runs"),
-            "last_logits": last.tolist()}  # fmt: skip
+    return {**out, "status": "ok", "median_s": timing["median_s"], "times_s": timing["times_s"],
+            "torch_threads": torch.get_num_threads(), "last_logits": last.tolist()}  # fmt: skip
 
 
 def _limit_memory(gb: float) -> None:
@@ -165,46 +215,54 @@ def main(argv=None) -> int:
         cap_bytes, cap_name = torch.cuda.get_device_properties(0).total_memory, "of GPU memory"
     rows = []
     for S in sizes:
-        for case in cases:
-            group = []
-            for impl in impls:
-                batch = 1 if case == "causal" else 2
-                spec = {"impl": impl, "case": case, "S": S, "device": args.device, "dtype": args.dtype,
-                        "threads": args.threads, "quick": args.quick, "memory_limit_gb": args.memory_limit_gb}
-                need = 3 * _dense_bytes(batch, S) * (1 if args.dtype == "float32" else 0.5)
-                if impl == "eager" and need > cap_bytes:
-                    res = {"impl": impl, "case": case, "S": S, "batch": batch, "status": "skipped",
-                           "reason": f"its mask, scores and softmax take {need / 2**30:.0f} GiB, over the "
-                                     f"{cap_bytes / 2**30:.0f} GiB {cap_name}"}  # fmt: skip
-                else:
-                    logger.info("S=%d %s %s ...", S, case, impl)
-                    res = run_isolated([sys.executable, "-m", "benchmarks.hf_attention", "--case", json.dumps(spec)],
-                                       timeout_s=args.timeout,
-                                       env={"OMP_NUM_THREADS": str(args.threads)})  # fmt: skip
-                    res.setdefault("impl", impl), res.setdefault("case", case), res.setdefault("S", S)
-                logger.info("  %s", {k: v for k, v in res.items() if k not in ("last_logits", "runs")})
-                group.append(res)
-            ours = next((r for r in group if r["impl"] == "longctx" and r.get("status") == "ok"), None)
-            for r in group:
-                if ours is not None and r.get("status") == "ok":
-                    import torch
-
-                    r["max_abs_diff_vs_longctx"] = float(
-                        (torch.tensor(r["last_logits"]) - torch.tensor(ours["last_logits"])).abs().max())
-                    r["time_ratio_longctx_over_this"] = ours["median_s"] / r["median_s"]
-                    r["memory_ratio_longctx_over_this"] = ours["peak_mb"] / max(r["peak_mb"], 1e-9)
-            rows += group
+        for threads in args.threads:
+            for case in cases:
+                rows += _run_group(args, S, threads, case, impls, cap_bytes, cap_name)
     for r in rows:
         r.pop("last_logits", None)
     result = {"benchmark": "hf_attention", "args": portable_args(args), "model": MODEL, "device": args.device,
-              "dtype": args.dtype, "threads": args.threads, "memory_limit_gb": args.memory_limit_gb, "env": env_info(),
-              "rows": rows}  # fmt: skip
+              "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "max_load": args.max_load,
+              "memory_limit_gb": args.memory_limit_gb, "env": env_info(), "rows": rows}  # fmt: skip
     write_json_atomic(args.out, result)
-    cols = ["S", "case", "impl", "status", "median_s", "peak_mb", "time_ratio_longctx_over_this",
-            "memory_ratio_longctx_over_this", "max_abs_diff_vs_longctx", "reason"]  # fmt: skip
+    cols = ["S", "threads", "case", "impl", "status", "median_s", "peak_mb", "time_ratio_longctx_over_this",
+            "memory_ratio_longctx_over_this", "max_abs_diff_vs_longctx", "load_before", "load_after", "reason"]  # fmt: skip
     print(format_table(rows, cols))
     print(f"wrote {args.out}")
     return 0
+
+
+def _run_group(args, S: int, threads: int, case: str, impls: list[str], cap_bytes: float, cap_name: str) -> list[dict]:
+    """Every implementation on one (S, threads, case), each in its own process; ratios against ``longctx``."""
+    group = []
+    for impl in impls:
+        batch = 1 if case == "causal" else 2
+        base = {"impl": impl, "case": case, "S": S, "batch": batch, "threads": threads}
+        spec = {"impl": impl, "case": case, "S": S, "device": args.device, "dtype": args.dtype, "threads": threads,
+                "quick": args.quick, "repeats": args.repeats, "memory_limit_gb": args.memory_limit_gb}  # fmt: skip
+        need = 3 * _dense_bytes(batch, S) * (1 if args.dtype == "float32" else 0.5)
+        if impl == "eager" and need > cap_bytes:
+            res = {**base, "status": "skipped", "reason": f"its mask, scores and softmax take {need / 2**30:.0f} GiB, "
+                                                          f"over the {cap_bytes / 2**30:.0f} GiB {cap_name}"}  # fmt: skip
+        else:
+            load_before = _wait_for_load(args.max_load, args.load_wait_s)
+            logger.info("S=%d threads=%d %s %s (load %s) ...", S, threads, case, impl, load_before)
+            res = run_isolated([sys.executable, "-m", "benchmarks.hf_attention", "--case", json.dumps(spec)],
+                               timeout_s=args.timeout, env={"OMP_NUM_THREADS": str(threads)})  # fmt: skip
+            res = {**base, **res, "load_before": load_before, "load_after": _load()}
+            if args.max_load is not None and max(res["load_before"] or 0, res["load_after"] or 0) >= args.max_load:
+                res["loaded"] = True
+        logger.info("  %s", {k: v for k, v in res.items() if k not in ("last_logits", "times_s")})
+        group.append(res)
+    ours = next((r for r in group if r["impl"] == "longctx" and r.get("status") == "ok"), None)
+    for r in group:
+        if ours is not None and r.get("status") == "ok":
+            import torch
+
+            r["max_abs_diff_vs_longctx"] = float(
+                (torch.tensor(r["last_logits"]) - torch.tensor(ours["last_logits"])).abs().max())
+            r["time_ratio_longctx_over_this"] = ours["median_s"] / r["median_s"]
+            r["memory_ratio_longctx_over_this"] = ours["peak_mb"] / max(r["peak_mb"], 1e-9)
+    return group
 
 
 if __name__ == "__main__":
