@@ -429,6 +429,11 @@ def _triton(a: AttentionInputs) -> torch.Tensor:
         )
     if not triton_installed():
         raise ValueError("backend 'triton' needs the triton package (pip install triton); use 'sdpa' or 'auto'")
+    return triton_kernel_call(a)
+
+
+def triton_kernel_call(a: AttentionInputs) -> torch.Tensor:
+    """``kernels.flash_attention`` on validated inputs, every option passed through (no device checks here)."""
     kernel = importlib.import_module("kernels.flash_attention")
     return kernel.flash_attention(
         a.q, a.k, a.v, causal=a.causal, key_padding_mask=a.key_padding_mask, attn_bias=a.attn_bias, scale=a.scale,

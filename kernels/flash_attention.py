@@ -18,6 +18,12 @@ Backward (no atomics): a preprocess kernel computes ``delta = rowsum(dO * O)``; 
 accumulates dK and dV over every query block (and over the query heads of its group, for GQA); one
 kernel per query block accumulates dQ over the key blocks.
 
+Also: sliding windows (causal, or bidirectional without ``causal``: key blocks outside every row's window are
+skipped, every visited block is masked), logit soft-capping ``cap · tanh(s / cap)`` (forward; backward through
+``1 - tanh²``), attention sinks (the sink starts each row's online softmax as its first term, so the saved
+log-sum-exp includes it and the backward kernels are unchanged; the sinks' gradient ``-P_sink · rowsum(dO ∘ O)``
+is computed on the host from the log-sum-exp and ``delta``).
+
 Limits: CUDA tensors (or CPU tensors when Triton runs in interpreter mode: ``TRITON_INTERPRET=1`` set
 before triton is imported, for the whole process); fp16, bf16, fp32 (fp32 dots use IEEE precision, not TF32); head dims
 16..128 (padded to a power of two inside the kernel); no ``attn_bias`` (``core`` falls back to another
@@ -32,6 +38,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from kernels.flash_attention_bwd import _attn_bwd_dkdv, _attn_bwd_dq
+from kernels.tiles import _attn_bwd_preprocess, _finish_rows, _load_tile, _store_tile
 
 logger = logging.getLogger(__name__)
 
@@ -52,80 +61,6 @@ def _empty(shape: tuple[int, ...], *, like: torch.Tensor, dtype: torch.dtype | N
 
 
 # ----------------------------------------------------------------------------------------------------
-# Shared device helpers (also used by kernels.block_sparse)
-# ----------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_tile(ptrs, offs_r, n_r, offs_c, N_C: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_R: tl.constexpr):
-    """Load a (rows, BLOCK_C) tile; rows ``>= n_r`` and columns ``>= N_C`` read as 0."""
-    if EVEN_R:
-        if N_C == BLOCK_C:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=offs_c[None, :] < N_C, other=0.0)
-    else:
-        if N_C == BLOCK_C:
-            x = tl.load(ptrs, mask=offs_r[:, None] < n_r, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < N_C), other=0.0)
-    return x
-
-
-@triton.jit
-def _store_tile(ptrs, x, offs_r, n_r, offs_c, N_C: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_R: tl.constexpr):
-    """Store a (rows, BLOCK_C) tile, skipping rows ``>= n_r`` and columns ``>= N_C``."""
-    if EVEN_R:
-        if N_C == BLOCK_C:
-            tl.store(ptrs, x)
-        else:
-            tl.store(ptrs, x, mask=offs_c[None, :] < N_C)
-    else:
-        if N_C == BLOCK_C:
-            tl.store(ptrs, x, mask=offs_r[:, None] < n_r)
-        else:
-            tl.store(ptrs, x, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < N_C))
-
-
-@triton.jit
-def _finish_rows(acc, l_i, m_i):
-    """Normalise the accumulator; log-sum-exp (base 2) is +inf for rows that saw no key."""
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("inf"))
-    return out, lse
-
-
-@triton.jit
-def _attn_bwd_preprocess(
-    O, DO, DELTA,
-    s_ob, s_oh, s_os, s_od,
-    s_dob, s_doh, s_dos, s_dod,
-    H, Sq,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
-):  # fmt: skip
-    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    # 64-bit base offsets: b * stride_b + h * stride_h reaches B*H*S*D elements, past 2**31 at long contexts.
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    row_base = pid_bh.to(tl.int64) * Sq  # this (batch, head)'s first row in LSE / DELTA (B*H*S_q of them)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o = _load_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
-                   offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
-    do = _load_tile(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
-                    offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if EVEN_M:
-        tl.store(DELTA + row_base + offs_m, delta)
-    else:
-        tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < Sq)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Dense forward
 # ----------------------------------------------------------------------------------------------------
 
@@ -134,9 +69,10 @@ def _attn_bwd_preprocess(
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, kpm_base,
     s_ks, s_kd, s_vs, s_vd,
-    offs_m, Sk, causal_off, qk_scale, lo, hi,
+    offs_m, Sk, causal_off, qk_scale, lo, hi, window, cap_in, cap_out,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW_MASK: tl.constexpr, BIDIR_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -153,11 +89,19 @@ def _fwd_inner(
         else:
             k = tl.load(k_ptrs, mask=(offs_n[:, None] < Sk) & dmask_k, other=0.0)
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < Sk) & dmask_v, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_SOFTCAP:  # cap * tanh(score / cap) in base-2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
+            qk = (1.0 - 2.0 / (tl.math.exp2(qk * cap_in * 2.8853900817779268) + 1.0)) * cap_out
+        else:
+            qk = qk * qk_scale
         if not EVEN_N:
             qk = tl.where(offs_n[None, :] < Sk, qk, float("-inf"))
         if CAUSAL_MASK:
             qk = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_off, qk, float("-inf"))
+        if WINDOW_MASK:
+            qk = tl.where(offs_n[None, :] > offs_m[:, None] + causal_off - window, qk, float("-inf"))
+            if BIDIR_WINDOW:
+                qk = tl.where(offs_n[None, :] < offs_m[:, None] + causal_off + window, qk, float("-inf"))
         if HAS_PAD:
             pad = tl.load(kpm_base + offs_n, mask=offs_n < Sk, other=1)
             qk = tl.where(pad[None, :] == 0, qk, float("-inf"))
@@ -175,17 +119,17 @@ def _fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, KPM,
+    Q, K, V, O, LSE, KPM, SINK,
     s_qb, s_qh, s_qs, s_qd,
     s_kb, s_kh, s_ks, s_kd,
     s_vb, s_vh, s_vs, s_vd,
     s_ob, s_oh, s_os, s_od,
     s_pb,
-    H, GROUPS, Sq, Sk, qk_scale,
+    H, GROUPS, Sq, Sk, qk_scale, window, cap_in, cap_out,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -204,23 +148,40 @@ def _attn_fwd(
     kpm_base = KPM + b * s_pb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINK:  # the sink: one more logit per row with value zero, the softmax's first term (base 2)
+        m_i = tl.load(SINK + row_base + offs_m, mask=offs_m < Sq, other=0.0) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     causal_off = Sk - Sq
-    if CAUSAL:
+    if HAS_WINDOW:
+        # Keys in [lo, hi) may be seen by some row of this block; every block gets the window (and causal) mask.
+        if CAUSAL:
+            hi = tl.maximum(tl.minimum(Sk, pid_m * BLOCK_M + BLOCK_M + causal_off), 0)
+        else:
+            hi = tl.maximum(tl.minimum(Sk, pid_m * BLOCK_M + BLOCK_M - 1 + causal_off + window), 0)
+        lo = tl.minimum((tl.maximum(pid_m * BLOCK_M + causal_off - window + 1, 0) // BLOCK_N) * BLOCK_N, hi)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, kpm_base, s_ks, s_kd, s_vs, s_vd,
+                                   offs_m, Sk, causal_off, qk_scale, lo, hi, window, cap_in, cap_out,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, HAS_PAD, EVEN_N, PRECISION,
+                                   True, not CAUSAL, HAS_SOFTCAP)  # fmt: skip
+    elif CAUSAL:
         # Keys < hi may be seen by some row of this block; keys < lo_diag by every row of it.
         hi = tl.maximum(tl.minimum(Sk, pid_m * BLOCK_M + BLOCK_M + causal_off), 0)
         lo_diag = tl.minimum((tl.maximum(pid_m * BLOCK_M + causal_off + 1, 0) // BLOCK_N) * BLOCK_N, hi)
         # Blocks entirely below the diagonal: no causal mask, and in bounds (lo_diag <= Sk, a block multiple).
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, kpm_base, s_ks, s_kd, s_vs, s_vd,
-                                   offs_m, Sk, causal_off, qk_scale, 0, lo_diag,
-                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_PAD, True, PRECISION)  # fmt: skip
+                                   offs_m, Sk, causal_off, qk_scale, 0, lo_diag, window, cap_in, cap_out,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_PAD, True, PRECISION,
+                                   False, False, HAS_SOFTCAP)  # fmt: skip
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, kpm_base, s_ks, s_kd, s_vs, s_vd,
-                                   offs_m, Sk, causal_off, qk_scale, lo_diag, hi,
-                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_PAD, EVEN_N, PRECISION)  # fmt: skip
+                                   offs_m, Sk, causal_off, qk_scale, lo_diag, hi, window, cap_in, cap_out,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_PAD, EVEN_N, PRECISION,
+                                   False, False, HAS_SOFTCAP)  # fmt: skip
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, kpm_base, s_ks, s_kd, s_vs, s_vd,
-                                   offs_m, Sk, causal_off, qk_scale, 0, Sk,
-                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_PAD, EVEN_N, PRECISION)  # fmt: skip
+                                   offs_m, Sk, causal_off, qk_scale, 0, Sk, window, cap_in, cap_out,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_PAD, EVEN_N, PRECISION,
+                                   False, False, HAS_SOFTCAP)  # fmt: skip
     out, lse = _finish_rows(acc, l_i, m_i)
     _store_tile(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_dv[None, :] * s_od,
                 out.to(O.dtype.element_ty), offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
@@ -228,151 +189,6 @@ def _attn_fwd(
         tl.store(LSE + row_base + offs_m, lse)
     else:
         tl.store(LSE + row_base + offs_m, lse, mask=offs_m < Sq)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Dense backward
-# ----------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, KPM, DK, DV_,
-    s_qb, s_qh, s_qs, s_qd,
-    s_kb, s_kh, s_ks, s_kd,
-    s_vb, s_vh, s_vs, s_vd,
-    s_dob, s_doh, s_dos, s_dod,
-    s_dkb, s_dkh, s_dks, s_dkd,
-    s_dvb, s_dvh, s_dvs, s_dvd,
-    s_pb,
-    H, GROUPS, Sq, Sk, qk_scale, sm_scale,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One program per (key block, batch * kv head): dK, dV summed over the group's query heads."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    HKV = H // GROUPS
-    b = (pid_bh // HKV).to(tl.int64)  # 64-bit base offsets (see the forward kernel)
-    hk = (pid_bh % HKV).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_tile(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd,
-                   offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)  # fmt: skip
-    v = _load_tile(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd,
-                   offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)  # fmt: skip
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    if HAS_PAD:
-        keep_n = tl.load(KPM + b * s_pb + offs_n, mask=offs_n < Sk, other=1) == 0
-    dmask_k = offs_d[None, :] < D
-    dmask_v = offs_dv[None, :] < DV
-    causal_off = Sk - Sq
-    lo = 0
-    if CAUSAL:
-        # The first query that sees key n0 is n0 - causal_off.
-        lo = (tl.maximum(pid_n * BLOCK_N - causal_off, 0) // BLOCK_M) * BLOCK_M
-    for g in range(GROUPS):
-        h = hk * GROUPS + g
-        q_base = Q + b * s_qb + h * s_qh
-        do_base = DO + b * s_dob + h * s_doh
-        row_base = (b * H + h) * Sq
-        for start_m in range(lo, Sq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            row_ok = offs_m[:, None] < Sq
-            q = tl.load(q_base + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd, mask=row_ok & dmask_k, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod, mask=row_ok & dmask_v, other=0.0)
-            if EVEN_M:
-                lse = tl.load(LSE + row_base + offs_m)
-                delta = tl.load(DELTA + row_base + offs_m)
-            else:
-                lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Sq, other=float("inf"))
-                delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Sq, other=0.0)
-            qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (N, M)
-            p_t = tl.math.exp2(qk_t - lse[None, :])
-            if CAUSAL:
-                p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, p_t, 0.0)
-            if HAS_PAD:
-                p_t = tl.where(keep_n[:, None], p_t, 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (N, M)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    dk = dk * sm_scale
-    _store_tile(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :] * s_dkd,
-                dk.to(DK.dtype.element_ty), offs_n, Sk, offs_d, D, BLOCK_D, EVEN_N)  # fmt: skip
-    _store_tile(DV_ + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvs + offs_dv[None, :] * s_dvd,
-                dv.to(DV_.dtype.element_ty), offs_n, Sk, offs_dv, DV, BLOCK_DV, EVEN_N)  # fmt: skip
-
-
-@triton.jit
-def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, KPM, DQ,
-    s_qb, s_qh, s_qs, s_qd,
-    s_kb, s_kh, s_ks, s_kd,
-    s_vb, s_vh, s_vs, s_vd,
-    s_dob, s_doh, s_dos, s_dod,
-    s_dqb, s_dqh, s_dqs, s_dqd,
-    s_pb,
-    H, GROUPS, Sq, Sk, qk_scale, sm_scale,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One program per (query block, batch * query head): dQ over the key blocks it sees."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    # 64-bit base offsets: b * stride_b + h * stride_h reaches B*H*S*D elements, past 2**31 at long contexts.
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    row_base = pid_bh.to(tl.int64) * Sq  # this (batch, head)'s first row in LSE / DELTA (B*H*S_q of them)
-    hk = h // GROUPS
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :] * s_qd,
-                   offs_m, Sq, offs_d, D, BLOCK_D, EVEN_M)  # fmt: skip
-    do = _load_tile(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_dv[None, :] * s_dod,
-                    offs_m, Sq, offs_dv, DV, BLOCK_DV, EVEN_M)  # fmt: skip
-    if EVEN_M:
-        lse = tl.load(LSE + row_base + offs_m)
-        delta = tl.load(DELTA + row_base + offs_m)
-    else:
-        lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Sq, other=float("inf"))
-        delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Sq, other=0.0)
-    k_base = K + b * s_kb + hk * s_kh
-    v_base = V + b * s_vb + hk * s_vh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dmask_k = offs_d[None, :] < D
-    dmask_v = offs_dv[None, :] < DV
-    causal_off = Sk - Sq
-    hi = Sk
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Sk, pid_m * BLOCK_M + BLOCK_M + causal_off), 0)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n[:, None] < Sk
-        k = tl.load(k_base + offs_n[:, None] * s_ks + offs_d[None, :] * s_kd, mask=col_ok & dmask_k, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd, mask=col_ok & dmask_v, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        p = tl.math.exp2(qk - lse[:, None])
-        if not EVEN_N:
-            p = tl.where(offs_n[None, :] < Sk, p, 0.0)
-        if CAUSAL:
-            p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_off, p, 0.0)
-        if HAS_PAD:
-            pad = tl.load(KPM + b * s_pb + offs_n, mask=offs_n < Sk, other=1)
-            p = tl.where(pad[None, :] == 0, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    dq = dq * sm_scale
-    _store_tile(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :] * s_dqd,
-                dq.to(DQ.dtype.element_ty), offs_m, Sq, offs_d, D, BLOCK_D, EVEN_M)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -509,7 +325,18 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
 
-def _flash_forward(q, k, v, kpm_u8, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _extras(window: int | None, softcap: float | None, scale: float) -> dict:
+    """Runtime arguments and constexprs of the window and the soft cap."""
+    return dict(
+        window=int(window or 0),
+        cap_in=(scale / softcap) if softcap else 0.0,  # score / cap, from the raw dot
+        cap_out=(softcap * LOG2E) if softcap else 0.0,  # cap, in base-2 units
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
+    )
+
+
+def _flash_forward(q, k, v, kpm_u8, causal: bool, scale: float, window=None, softcap=None, sinks=None):
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     o = _empty((B, Hq, Sq, Dv), like=q)
@@ -519,15 +346,17 @@ def _flash_forward(q, k, v, kpm_u8, causal: bool, scale: float) -> tuple[torch.T
     cfg = _fwd_config(max(D, Dv), q.dtype)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kpm = kpm_u8 if kpm_u8 is not None else q
+    extra = _extras(window, softcap, scale)
     grid = (triton.cdiv(Sq, bm), B * Hq)
     launch(
-        _attn_fwd, grid, q, k, v, o, lse, kpm,
+        _attn_fwd, grid, q, k, v, o, lse, kpm, sinks if sinks is not None else lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         kpm.stride(0) if kpm_u8 is not None else 0,
-        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E,
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, extra.pop("window"), extra.pop("cap_in"), extra.pop("cap_out"),
         D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), BLOCK_M=bm, BLOCK_N=bn,
         CAUSAL=bool(causal), HAS_PAD=kpm_u8 is not None, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0,
-        PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PRECISION=_precision(q.dtype), HAS_SINK=sinks is not None, **extra,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return o, lse
 
@@ -546,56 +375,68 @@ def bwd_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def _flash_backward(q, k, v, o, lse, do, kpm_u8, causal: bool, scale: float):
+def _flash_backward(q, k, v, o, lse, do, kpm_u8, causal: bool, scale: float, window=None, softcap=None):
+    """``dq, dk, dv`` and ``delta = rowsum(dO * O)`` (the sinks' gradient needs it)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     dq = _empty(q.shape, like=q)
     dk = _empty(k.shape, like=k)
     dv = _empty(v.shape, like=v)
     if Sq == 0 or Sk == 0 or B == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), torch.zeros(B, Hq, Sq, device=q.device)
     delta = bwd_delta(o, do)
     cfg = _bwd_config(max(D, Dv), q.dtype)
     kpm = kpm_u8 if kpm_u8 is not None else q
     s_pb = kpm.stride(0) if kpm_u8 is not None else 0
+    extra = _extras(window, softcap, scale)
+    runtime = (extra.pop("window"), extra.pop("cap_in"), extra.pop("cap_out"))
 
     def consts(bm: int, bn: int) -> dict:
         return dict(
             D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), BLOCK_M=bm, BLOCK_N=bn,
             CAUSAL=bool(causal), HAS_PAD=kpm_u8 is not None, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0,
-            PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
         )  # fmt: skip
 
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     launch(
         _attn_bwd_dkdv, (triton.cdiv(Sk, bn), B * Hkv), q, k, v, do, lse, delta, kpm, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), s_pb,
-        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **consts(bm, bn),
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, *runtime, **consts(bm, bn),
     )  # fmt: skip
     bm, bn = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
     launch(
         _attn_bwd_dq, (triton.cdiv(Sq, bm), B * Hq), q, k, v, do, lse, delta, kpm, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), s_pb,
-        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, **consts(bm, bn),
+        Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, scale, *runtime, **consts(bm, bn),
     )  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kpm_u8, causal, scale):
-        o, lse = _flash_forward(q, k, v, kpm_u8, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse, kpm_u8)
-        ctx.causal = causal
-        ctx.scale = scale
+    def forward(ctx, q, k, v, kpm_u8, causal, scale, window, softcap, sinks3):
+        sinks = None
+        if sinks3 is not None:  # one fp32 logit per (batch, head, query row), contiguous
+            sinks = sinks3.float().expand(q.shape[0], q.shape[1], q.shape[2]).contiguous()
+        o, lse = _flash_forward(q, k, v, kpm_u8, causal, scale, window, softcap, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, kpm_u8, sinks3)
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, kpm_u8 = ctx.saved_tensors
+        q, k, v, o, lse, kpm_u8, sinks3 = ctx.saved_tensors
         do = compact_rows(do, "grad of the output")
-        dq, dk, dv = _flash_backward(q, k, v, o, lse, do, kpm_u8, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv, delta = _flash_backward(q, k, v, o, lse, do, kpm_u8, ctx.causal, ctx.scale, ctx.window,
+                                            ctx.softcap)  # fmt: skip
+        dsinks = None
+        if sinks3 is not None and ctx.needs_input_grad[8]:
+            # d sink = -P_sink · rowsum(dO ∘ O), P_sink = 2^(sink·log2 e - lse₂); summed where sinks3 broadcasts
+            g = -torch.exp2(sinks3.float() * LOG2E - lse) * delta
+            dims = [d for d in range(3) if sinks3.shape[d] == 1 and g.shape[d] != 1]
+            dsinks = (g.sum(dim=dims, keepdim=True) if dims else g).to(sinks3.dtype)
+        return dq, dk, dv, None, None, None, None, None, dsinks
 
 
 def flash_attention(
@@ -607,6 +448,9 @@ def flash_attention(
     key_padding_mask: torch.Tensor | None = None,
     attn_bias: torch.Tensor | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention with the Triton FlashAttention-2 kernels (differentiable).
 
@@ -618,6 +462,11 @@ def flash_attention(
         key_padding_mask: bool ``(B, S_k)``, True = padded key (never attended to).
         attn_bias: must be None: additive biases are not supported here (raises ``ValueError``).
         scale: score scale, default ``1/sqrt(D)``.
+        window: sliding window around query ``i``'s position ``p = i + S_k - S_q``: with ``causal`` keys
+            ``p - window < j <= p``, without ``|p - j| < window`` (key blocks outside it are skipped).
+        softcap: scores become ``softcap · tanh(scores / softcap)`` (forward and backward).
+        sinks: attention-sink logits broadcastable to ``(B, H_q, S_q)`` (3-d; a ``(H_q,)`` tensor: one per head):
+            one more value-zero logit per row in the softmax; receives a gradient.
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in the dtype of ``q``; rows that see no key are zeros.
@@ -628,8 +477,21 @@ def flash_attention(
     """
     check_tensors(q, k, v, attn_bias)
     kpm_u8 = padding_mask_u8(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if sinks is not None:
+        sinks = sinks.view(1, -1, 1) if sinks.dim() == 1 else sinks
+        try:
+            ok = sinks.dim() == 3 and torch.broadcast_shapes(sinks.shape, q.shape[:3]) == q.shape[:3]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"sinks of shape {tuple(sinks.shape)} do not broadcast to (B, H_q, S_q) = {tuple(q.shape[:3])}")
     check_device(q)
     q, k, v = (compact_rows(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
-    return _FlashAttention.apply(q, k, v, kpm_u8, bool(causal), float(scale))
+    return _FlashAttention.apply(q, k, v, kpm_u8, bool(causal), float(scale), window,
+                                 None if softcap is None else float(softcap), sinks)  # fmt: skip

@@ -177,3 +177,37 @@ class FarBuffer:
     def last_batch_offset(self, t: torch.Tensor) -> int:
         """Elements from ``t``'s first element to its last batch entry's first element."""
         return (t.shape[0] - 1) * t.stride(0)
+
+
+def check_dense_extras(fa, B, Hq, Hkv, Sq, Sk, D, dtype, *, causal, pad, window=None, softcap=None, sinks=None,
+                       device="cpu"):
+    """``fa.flash_attention`` with a window / soft cap / sinks against ``core``'s fp32 reference with the same
+    arguments: output and gradients of q, k, v and the sinks (``sinks``: ``"head"`` ``(H_q,)`` or ``"row"``
+    ``(B, H_q, S_q)``)."""
+    q, k, v, kpm = inputs(B, Hq, Hkv, Sq, Sk, D, dtype, device=device, pad=pad)
+    if softcap is not None:
+        q = (q.detach() * 3).requires_grad_(True)  # large scores: the cap bites
+    s = None
+    if sinks is not None:
+        s = torch.randn(Hq if sinks == "head" else (B, Hq, Sq), device=device).mul(2).requires_grad_(True)
+    do = torch.randn(B, Hq, Sq, D, device=device)
+    kw = dict(causal=causal, key_padding_mask=kpm, window=window, softcap=softcap)
+
+    def run(fn, cast):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        sl = None if s is None else s.detach().clone().requires_grad_(True)
+        out = fn(*(cast(t) for t in leaves), sl)
+        grads = torch.autograd.grad(out, leaves + ([sl] if sl is not None else []), do.to(out.dtype))
+        return out.detach(), grads
+
+    out, grads = run(lambda a, b, c, sl: fa.flash_attention(a, b, c, sinks=sl, **kw), lambda t: t)
+    ref, ref_grads = run(lambda a, b, c, sl: attention(a, b, c, sinks=sl, backend="reference", **kw),
+                         lambda t: t.float())  # fmt: skip
+    assert out.dtype == dtype and out.shape == (B, Hq, Sq, D)
+    for name, g, r in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *ref_grads)):
+        if dtype == torch.float32:
+            assert_close_to_ref(g, r, what=name)
+        else:  # fp16: P is rounded to fp16 before its dots (as in every flash kernel)
+            err, tol = (g.float() - r.float()).abs().max().item(), 1e-2 * max(1.0, r.abs().max().item())
+            assert torch.isfinite(g).all() and err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+    return out

@@ -43,7 +43,7 @@ def _signature(kernel, dtype: str, consts: dict) -> dict[str, str]:
     for name in kernel.arg_names:
         if name in consts:
             sig[name] = "constexpr"
-        elif name in ("LSE", "DELTA"):
+        elif name in ("LSE", "DELTA", "SINK"):
             sig[name] = "*fp32"
         elif name == "KPM":
             sig[name] = "*u8"
@@ -51,7 +51,7 @@ def _signature(kernel, dtype: str, consts: dict) -> dict[str, str]:
             sig[name] = "*i32"
         elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"):
             sig[name] = f"*{dtype}"
-        elif name in ("qk_scale", "sm_scale"):
+        elif name in ("qk_scale", "sm_scale", "cap_in", "cap_out"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -71,9 +71,13 @@ def test_kernels_compile_for_a_gpu_target(interpreter_run):
     dense = dict(D=32, DV=32, BLOCK_D=32, BLOCK_DV=32, BLOCK_M=32, BLOCK_N=16, CAUSAL=True, HAS_PAD=True,
                  EVEN_M=False, EVEN_N=False, PRECISION="tf32")  # fmt: skip
     sparse = {**{k: v for k, v in dense.items() if not k.startswith("BLOCK_") or k in ("BLOCK_D", "BLOCK_DV")}, "BLOCK": 32}
-    jobs = [(fa._attn_fwd, dense), (fa._attn_bwd_dkdv, dense), (fa._attn_bwd_dq, dense),
-            (fa._attn_bwd_preprocess, dict(DV=32, BLOCK_DV=32, BLOCK_M=32, EVEN_M=False)),
-            (bs._bs_fwd, sparse), (bs._bs_bwd_dq, sparse), (bs._bs_bwd_dkdv, sparse)]  # fmt: skip
+    extras = [dict(HAS_WINDOW=w, HAS_SOFTCAP=c) for w, c in ((False, False), (True, True))]
+    bidir = {**dense, "CAUSAL": False, "HAS_WINDOW": True, "HAS_SOFTCAP": False}  # the symmetric window's bounds
+    jobs = [(fa._attn_fwd, {**dense, **e, "HAS_SINK": e["HAS_WINDOW"]}) for e in extras]
+    jobs += [(kern, {**dense, **e}) for kern in (fa._attn_bwd_dkdv, fa._attn_bwd_dq) for e in extras]
+    jobs += [(fa._attn_fwd, {**bidir, "HAS_SINK": False}), (fa._attn_bwd_dkdv, bidir), (fa._attn_bwd_dq, bidir)]
+    jobs += [(fa._attn_bwd_preprocess, dict(DV=32, BLOCK_DV=32, BLOCK_M=32, EVEN_M=False)),
+             (bs._bs_fwd, sparse), (bs._bs_bwd_dq, sparse), (bs._bs_bwd_dkdv, sparse)]  # fmt: skip
     for kernel, consts in jobs:
         src = ASTSource(fn=kernel, signature=_signature(kernel, "fp16", consts), constexprs=consts)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
