@@ -161,8 +161,10 @@ def _timed(name: str, fn, q, k, v, causal: bool, mode: str) -> float | str:
 # ---------------------------------------------------------------------------------------------- correctness
 
 
-def _math_attention(q, k, v, *, causal: bool, kpm=None, keep=None, upcast: bool):
-    """Plain attention math (GQA expanded, bottom-right causal, padding, extra keep mask; empty rows -> 0).
+def _math_attention(q, k, v, *, causal: bool, kpm=None, keep=None, upcast: bool, window=None, softcap=None,
+                    sinks=None):
+    """Plain attention math (GQA expanded, bottom-right causal, padding, extra keep mask; empty rows -> 0), with
+    ``core.attention``'s window, soft cap and sinks (``(H_q,)``: one more value-zero softmax column per row).
 
     ``upcast=True``: fp32, the reference; ``False``: in the inputs' dtype, PyTorch's own rounding error.
     """
@@ -173,14 +175,24 @@ def _math_attention(q, k, v, *, causal: bool, kpm=None, keep=None, upcast: bool)
     qf, kf, vf = q.to(dt), k.to(dt).repeat_interleave(g, 1), v.to(dt).repeat_interleave(g, 1)
     sq, sk = q.shape[2], k.shape[2]
     allow = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=q.device)
+    pos = torch.arange(sq, device=q.device)[:, None] + sk - sq
+    kj = torch.arange(sk, device=q.device)
     if causal:
-        allow = allow & (torch.arange(sk, device=q.device) <= torch.arange(sq, device=q.device)[:, None] + sk - sq)
+        allow = allow & (kj <= pos)
+    if window is not None:
+        allow = allow & (kj > pos - window) & (True if causal else (kj < pos + window))
     if kpm is not None:
         allow = allow & ~kpm[:, None, None, :]
     if keep is not None:
         allow = allow & keep
     s = (qf @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    p = torch.softmax(s.masked_fill(~allow, float("-inf")), dim=-1)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~allow, float("-inf"))
+    if sinks is not None:
+        col = sinks.to(dt).view(1, -1, 1, 1).expand(s.shape[0], s.shape[1], sq, 1)
+        return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ vf
+    p = torch.softmax(s, dim=-1)
     p = torch.where(allow.any(-1, keepdim=True), p, torch.zeros_like(p))
     return p @ vf
 

@@ -42,6 +42,14 @@ DRY_SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
     "GQA 8:1": (1, 8, 1, 37, 37, False),
     "padded row": (2, 2, 2, 37, 37, True),
 }
+#: Step 3, the kernel's extras on a GQA 4:1 causal-or-not shape: name -> (window, softcap, sinks).
+EXTRA_CASES: dict[str, tuple[int | None, float | None, bool]] = {
+    "window 255": (255, None, False),
+    "softcap 20": (None, 20.0, False),
+    "sinks": (None, None, True),
+    "window 127 + softcap 30 + sinks": (127, 30.0, True),
+}
+EXTRA_SHAPE, DRY_EXTRA_SHAPE = (2, 8, 2, 1023, 1023), (1, 4, 2, 45, 45)
 #: Step 4: B*H*S*D = 9 * 2**28 elements (4.5 GiB per bf16 tensor); batch 256 is the first whose base offset
 #: passes 2**31, batch 287 the last. Causal, so the forward costs half of 4*B*H*S*S*D FLOPs.
 INT64_SHAPE = (288, 32, 2048, 128)
@@ -87,10 +95,10 @@ def _fwd_bwd(fn, q, k, v, do):
     return [out.detach(), *grads]
 
 
-def _math(q, k, v, *, causal, kpm=None, keep=None, upcast: bool):
+def _math(q, k, v, *, causal, kpm=None, keep=None, upcast: bool, **extra):
     from benchmarks.attention_gpu import _math_attention
 
-    return _math_attention(q, k, v, causal=causal, kpm=kpm, keep=keep, upcast=upcast)
+    return _math_attention(q, k, v, causal=causal, kpm=kpm, keep=keep, upcast=upcast, **extra)
 
 
 def _tiles(d: int, dtype) -> dict[str, Any]:
@@ -106,7 +114,8 @@ def numerics_cases(shard: int = 0, n_shards: int = 1) -> list[tuple[str, int, bo
     """(dtype, D, causal, case) of step 3, split over ``n_shards`` processes by (dtype, D) first."""
     cases = [
         (dn, d, causal, name)
-        for dn in DTYPES for d in (64, 128) for causal in (False, True) for name in [*NUMERICS_SHAPES, "block-sparse"]
+        for dn in DTYPES for d in (64, 128) for causal in (False, True)
+        for name in [*NUMERICS_SHAPES, "block-sparse", *EXTRA_CASES]
     ]  # fmt: skip
     groups = sorted({(c[0], c[1]) for c in cases})
     mine = {g for i, g in enumerate(groups) if i % n_shards == shard}
@@ -132,6 +141,25 @@ def step_numerics(record: PartRecord, *, shard: int = 0, n_shards: int = 1, dry:
         row: dict[str, Any] = {"dtype": dname, "D": d, "causal": causal, "case": name, "tiles": _tiles(d, dtype)}
         t0 = time.perf_counter()
         try:
+            if name in EXTRA_CASES:  # window (bidirectional when not causal), soft cap, sinks
+                window, softcap, with_sinks = EXTRA_CASES[name]
+                if dry:
+                    window = window and 7
+                B, Hq, Hkv, Sq, Sk = DRY_EXTRA_SHAPE if dry else EXTRA_SHAPE
+                q = torch.randn(B, Hq, Sq, d, device=device, dtype=dtype) * (3 if softcap else 1)
+                k, v = (torch.randn(B, Hkv, Sk, d, device=device, dtype=dtype) for _ in range(2))
+                do = torch.randn(B, Hq, Sq, d, device=device, dtype=dtype)
+                sinks = torch.randn(Hq, device=device) * 2 if with_sinks else None
+                extra = dict(window=window, softcap=softcap, sinks=sinks)
+                row["shape"] = f"{B}x{Hq}/{Hkv}x{Sq}x{Sk}"
+                got = _fwd_bwd(lambda a, b, c: flash_attention(a, b, c, causal=causal, **extra), q, k, v, do)
+                ref = _fwd_bwd(lambda a, b, c: _math(a, b, c, causal=causal, upcast=True, **extra), q, k, v, do)
+                peer = _fwd_bwd(lambda a, b, c: _math(a, b, c, causal=causal, upcast=False, **extra), q, k, v, do)
+                _compare(row, got, ref, peer)
+                row["seconds"] = round(time.perf_counter() - t0, 2)
+                record["cases"].append(row)
+                record.save()
+                continue
             if name == "block-sparse":
                 B, Hq, Hkv, S, bs, kb = (1, 2, 1, 50, 16, 2) if dry else (2, 8, 2, 1000, 64, 4)
                 q = torch.randn(B, Hq, S, d, device=device, dtype=dtype)
@@ -275,10 +303,19 @@ DISPATCH_CASES: dict[str, tuple[dict[str, Any], str]] = {
         dict(B=1, Hq=8, Hkv=8, Sq=16384, Sk=65536, D=64, causal=True, dtype="float32"), "chunked"),
     "fp16 decode D 20, 1M keys (SDPA not fused)": (dict(B=64, Hq=32, Hkv=32, Sq=1, Sk=1 << 20, D=20, dtype="float16"),
                                                    "triton"),
+    "bf16 sliding window 4K, 32K (Mistral)": (dict(B=1, Hq=32, Hkv=8, Sq=32768, Sk=32768, D=128, causal=True,
+                                                   window=4096), "triton"),
+    "bf16 soft cap 50, 8K (Gemma 2)": (dict(B=1, Hq=16, Hkv=8, Sq=8192, Sk=8192, D=128, causal=True, softcap=50.0),
+                                       "triton"),
+    "bf16 sinks, decode S_q=1 (GPT-OSS)": (dict(B=8, Hq=64, Hkv=8, Sq=1, Sk=65536, D=64, causal=True, sinks=True),
+                                           "triton"),
+    "fp32 soft cap (no Triton in fp32 auto)": (dict(B=1, Hq=8, Hkv=8, Sq=16384, Sk=16384, D=64, causal=True,
+                                                    softcap=30.0, dtype="float32"), "chunked"),
 }  # fmt: skip
 
 
-def _inputs(device, *, B, Hq, Hkv, Sq, Sk, D, causal=False, pad=False, bias=False, dtype="bfloat16"):
+def _inputs(device, *, B, Hq, Hkv, Sq, Sk, D, causal=False, pad=False, bias=False, dtype="bfloat16", window=None,
+            softcap=None, sinks=False):
     import torch
 
     from core.attention import prepare_inputs
@@ -293,7 +330,9 @@ def _inputs(device, *, B, Hq, Hkv, Sq, Sk, D, causal=False, pad=False, bias=Fals
         if device != "meta":
             kpm[:, -Sk // 4 :] = True
     attn_bias = make(1, Hq, 1, Sk, device=device, dtype=dt) if bias else None
-    return prepare_inputs(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=attn_bias)
+    sink_logits = make(Hq, device=device) if sinks else None
+    return prepare_inputs(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=attn_bias, window=window,
+                          softcap=softcap, sinks=sink_logits)  # fmt: skip
 
 
 def step_dispatch(record: PartRecord) -> None:

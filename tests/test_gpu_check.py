@@ -11,7 +11,7 @@ import torch
 
 from benchmarks import gpu_check
 from benchmarks.attention_gpu import evaluate_targets
-from benchmarks.gpu_check_steps import NUMERICS_SHAPES, numerics_cases
+from benchmarks.gpu_check_steps import EXTRA_CASES, NUMERICS_SHAPES, numerics_cases
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour of gpu_check (a GPU runs it all)")
 
@@ -66,8 +66,9 @@ def test_bad_arguments_are_refused(tmp_path):
 def test_numerics_matrix_is_complete_and_split_without_overlap():
     shards = [numerics_cases(i, gpu_check.NUMERICS_SHARDS) for i in range(gpu_check.NUMERICS_SHARDS)]
     flat = [c for s in shards for c in s]
-    assert len(flat) == len(set(flat)) == 2 * 2 * 2 * (len(NUMERICS_SHAPES) + 1)
-    assert {c[3] for c in flat} == {"odd S", "S_q < S_k", "S_q > S_k", "S_q = 1", "GQA 8:1", "padded row", "block-sparse"}
+    assert len(flat) == len(set(flat)) == 2 * 2 * 2 * (len(NUMERICS_SHAPES) + 1 + len(EXTRA_CASES))
+    assert {c[3] for c in flat} == {"odd S", "S_q < S_k", "S_q > S_k", "S_q = 1", "GQA 8:1", "padded row", "block-sparse",
+                                    *EXTRA_CASES}
     assert all(len({(c[0], c[1]) for c in s}) == 1 for s in shards)  # one (dtype, D) per process
 
 
@@ -131,7 +132,8 @@ def test_gpu_step_code_runs_on_the_cpu_interpreter(tmp_path):
         rec = json.loads(part.read_text())
         assert rec["cases"] and all(c["ok"] for c in rec["cases"]), json.dumps(rec, indent=1)[:3000]
     numerics = json.loads((tmp_path / "numerics.json").read_text())
-    assert {c["case"] for c in numerics["cases"]} == {*NUMERICS_SHAPES, "block-sparse"} and numerics["interpreted"]
+    assert {c["case"] for c in numerics["cases"]} == {*NUMERICS_SHAPES, "block-sparse", *EXTRA_CASES}
+    assert numerics["interpreted"]
     padded = [c for c in numerics["cases"] if c["case"] == "padded row"]
     assert padded and all(c["padded_row_zero"] for c in padded)
     int64 = json.loads((tmp_path / "int64.json").read_text())
