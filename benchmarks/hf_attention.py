@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_thread_list, default=[2], help="torch intra-op threads on CPU, a comma-separated "
                    "list runs each (default 2)")
     p.add_argument("--repeats", type=_positive_int, default=3, help="timed prefills per case after one warm-up (median; 3)")
+    p.add_argument("--interleave", action="store_true", help="also time the implementations in alternation in one "
+                   "process per case (the fairer ratio on a shared machine; memory still from the isolated runs)")
     p.add_argument("--max-load", type=float, default=None, help="wait before each case until the 1-minute load "
                    "average is below this (default: do not wait)")
     p.add_argument("--load-wait-s", type=float, default=600.0, help="longest wait for --max-load per case (600 s)")
@@ -129,18 +132,17 @@ def _dense_bytes(batch: int, S: int) -> int:
     return batch * MODEL["num_attention_heads"] * S * S * 4
 
 
-def run_case(spec: dict) -> dict:
-    """One (impl, case, S) in this process; returns the measurement."""
+def _setup(spec: dict):
+    """The model (implementation ``spec["impl"]``), the inputs and a prefill function for one case."""
     import torch
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])
-    if spec["impl"] == "longctx":
-        from core.hf import register
+    from core.hf import register
 
-        register()
+    register()
     torch.manual_seed(0)
     cfg = Qwen2Config(**MODEL)
     model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
@@ -158,6 +160,41 @@ def run_case(spec: dict) -> dict:
         with torch.no_grad():
             return model(input_ids=ids, past_key_values=DynamicCache(config=cfg), use_cache=True, **kwargs).logits
 
+    return model, prefill, device, S, batch
+
+
+def run_interleaved(spec: dict) -> dict:
+    """Every implementation of ``spec["impls"]`` on one model in this process, timed in alternation (one warm-up
+    each, then ``repeats`` rounds, the order reversed every other round): load changes on a shared machine hit
+    every implementation alike, so the ratio of the medians is the fairer one. No memory is measured here."""
+    import torch
+
+    model, prefill, device, S, batch = _setup({**spec, "impl": spec["impls"][0]})
+    times: dict[str, list[float]] = {impl: [] for impl in spec["impls"]}
+    for impl in spec["impls"]:
+        model.set_attn_implementation(impl)
+        prefill()
+    for r in range(spec["repeats"]):
+        for impl in spec["impls"] if r % 2 == 0 else spec["impls"][::-1]:
+            model.set_attn_implementation(impl)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            prefill()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[impl].append(time.perf_counter() - t0)
+    return {"interleaved": {impl: {"median_s": statistics.median(t), "times_s": t} for impl, t in times.items()},
+            "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def run_case(spec: dict) -> dict:
+    """One (impl, case, S) in this process; returns the measurement."""
+    import torch
+
+    if spec.get("impls"):
+        return run_interleaved(spec)
+    model, prefill, device, S, batch = _setup(spec)
     out = {"impl": spec["impl"], "case": spec["case"], "S": S, "batch": batch}
     peak = PeakRSS() if device.type == "cpu" else None
     if device.type == "cuda":
@@ -225,7 +262,8 @@ def main(argv=None) -> int:
               "memory_limit_gb": args.memory_limit_gb, "env": env_info(), "rows": rows}  # fmt: skip
     write_json_atomic(args.out, result)
     cols = ["S", "threads", "case", "impl", "status", "median_s", "peak_mb", "time_ratio_longctx_over_this",
-            "memory_ratio_longctx_over_this", "max_abs_diff_vs_longctx", "load_before", "load_after", "reason"]  # fmt: skip
+            "memory_ratio_longctx_over_this", "max_abs_diff_vs_longctx", "load_before", "load_after",
+            "interleaved_time_ratio_longctx_over_this", "reason"]  # fmt: skip
     print(format_table(rows, cols))
     print(f"wrote {args.out}")
     return 0
@@ -253,6 +291,24 @@ def _run_group(args, S: int, threads: int, case: str, impls: list[str], cap_byte
                 res["loaded"] = True
         logger.info("  %s", {k: v for k, v in res.items() if k not in ("last_logits", "times_s")})
         group.append(res)
+    ran = [r["impl"] for r in group if r.get("status") == "ok"]
+    if args.interleave and "longctx" in ran and len(ran) > 1:
+        spec = {"impls": ran, "case": case, "S": S, "device": args.device, "dtype": args.dtype, "threads": threads,
+                "repeats": args.repeats, "memory_limit_gb": args.memory_limit_gb}  # fmt: skip
+        load_before = _wait_for_load(args.max_load, args.load_wait_s)
+        logger.info("S=%d threads=%d %s interleaved %s (load %s) ...", S, threads, case, ran, load_before)
+        inter = run_isolated([sys.executable, "-m", "benchmarks.hf_attention", "--case", json.dumps(spec)],
+                             timeout_s=args.timeout, env={"OMP_NUM_THREADS": str(threads)})  # fmt: skip
+        for r in group:
+            got = inter.get("interleaved", {}).get(r["impl"])
+            if got is not None:
+                r.update(interleaved_median_s=got["median_s"], interleaved_times_s=got["times_s"],
+                         interleaved_load=[load_before, _load()])  # fmt: skip
+        ours_i = inter.get("interleaved", {}).get("longctx")
+        for r in group:
+            if ours_i is not None and "interleaved_median_s" in r:
+                r["interleaved_time_ratio_longctx_over_this"] = ours_i["median_s"] / r["interleaved_median_s"]
+        logger.info("  interleaved: %s", {k: v["median_s"] for k, v in inter.get("interleaved", {}).items()})
     ours = next((r for r in group if r["impl"] == "longctx" and r.get("status") == "ok"), None)
     for r in group:
         if ours is not None and r.get("status") == "ok":

@@ -22,6 +22,10 @@ Mask semantics:
     segment_ids: int ``(B, S_k)``: key ``j``'s segment; a query sees keys of its own segment only (packed
         sequences, chunked attention). ``q_segment_ids`` ``(B, S_q)`` gives the queries' segments, by default
         those of their positions, ``segment_ids[:, S_k - S_q:]``. ``triton`` refuses them.
+    group_ids: int ``(B, S_k)``, with ``causal``: a query also sees the later keys of its own group (id ``>= 0``;
+        ``-1``: none) — bidirectional blocks inside causal attention (image tokens, transformers'
+        ``block_sequence_ids``); windows and segments still apply. ``q_group_ids`` as ``q_segment_ids``.
+        ``triton`` refuses them.
 
 A query row whose keys are all masked returns zeros (not NaN) in every backend.
 
@@ -65,12 +69,12 @@ import importlib.util
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from core.attention_chunked import chunked_attention
+from core.attention_inputs import AttentionInputs, prepare_inputs
 from core.attention_dispatch import (  # the auto rule, re-exported: core.attention stays the one import
     CPU_MASKED_CHUNKED_MIN_PAIRS,
     DECODE_MAX_QUERIES,
@@ -104,163 +108,6 @@ __all__ = [
     "CPU_MASKED_CHUNKED_MIN_PAIRS",
 ]
 
-@dataclass(kw_only=True)
-class AttentionInputs:
-    """Validated attention arguments handed to a backend."""
-
-    q: torch.Tensor  # (B, Hq, Sq, D)
-    k: torch.Tensor  # (B, Hkv, Sk, D)
-    v: torch.Tensor  # (B, Hkv, Sk, Dv)
-    causal: bool
-    key_padding_mask: torch.Tensor | None  # (B, Sk) bool, True = padded
-    attn_bias: torch.Tensor | None  # broadcastable to (B, Hq, Sq, Sk)
-    scale: float
-    window: int | None = None  # sliding window (causal: keys per query, itself included; else |p - j| < window)
-    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
-    sinks: torch.Tensor | None = None  # (B|1, Hq|1, Sq|1) sink logits (GPT-OSS), or None
-    q_segment_ids: torch.Tensor | None = None  # (B, Sq) int segment of each query
-    segment_ids: torch.Tensor | None = None  # (B, Sk) int segment of each key
-    q_chunk_size: int | None = None  # chunked backend: queries per chunk (None = its default)
-    k_chunk_size: int | None = None  # chunked backend: keys per chunk (None = its default)
-
-    @property
-    def groups(self) -> int:
-        return self.q.shape[1] // self.k.shape[1]
-
-
-def prepare_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    q_chunk_size: int | None = None,
-    k_chunk_size: int | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    segment_ids: torch.Tensor | None = None,
-    q_segment_ids: torch.Tensor | None = None,
-) -> AttentionInputs:
-    """Check shapes, dtypes and devices; raise ``ValueError`` naming what is wrong."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have layout (B, H, S, D), got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"attention needs floating-point inputs, got {q.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    B, Hq, Sq, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, H, S)")
-    if k.shape[3] != D:
-        raise ValueError(f"q head dim ({D}) must equal k head dim ({k.shape[3]})")
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"key/value heads ({Hkv}) must divide query heads ({Hq})")
-    Sk = k.shape[2]
-    if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool:
-            raise ValueError(f"key_padding_mask must be bool (True = padded), got {key_padding_mask.dtype}")
-        if tuple(key_padding_mask.shape) != (B, Sk):
-            raise ValueError(f"key_padding_mask must have shape (B, S_k) = ({B}, {Sk}), got {tuple(key_padding_mask.shape)}")
-        key_padding_mask = key_padding_mask.to(q.device)
-    if attn_bias is not None:
-        if not attn_bias.dtype.is_floating_point:
-            raise ValueError(f"attn_bias must be a float tensor, got {attn_bias.dtype}")
-        try:
-            torch.broadcast_shapes(attn_bias.shape, (B, Hq, Sq, Sk))
-        except RuntimeError:
-            raise ValueError(
-                f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to (B, H, S_q, S_k) = {(B, Hq, Sq, Sk)}"
-            ) from None
-        attn_bias = attn_bias.to(q.device)
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int (keys per query) or None, got {window!r}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-        softcap = float(softcap)
-    sinks = _check_sinks(sinks, B, Hq, Sq, q.device)
-    segment_ids, q_segment_ids = _check_segments(segment_ids, q_segment_ids, B, Sq, Sk, q.device)
-    for name, size in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size)):
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {size!r}")
-    return AttentionInputs(
-        q=q,
-        k=k,
-        v=v,
-        causal=bool(causal),
-        key_padding_mask=key_padding_mask,
-        attn_bias=attn_bias,
-        scale=float(scale),
-        window=window,
-        softcap=softcap,
-        sinks=sinks,
-        q_segment_ids=q_segment_ids,
-        segment_ids=segment_ids,
-        q_chunk_size=q_chunk_size,
-        k_chunk_size=k_chunk_size,
-    )
-
-
-def _check_sinks(sinks, B: int, Hq: int, Sq: int, device) -> torch.Tensor | None:
-    """Sink logits as a 3-d view broadcastable to ``(B, H_q, S_q)`` (a ``(H_q,)`` tensor: one per head)."""
-    if sinks is None:
-        return None
-    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
-        raise ValueError(f"sinks must be a float tensor, got {getattr(sinks, 'dtype', type(sinks).__name__)}")
-    if sinks.dim() == 1 and sinks.shape[0] == Hq:
-        sinks = sinks.view(1, Hq, 1)
-    elif sinks.dim() == 4 and sinks.shape[-1] == 1:  # (B, H, S, 1), as models concatenate them to the scores
-        sinks = sinks.squeeze(-1)
-    ok = sinks.dim() == 3
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(sinks.shape, (B, Hq, Sq)) == (B, Hq, Sq)
-        except RuntimeError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            f"sinks of shape {tuple(sinks.shape)} must be (H_q,) = ({Hq},) or broadcastable to (B, H_q, S_q) = "
-            f"{(B, Hq, Sq)}"
-        )
-    return sinks.to(device)
-
-
-def _check_segments(segment_ids, q_segment_ids, B: int, Sq: int, Sk: int, device):
-    """Key and query segment ids as int64 ``(B, S_k)`` and ``(B, S_q)`` (queries default to their positions')."""
-    if segment_ids is None:
-        if q_segment_ids is not None:
-            raise ValueError("q_segment_ids needs segment_ids (the keys' segments)")
-        return None, None
-    for name, t, n in (("segment_ids", segment_ids, Sk), ("q_segment_ids", q_segment_ids, Sq)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) != (B, n):
-            raise ValueError(f"{name} must have shape ({B}, {n}), got {tuple(t.shape)}")
-    segment_ids = segment_ids.to(device=device, dtype=torch.long)
-    if q_segment_ids is None:
-        if Sq > Sk:
-            raise ValueError(f"with more queries ({Sq}) than keys ({Sk}), pass q_segment_ids")
-        q_segment_ids = segment_ids[:, Sk - Sq :]
-    return segment_ids, q_segment_ids.to(device=device, dtype=torch.long)
-
-
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, Hkv, S, D) -> (B, Hkv * groups, S, D) by repeating each head ``groups`` times."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -274,20 +121,23 @@ def causal_keep(sq: int, sk: int, device: torch.device | None = None, q_offset: 
 
 
 def _mask_keep(a: AttentionInputs, causal: bool | None = None) -> torch.Tensor | None:
-    """Bool keep mask of the causal / window / segment / padding masks, broadcastable to ``(B, 1, S_q, S_k)`` (None:
-    none). ``causal`` overrides ``a.causal`` (``sdpa`` drops it for one query, which sees every key anyway)."""
+    """Bool keep mask of the causal / group / window / segment / padding masks, broadcastable to ``(B, 1, S_q, S_k)``
+    (None: none). ``causal`` overrides ``a.causal`` (``sdpa`` drops it for one query, which sees every key anyway)."""
     Sq, Sk = a.q.shape[2], a.k.shape[2]
     causal = a.causal if causal is None else causal
     keep = None
-    if causal or a.window is not None:
-        qi = torch.arange(Sk - Sq, Sk, device=a.q.device)[:, None]
-        kj = torch.arange(Sk, device=a.q.device)[None, :]
-        keep = kj <= qi if causal else torch.ones(Sq, Sk, dtype=torch.bool, device=a.q.device)
-        if a.window is not None:
-            keep = keep & (kj > qi - a.window)
-            if not causal:
-                keep = keep & (kj < qi + a.window)
-        keep = keep[None, None]
+    qi = torch.arange(Sk - Sq, Sk, device=a.q.device)[:, None]
+    kj = torch.arange(Sk, device=a.q.device)[None, :]
+    if causal:
+        keep = (kj <= qi)[None, None]
+        if a.group_ids is not None:  # the later keys of the query's own group too
+            same = (a.q_group_ids[:, :, None] == a.group_ids[:, None, :]) & (a.q_group_ids[:, :, None] >= 0)
+            keep = keep | same[:, None]
+    if a.window is not None:
+        win = kj > qi - a.window
+        if not causal:
+            win = win & (kj < qi + a.window)
+        keep = win[None, None] if keep is None else keep & win
     if a.segment_ids is not None:
         same = (a.q_segment_ids[:, :, None] == a.segment_ids[:, None, :])[:, None]  # (B, 1, Sq, Sk)
         keep = same if keep is None else keep & same
@@ -368,7 +218,7 @@ def _sdpa(a: AttentionInputs) -> torch.Tensor:
     mask = None
     row_has_key = None
     simple = not (a.key_padding_mask is not None or a.attn_bias is not None or a.window is not None
-                  or a.segment_ids is not None)  # fmt: skip
+                  or a.segment_ids is not None or a.group_ids is not None)  # fmt: skip
     if causal and simple and Sq == Sk:
         is_causal = True
     else:
@@ -389,7 +239,8 @@ def _sdpa(a: AttentionInputs) -> torch.Tensor:
         elif keep is not None:
             mask = keep
     out = _sdpa_call(q, k, v, mask, is_causal=is_causal, scale=a.scale, groups=a.groups,
-                     per_query_mask=causal or a.window is not None or a.segment_ids is not None,
+                     per_query_mask=causal or a.window is not None or a.segment_ids is not None
+                     or a.group_ids is not None,
                      cuda_rules=q.is_cuda)  # fmt: skip
     if row_has_key is not None:
         out = torch.where(row_has_key, out, 0.0)
@@ -416,13 +267,16 @@ def _chunked(a: AttentionInputs) -> torch.Tensor:
         sinks=a.sinks,
         q_segment_ids=a.q_segment_ids,
         segment_ids=a.segment_ids,
+        q_group_ids=a.q_group_ids,
+        group_ids=a.group_ids,
     )
 
 
 def _triton(a: AttentionInputs) -> torch.Tensor:
     """The fused Triton kernel; CUDA tensors only."""
-    if a.segment_ids is not None:
-        raise ValueError("backend 'triton' has no segment ids; use 'chunked', 'sdpa' or 'auto'")
+    if a.segment_ids is not None or a.group_ids is not None:
+        what = "segment ids" if a.segment_ids is not None else "group ids"
+        raise ValueError(f"backend 'triton' has no {what}; use 'chunked', 'sdpa' or 'auto'")
     if a.q.device.type != "cuda":
         raise ValueError(
             f"backend 'triton' needs CUDA tensors, got {a.q.device.type} tensors; use 'chunked', 'sdpa' or 'auto'"
@@ -468,6 +322,8 @@ def attention(
     sinks: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     q_segment_ids: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    q_group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, ``softmax(q kᵀ · scale + bias) v``.
 
@@ -490,6 +346,8 @@ def attention(
         sinks: attention-sink logits, ``(H_q,)`` or broadcastable to ``(B, H_q, S_q)`` (not ``sdpa``).
         segment_ids: int ``(B, S_k)`` segment of each key; queries see their own segment only.
         q_segment_ids: int ``(B, S_q)`` segment of each query (default: ``segment_ids[:, S_k - S_q:]``).
+        group_ids: int ``(B, S_k)`` (``-1``: none), with ``causal``: queries also see later keys of their group.
+        q_group_ids: int ``(B, S_q)`` group of each query (default: ``group_ids[:, S_k - S_q:]``).
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in the dtype of ``q``.
@@ -510,6 +368,8 @@ def attention(
         sinks=sinks,
         segment_ids=segment_ids,
         q_segment_ids=q_segment_ids,
+        group_ids=group_ids,
+        q_group_ids=q_group_ids,
     )
     if backend == "auto":
         name = choose_backend(a, memory_budget=memory_budget)

@@ -6,8 +6,9 @@ Score blocks have shape ``(B, H_kv, G · n_q, n_k)``; row ``g · n_q + r`` is qu
 ``block5`` views of them are ``(B, H_kv, G, n_q, n_k)`` for masks and bias.
 
 Mask semantics are those of :mod:`core.attention`: query ``i`` sits at key position ``p = i + S_k - S_q``
-(bottom-right aligned); ``causal`` hides keys ``j > p``; a ``window`` hides keys ``j <= p - window`` (and, without
-``causal``, keys ``j >= p + window``); segment ids hide keys of another segment; padded keys are hidden.
+(bottom-right aligned); ``causal`` hides keys ``j > p`` except those of the query's own group (group ids ``>= 0``); a
+``window`` hides keys ``j <= p - window`` (and, without ``causal``, keys ``j >= p + window``); segment ids hide keys
+of another segment; padded keys are hidden.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Blocks:
     """Shared geometry of forward and backward: chunk ranges, masks and bias slices (see module docs)."""
 
     def __init__(self, q, k, v, key_padding_mask, bias4, scale, causal, q_chunk, k_chunk, window=None, softcap=None,
-                 q_segments=None, k_segments=None):  # fmt: skip
+                 q_segments=None, k_segments=None, q_groups=None, k_groups=None):  # fmt: skip
         self.B, self.Hq, self.Sq, self.D = q.shape
         self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.Hq // self.Hkv
@@ -52,6 +53,9 @@ class Blocks:
         self.softcap = softcap  # scores become softcap * tanh(scores / softcap) before bias and masks
         self.qseg = q_segments  # (B, S_q) int or None
         self.kseg = k_segments  # (B, S_k) int or None
+        self.qgrp = q_groups  # (B, S_q) int (-1: none) or None; only with causal
+        self.kgrp = k_groups  # (B, S_k) int or None
+        self._group_reach = None
         self.qc = q_chunk
         self.kc = k_chunk
         self.cdtype = torch.promote_types(q.dtype, torch.float32)
@@ -96,12 +100,26 @@ class Blocks:
         c = j0 // self.kc
         return self._kseg_range[1][c] < int(qs.min()) or self._kseg_range[0][c] > int(qs.max())
 
+    def group_reach(self, i0: int, i1: int) -> int:
+        """One past the last key any query of ``[i0, i1)`` sees through its group (0: none)."""
+        if self._group_reach is None:  # per query: the last key index of its group, -1 without a group
+            ids, inv = torch.unique(torch.cat([self.qgrp, self.kgrp], 1), return_inverse=True)
+            q_inv, k_inv = inv[:, : self.Sq], inv[:, self.Sq :]
+            last = torch.full((self.B, ids.numel()), -1, dtype=torch.long, device=self.device)
+            pos = torch.arange(self.Sk, device=self.device).expand(self.B, -1)
+            last.scatter_reduce_(1, k_inv, pos, reduce="amax")
+            reach = last.gather(1, q_inv).masked_fill(self.qgrp < 0, -1)  # (B, S_q)
+            self._group_reach = reach.amax(dim=0).tolist()
+        return max(self._group_reach[i0:i1]) + 1
+
     def k_ranges(self, i0: int, i1: int):
-        """Key chunks a query block ``[i0, i1)`` can see; chunks past the causal frontier, outside every query's
-        window or of other segments only are skipped."""
+        """Key chunks a query block ``[i0, i1)`` can see; chunks past the causal frontier (and every group's
+        reach), outside every query's window or of other segments only are skipped."""
         end = self.Sk
         if self.causal:
             end = max(0, min(self.Sk, i1 + self.offset))  # last visible key of the last row is i1-1+offset
+            if self.qgrp is not None:
+                end = max(end, min(self.Sk, self.group_reach(i0, i1)))
         elif self.window is not None:  # symmetric window: last visible key of the last row is i1-1+offset+window-1
             end = max(0, min(self.Sk, i1 - 1 + self.offset + self.window))
         start = 0
@@ -121,14 +139,19 @@ class Blocks:
         return past or future
 
     def hidden_pairs(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
-        """Bool ``(n_q, n_k)``: True where causality or the window hides key ``j`` from query ``i`` (None: none)."""
+        """Bool ``(1|B, n_q, n_k)``: True where causality (less the query's group) or the window hides key ``j``
+        from query ``i`` (None: nothing hidden)."""
         causal_hides = self.causal and j1 - 1 > i0 + self.offset  # some key after some query's frontier
         window_hides = self.window_hides(i0, i1, j0, j1)
         if not (causal_hides or window_hides):
             return None
         qi = torch.arange(i0 + self.offset, i1 + self.offset, device=self.device)[:, None]
         kj = torch.arange(j0, j1, device=self.device)[None, :]
-        hide = kj > qi if self.causal else torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool, device=self.device)
+        hide = (kj > qi)[None] if causal_hides else torch.zeros(1, i1 - i0, j1 - j0, dtype=torch.bool,
+                                                                 device=self.device)  # fmt: skip
+        if causal_hides and self.qgrp is not None:
+            qg = self.qgrp[:, i0:i1, None]
+            hide = hide & ~((qg == self.kgrp[:, None, j0:j1]) & (qg >= 0))  # (B, n, m)
         if window_hides:
             hide = hide | (kj <= qi - self.window)
             if not self.causal:
@@ -167,7 +190,7 @@ class Blocks:
             s5.add_(self.bias_block(i0, i1, j0, j1))
         hide = self.hidden_pairs(i0, i1, j0, j1)
         if hide is not None:
-            s5.masked_fill_(hide, float("-inf"))
+            s5.masked_fill_(hide.view(hide.shape[0], 1, 1, n, m), float("-inf"))
         seg = self.segment_hides(i0, i1, j0, j1)
         if seg is not None:
             s5.masked_fill_(seg.view(self.B, 1, 1, n, m), float("-inf"))
@@ -187,10 +210,10 @@ class Blocks:
                 mask = b5.flatten(2, 3)  # (B|1, Hkv|1, 1, m|1)
             else:
                 mask = b5.expand(*b5.shape[:2], G, n, b5.shape[4]).reshape(*b5.shape[:2], G * n, b5.shape[4])
-        hidden = self.hidden_pairs(i0, i1, j0, j1)
+        hidden = self.hidden_pairs(i0, i1, j0, j1)  # (1|B, n, m)
         if hidden is not None:
-            hide = torch.zeros(n, m, dtype=self.cdtype, device=self.device).masked_fill_(hidden, float("-inf"))
-            hide = hide.repeat(G, 1) if G > 1 else hide  # (G*n, m)
+            hide = torch.zeros(hidden.shape, dtype=self.cdtype, device=self.device).masked_fill_(hidden, float("-inf"))
+            hide = (hide.repeat(1, G, 1) if G > 1 else hide).unsqueeze(1)  # (1|B, 1, G*n, m)
             mask = hide if mask is None else mask + hide
         seg = self.segment_hides(i0, i1, j0, j1)
         if seg is not None:
@@ -214,6 +237,7 @@ class Blocks:
             and self.bias4 is None
             and self.kpm is None
             and self.qseg is None
+            and self.qgrp is None
             and not self.window_hides(i0, i1, j0, j1)
             and i0 + self.offset == j0
             and j1 - 1 > i0 + self.offset

@@ -185,8 +185,8 @@ def _sink_grad(sinks: torch.Tensor, out, lse, dout) -> torch.Tensor:
 
 class _ChunkedAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, key_padding_mask, sinks, q_seg, k_seg, options):
-        blocks = _blocks(q, k, v, attn_bias, key_padding_mask, q_seg, k_seg, options)
+    def forward(ctx, q, k, v, attn_bias, key_padding_mask, sinks, q_seg, k_seg, q_grp, k_grp, options):
+        blocks = _blocks(q, k, v, attn_bias, key_padding_mask, (q_seg, k_seg, q_grp, k_grp), options)
         ops = _ops_for(q, v, options["fused"], options["softcap"])
         if ops is None:
             out, lse = _forward(blocks, q, k, v)
@@ -196,16 +196,16 @@ class _ChunkedAttentionFn(torch.autograd.Function):
             out, lse = forward_blocks(blocks, q, k, v, ops)
         if sinks is not None:
             out, lse = _apply_sinks(out, lse, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask, sinks, q_seg, k_seg)
+        ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask, sinks, q_seg, k_seg, q_grp, k_grp)
         ctx.options = options
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, attn_bias, key_padding_mask, sinks, q_seg, k_seg = ctx.saved_tensors
+        q, k, v, out, lse, attn_bias, key_padding_mask, sinks, q_seg, k_seg, q_grp, k_grp = ctx.saved_tensors
         options = ctx.options
-        blocks = _blocks(q, k, v, attn_bias, key_padding_mask, q_seg, k_seg, options)
+        blocks = _blocks(q, k, v, attn_bias, key_padding_mask, (q_seg, k_seg, q_grp, k_grp), options)
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         ops = None if need_dbias else _ops_for(q, v, options["fused"], options["softcap"])  # no bias gradient there
         dbias = dsinks = None
@@ -219,13 +219,13 @@ class _ChunkedAttentionFn(torch.autograd.Function):
             dq, dk, dv = backward_blocks(blocks, q, k, v, out, lse, dout, ops)
         if sinks is not None and ctx.needs_input_grad[5]:
             dsinks = _sink_grad(sinks, out, lse, dout)
-        return dq, dk, dv, dbias, None, dsinks, None, None, None
+        return dq, dk, dv, dbias, None, dsinks, None, None, None, None, None
 
 
-def _blocks(q, k, v, attn_bias, key_padding_mask, q_seg, k_seg, o) -> _Blocks:
+def _blocks(q, k, v, attn_bias, key_padding_mask, ids, o) -> _Blocks:
     bias4 = _bias_4d(attn_bias) if attn_bias is not None else None
     return _Blocks(q, k, v, key_padding_mask, bias4, o["scale"], o["causal"], o["q_chunk"], o["k_chunk"], o["window"],
-                   o["softcap"], q_seg, k_seg)  # fmt: skip
+                   o["softcap"], *ids)  # fmt: skip
 
 
 def _ops_for(q: torch.Tensor, v: torch.Tensor, fused: bool | None, softcap: float | None = None):
@@ -260,6 +260,8 @@ def chunked_attention(
     sinks: torch.Tensor | None = None,
     q_segment_ids: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    q_group_ids: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention on already validated inputs (see :func:`core.attention.prepare_inputs`).
 
@@ -284,6 +286,9 @@ def chunked_attention(
         q_segment_ids: int ``(B, S_q)`` segment of each query, or None.
         segment_ids: int ``(B, S_k)`` segment of each key (with ``q_segment_ids``): a query sees keys of its
             own segment only.
+        q_group_ids: int ``(B, S_q)`` group of each query (-1: none), or None.
+        group_ids: int ``(B, S_k)`` group of each key (with ``q_group_ids`` and ``causal``): a query also sees the
+            later keys of its own group.
 
     Returns:
         ``(B, H_q, S_q, D_v)`` in ``q.dtype``; rows that see no key are zeros.
@@ -297,8 +302,11 @@ def chunked_attention(
         q_chunk = default_q_chunk(batch_heads, k_chunk) if q_chunk_size is None else int(q_chunk_size)
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"chunk sizes must be positive, got q_chunk_size={q_chunk}, k_chunk_size={k_chunk}")
-    if (q_segment_ids is None) != (segment_ids is None):
-        raise ValueError("q_segment_ids and segment_ids go together (both or neither)")
+    if (q_segment_ids is None) != (segment_ids is None) or (q_group_ids is None) != (group_ids is None):
+        raise ValueError("q_segment_ids and segment_ids (q_group_ids and group_ids) go together (both or neither)")
+    if not causal:
+        q_group_ids = group_ids = None
     options = dict(causal=causal, scale=float(scale), q_chunk=q_chunk, k_chunk=k_chunk, fused=fused, window=window,
                    softcap=softcap, whole=whole)  # fmt: skip
-    return _ChunkedAttentionFn.apply(q, k, v, attn_bias, key_padding_mask, sinks, q_segment_ids, segment_ids, options)
+    return _ChunkedAttentionFn.apply(q, k, v, attn_bias, key_padding_mask, sinks, q_segment_ids, segment_ids,
+                                     q_group_ids, group_ids, options)  # fmt: skip

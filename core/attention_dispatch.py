@@ -54,13 +54,14 @@ def _sdpa_mask_shape(a: AttentionInputs) -> tuple[int, ...] | None:
     B, Hq, Sq, _ = a.q.shape
     Sk = a.k.shape[2]
     causal = _sdpa_causal(a) or a.window is not None
+    masks = a.segment_ids is not None or a.group_ids is not None
     if causal and a.key_padding_mask is None and a.attn_bias is None and Sq == Sk and a.window is None \
-            and a.segment_ids is None:  # fmt: skip
+            and not masks:  # fmt: skip
         return None
     shapes = []
     if causal:
         shapes.append((1, 1, Sq, Sk))
-    if a.segment_ids is not None:
+    if masks:
         shapes.append((B, 1, Sq, Sk))
     if a.key_padding_mask is not None:
         shapes.append((B, 1, 1, Sk))
@@ -112,6 +113,7 @@ def dispatch_facts(a: AttentionInputs, *, device_type: str | None = None, allow_
     """The facts :func:`auto_rule` looks at, for these inputs (``device_type`` overrides ``q``'s device: what
     ``auto`` would choose for the same shapes on CUDA, e.g. from ``meta`` tensors)."""
     device_type = device_type or a.q.device.type
+    masks = a.segment_ids is not None or a.group_ids is not None
     return {
         "device_type": device_type,
         "dtype": a.q.dtype,
@@ -127,8 +129,8 @@ def dispatch_facts(a: AttentionInputs, *, device_type: str | None = None, allow_
         "has_window": a.window is not None,
         "has_softcap": a.softcap is not None,
         "has_sinks": a.sinks is not None,
-        "has_segments": a.segment_ids is not None,
-        "masked_causal": _sdpa_causal(a) or a.window is not None or a.segment_ids is not None,
+        "has_segments": masks,
+        "masked_causal": _sdpa_causal(a) or a.window is not None or masks,
         "k_len": a.k.shape[2],
     }
 
@@ -172,7 +174,7 @@ def auto_rule(
             ``mask_bytes > 0`` ``sdpa`` would build that mask densely.
         k_len: ``S_k`` (None: not known).
         has_sinks: attention sinks are given: as ``has_softcap``, ``sdpa`` cannot apply them.
-        has_segments: segment ids are given (the Triton kernel has none; ``sdpa`` builds them as a mask).
+        has_segments: segment or group ids are given (the Triton kernel has none; ``sdpa`` builds them as a mask).
     """
     lo, hi = TRITON_HEAD_DIMS
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget

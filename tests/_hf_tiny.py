@@ -195,10 +195,34 @@ def minimax_m3(B=2, S=23):
     return _finish(MiniMaxM3VLForCausalLM(cfg)), {"input_ids": _ids(B, S)}
 
 
+GEMMA3_IMAGE = 150
+
+
+def gemma3(B=2, S=16):
+    """Gemma 3 with a 1-layer SigLIP tower: one image (4 tokens, bidirectional among themselves) per row, a
+    sliding layer (window 6) and a full layer."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {**LLM, "head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+            "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=7)  # fmt: skip
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=GEMMA3_IMAGE,
+                       boi_token_index=151, eoi_token_index=152)  # fmt: skip
+    model = _finish(Gemma3ForConditionalGeneration(cfg))
+    ids = _ids(B, S)
+    img = torch.tensor([151] + [GEMMA3_IMAGE] * 4 + [152]).expand(B, -1)
+    input_ids = torch.cat([ids[:, :7], img, ids[:, 7:]], dim=1)
+    g = torch.Generator().manual_seed(5)
+    return model, {"input_ids": input_ids, "pixel_values": torch.randn(B, 3, 28, 28, generator=g),
+                   "token_type_ids": (input_ids == GEMMA3_IMAGE).long()}  # fmt: skip
+
+
 SERVED_FAMILIES = {
     "gpt-oss-sinks": gpt_oss,
     "modernbert-bidirectional-window": modernbert,
     "llama4-chunked": llama4,
     "deepseek-v32-indices": deepseek_v32,
     "minimax-m3-block-indices": minimax_m3,
+    "gemma3-image-groups": gemma3,
 }

@@ -16,14 +16,16 @@ from core.attention import attention, choose_backend, prepare_inputs
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def keep_mask(B, Sq, Sk, *, causal=False, window=None, pad=None, qseg=None, kseg=None) -> torch.Tensor:
-    """Bool ``(B, 1, Sq, Sk)`` written out pair by pair from the documented semantics."""
+def keep_mask(B, Sq, Sk, *, causal=False, window=None, pad=None, qseg=None, kseg=None, grp=None) -> torch.Tensor:
+    """Bool ``(B, 1, Sq, Sk)`` written out pair by pair from the documented semantics (``grp``: key group ids,
+    queries take those of their positions)."""
     keep = torch.zeros(B, 1, Sq, Sk, dtype=torch.bool)
     for b in range(B):
         for i in range(Sq):
             p = i + Sk - Sq
             for j in range(Sk):
-                ok = not (causal and j > p)
+                same_group = grp is not None and int(grp[b, p]) >= 0 and int(grp[b, p]) == int(grp[b, j])
+                ok = not (causal and j > p and not same_group)
                 if window is not None:
                     ok = ok and (p - j < window) and (causal or j - p < window)
                 if pad is not None:
@@ -225,3 +227,30 @@ def test_whole_call_mode_runs_one_kernel_call_and_matches_truth(causal, Hkv, Sq,
     ref = truth(q, k, v, keep_mask(B, Sq, Sk, causal=causal, pad=pad))
     assert_same(out, ref, (q, k, v))
     assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["chunked-blocks", "chunked-plain", "sdpa", "reference"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_group_ids_see_their_whole_group_inside_causal_attention(backend, window):
+    """Bidirectional groups (image tokens) inside causal attention, with a window and padding."""
+    from core.attention_chunked import chunked_attention
+
+    B, Hq, Hkv, S = 2, 2, 1, 30
+    q, k, v = leaves(B, Hq, Hkv, S, S, 8, seed=6)
+    grp = torch.full((B, S), -1)
+    grp[0, 4:13] = 0  # a 9-token image crossing chunk boundaries
+    grp[0, 20:24] = 1
+    grp[1, 10:14] = 7
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, :3] = True
+    ref = truth(q, k, v, keep_mask(B, S, S, causal=True, window=window, pad=pad, grp=grp))
+    if backend == "chunked-plain":
+        out = chunked_attention(q, k, v, causal=True, key_padding_mask=pad, attn_bias=None, scale=8**-0.5,
+                                q_chunk_size=4, k_chunk_size=8, fused=False, window=window, q_group_ids=grp,
+                                group_ids=grp)  # fmt: skip
+    else:
+        opts = {"chunked-blocks": dict(backend="chunked", q_chunk_size=4, k_chunk_size=8)}.get(backend,
+                                                                                                  {"backend": backend})
+        out = attention(q, k, v, causal=True, window=window, key_padding_mask=pad, group_ids=grp, **opts)
+    assert_same(out, ref, (q, k, v))
+    assert (truth(q, k, v, keep_mask(B, S, S, causal=True, window=window, pad=pad)) - ref).abs().max() > 1e-2

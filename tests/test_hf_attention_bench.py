@@ -54,3 +54,12 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert hf_attention.main(["--impls", "flash", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert "bad size '4Q'" in err and "unknown case or implementation ['flash']" in err
+
+
+def test_interleaved_timing_alternates_the_implementations_in_one_process():
+    spec = {"impls": ["longctx", "sdpa"], "case": "padded", "S": 96, "device": "cpu", "dtype": "float32",
+            "threads": 1, "repeats": 3}  # fmt: skip
+    got = hf_attention.run_case(spec)["interleaved"]
+    assert set(got) == {"longctx", "sdpa"}
+    for r in got.values():
+        assert len(r["times_s"]) == 3 and r["median_s"] == sorted(r["times_s"])[1] > 0

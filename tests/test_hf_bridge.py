@@ -132,7 +132,9 @@ def test_masks_stay_compact_and_match_transformers_dense_masks():
     packed attention, at dynamic- and static-cache offsets, stays compact and equals transformers' dense mask; an
     image overlay (``or_masks``) is built densely."""
     from transformers.masking_utils import (
+        and_masks,
         bidirectional_mask_function,
+        blockwise_overlay,
         causal_mask_function,
         chunked_causal_mask_function,
         or_masks,
@@ -140,9 +142,11 @@ def test_masks_stay_compact_and_match_transformers_dense_masks():
         sdpa_mask,
         sliding_window_bidirectional_mask_function,
         sliding_window_causal_mask_function,
+        sliding_window_overlay,
     )
 
     pad = torch.ones(2, 12, dtype=torch.bool)
+    images = torch.tensor([[-1, -1, 0, 0, 0, 0, -1, -1, 1, 1, 1, -1], [-1, -1, -1, -1, 3, 3, 3, 3, 3, -1, -1, -1]])
     pad[1, :3] = False
     left = torch.tensor([0, 3])
     packed_pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
@@ -165,7 +169,13 @@ def test_masks_stay_compact_and_match_transformers_dense_masks():
          full, None),
         (packed_sequence_compatibility_function(sliding_window_causal_mask_function(2), packed_pos, packed_ids), True,
          (True, 2, True), full, None),
-        (or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0), False, None, full, pad),  # image overlay
+        (or_masks(causal_mask_function, blockwise_overlay(images)), True, (True, None, False), full, pad),  # images
+        (or_masks(causal_mask_function, blockwise_overlay(images)), True, (True, None, False),
+         dict(q_length=5, kv_length=12, q_offset=7), pad),  # queries after a prefix
+        (and_masks(sliding_window_overlay(3), or_masks(causal_mask_function, blockwise_overlay(images))), True,
+         (True, 3, False), full, pad),  # Gemma 3's sliding layers
+        (or_masks(sliding_window_causal_mask_function(3), blockwise_overlay(images)), False, None, full, pad),
+        (or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0), False, None, full, pad),  # unknown overlay
         (causal_mask_function, False, None, dict(q_length=4, kv_length=12, q_offset=10), pad),  # past the keys
     ]  # fmt: skip
     for fn, compact, pattern, sizes, padding in cases:

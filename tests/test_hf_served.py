@@ -1,6 +1,7 @@
 """Attention calls that carry extra keywords or patterns are served by the core, against ``"eager"`` (fp32, tiny random
 models built from configs): GPT-OSS's sinks (``s_aux``), ModernBERT's bidirectional windows and ``deterministic``,
-Llama 4's chunked attention, DeepSeek-V3.2's ``indices`` and MiniMax-M3's ``block_indices``; no call falls back to
+Llama 4's chunked attention, DeepSeek-V3.2's ``indices``, MiniMax-M3's ``block_indices`` and Gemma 3's image tokens
+(bidirectional groups inside causal and sliding layers); no call falls back to
 eager and no dense mask is built (DeepSeek-V3.2's own indexer reads the mask densely: counted apart). What cannot be
 served falls back for that call only; ``output_attentions`` is served."""
 
@@ -65,15 +66,15 @@ def _run(model, impl, **inputs):
 @pytest.mark.parametrize("family", list(T.SERVED_FAMILIES))
 def test_served_families_match_eager_without_fallbacks(family, monkeypatch):
     model, inputs = T.SERVED_FAMILIES[family]()
-    ids = inputs["input_ids"]
+    ids = inputs.pop("input_ids")
     mask = torch.ones_like(ids)
     if family.startswith("modernbert"):
         mask[1, -7:] = 0  # an encoder: padding at the end
     else:
         mask[1, :5] = 0  # decoders: left padding
-    ref = _run(model, "eager", input_ids=ids, attention_mask=mask)
+    ref = _run(model, "eager", input_ids=ids, attention_mask=mask, **inputs)
     calls = Calls(monkeypatch)
-    got = _run(model, "longctx", input_ids=ids, attention_mask=mask)
+    got = _run(model, "longctx", input_ids=ids, attention_mask=mask, **inputs)
     real = mask.bool()  # rows that see no key differ by convention (eager spreads them over the masked keys)
     torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
     assert calls.fallbacks == [] and calls.dense == 0
@@ -85,6 +86,10 @@ def test_served_families_match_eager_without_fallbacks(family, monkeypatch):
         assert {(kw["causal"], kw["window"]) for kw in served} == {(False, 5), (False, None)}
     if family.startswith("llama4"):
         assert sum(kw["segment_ids"] is not None for kw in served) == 3  # the three chunked layers
+    if family.startswith("gemma3"):  # both decoder layers: the image's 4 tokens see each other
+        decoder = [kw for kw in served if kw.get("causal")]
+        assert len(decoder) == 2 and all(kw["group_ids"] is not None for kw in decoder)
+        assert {kw["window"] for kw in decoder} == {6, None}
     if family.startswith(("deepseek", "minimax")):
         assert len(calls.indexed) == (2 if family.startswith("deepseek") else 1) and calls.core is not None
 

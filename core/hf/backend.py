@@ -213,11 +213,12 @@ def longctx_attention(
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
     Sq = query.shape[2]
-    causal, window, key_padding, bias, q_seg, k_seg = False, None, None, None, None, None
+    causal, window, key_padding, bias, q_seg, k_seg, q_grp, k_grp = False, None, None, None, None, None, None, None
     hidden = getattr(key, HIDDEN_ATTR, None)  # read before any slicing: a slice does not carry the attribute
     if isinstance(attention_mask, LongctxMask):
         m = attention_mask
         causal, window, q_seg, k_seg = m.causal, m.window, m.q_segments, m.k_segments
+        q_grp, k_grp = m.q_groups, m.k_groups
         if m.kv_length != key.shape[2] and (m.key_padding is not None or k_seg is not None or m.kv_used != m.kv_length):
             raise ValueError(
                 f"this layer holds {key.shape[2]} keys, the mask was made for {m.kv_length} (a cache whose layers "
@@ -230,6 +231,7 @@ def longctx_attention(
             key, value = key[:, :, :used], value[:, :, :used]
             key_padding = key_padding[:, :used] if key_padding is not None else None
             k_seg = k_seg[:, :used] if k_seg is not None else None
+            k_grp = k_grp[:, :used] if k_grp is not None else None
     elif attention_mask is None:
         causal = _implicit_causal(module, query, kwargs)
         if causal and key.shape[2] > Sq:  # as transformers' sdpa: is_causal aligns top-left, extra keys unseen
@@ -257,9 +259,9 @@ def longctx_attention(
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     selection = _selection(module, kwargs, key.shape[2])
     pattern = dict(causal=causal, window=window, key_padding=key_padding, sinks=sinks, q_segments=q_seg,
-                   k_segments=k_seg)  # fmt: skip
+                   k_segments=k_seg, q_groups=q_grp, k_groups=k_grp)  # fmt: skip
     if selection is not None:
-        if bias is not None:  # the selection meets a dense mask or bias: that call runs eager
+        if bias is not None or q_grp is not None:  # the selection meets a dense mask, a bias or groups: eager
             return _fallback("argument 'indices' with a dense mask", module, query, key, value, attention_mask,
                              scaling, dropout, kwargs)  # fmt: skip
         out = indexed_attention(query, key, value, selection, causal=causal, window=window,
@@ -269,7 +271,7 @@ def longctx_attention(
         options = getattr(module, OPTIONS_ATTR, None) or {}
         out = attention(query, key, value, causal=causal, key_padding_mask=key_padding, attn_bias=bias, scale=scaling,
                         window=window, softcap=softcap, sinks=sinks, segment_ids=k_seg, q_segment_ids=q_seg,
-                        **options)  # fmt: skip
+                        group_ids=k_grp, q_group_ids=q_grp, **options)  # fmt: skip
     weights = None
     if kwargs.get("output_attentions") or probes.active():
         keep = None if selection is None else _selection_keep(selection, key.shape[2], query.shape[1])

@@ -11,13 +11,15 @@ one) and returns what :func:`core.attention.attention` needs instead of a dense 
 * segment ids: packed sequences (``packed_sequence_mask_function`` with the causal/window pattern remapped to
   positions by ``remap_positions_for_packed_sequence``: within a packed sequence positions advance with the index,
   so the remapped pattern equals the plain one there) and chunked attention (Llama 4's ``chunked_overlay``:
-  ``(index - left_padding) // chunk``); several segmentations combine into one id per token.
+  ``(index - left_padding) // chunk``); several segmentations combine into one id per token;
+* bidirectional groups inside causal attention (image tokens: ``or_masks(causal, blockwise_overlay(ids))``, and
+  Gemma 3's sliding layers ``and_masks(sliding_window_overlay(w), or_masks(causal, blockwise_overlay(ids)))``).
 
 Offsets: query ``i`` sits at absolute index ``q_offset + i``, key ``j`` at ``kv_offset + j``. A causal pattern is
 compact when ``q_offset - kv_offset <= kv_length - q_length``: the keys past the last query's frontier (a static
 cache's unfilled tail) are seen by no query, so the attention function drops them (``kv_used``) and
 :mod:`core.attention`'s bottom-right alignment holds on the rest. Anything else (image overlays built with
-``or_masks``, a pattern misaligned otherwise) is built densely with transformers' own ``sdpa_mask`` (exact,
+``or_masks`` with anything but a plain causal pattern, a pattern misaligned otherwise) is built densely with transformers' own ``sdpa_mask`` (exact,
 ``O(S_q · S_k)`` memory, logged once per pattern).
 """
 
@@ -30,8 +32,10 @@ import torch
 from transformers.masking_utils import (
     and_masks,
     bidirectional_mask_function,
+    blockwise_overlay,
     causal_mask_function,
     chunked_overlay,
+    or_masks,
     packed_sequence_mask_function,
     prepare_padding_mask,
     remap_positions_for_packed_sequence,
@@ -66,6 +70,8 @@ class LongctxMask:
         q_segments, k_segments: int ``(B, S_q)`` / ``(B, S_k)`` segment ids (a query sees its own segment only), or
             None.
         kv_used: keys ``>= kv_used`` are seen by no query (a static cache's unfilled tail); default ``kv_length``.
+        q_groups, k_groups: int ``(B, S_q)`` / ``(B, S_k)`` bidirectional group ids (``-1``: none): with ``causal``,
+            a query also sees the later keys of its own group; or None.
 
     A pattern without a compact form is returned by the mask function as transformers' dense bool mask instead.
     """
@@ -78,6 +84,8 @@ class LongctxMask:
     q_segments: torch.Tensor | None = None
     k_segments: torch.Tensor | None = None
     kv_used: int | None = None
+    q_groups: torch.Tensor | None = None
+    k_groups: torch.Tensor | None = None
 
     #: Reads as an already prepared 4-D mask to transformers' mask helpers (generation prepares masks ahead for
     #: static caches and passes them back in; :func:`longctx_mask` then returns them unchanged).
@@ -111,21 +119,25 @@ class LongctxMask:
         move = (lambda t: t if t is None else t.to(*args, **kwargs)) if (args or kwargs) else (lambda t: t)
         return LongctxMask(causal=self.causal, window=self.window, key_padding=move(self.key_padding),
                            q_length=self.q_length, kv_length=self.kv_length, q_segments=move(self.q_segments),
-                           k_segments=move(self.k_segments), kv_used=self.kv_used)  # fmt: skip
+                           k_segments=move(self.k_segments), kv_used=self.kv_used, q_groups=move(self.q_groups),
+                           k_groups=move(self.k_groups))  # fmt: skip
 
     def to_bool(self, batch_size: int, device: torch.device) -> torch.Tensor:
         """The same pattern as a dense bool ``(B, 1, S_q, S_k)`` keep mask (for the fallbacks and tests)."""
         sq, sk, used = self.q_length, self.kv_length, self.kv_used
         qi = torch.arange(used - sq, used, device=device)[:, None]  # query i sits at key position i + used - sq
         kj = torch.arange(sk, device=device)[None, :]
-        keep = kj < used
+        keep = (kj < used)[None, None].expand(batch_size, 1, sq, sk)
         if self.causal:
-            keep = keep & (kj <= qi)
+            seen = (kj <= qi)[None, None]
+            if self.q_groups is not None:
+                qg = self.q_groups.to(device)[:, None, :, None]
+                seen = seen | ((qg == self.k_groups.to(device)[:, None, None, :]) & (qg >= 0))
+            keep = keep & seen
         if self.window is not None:
             keep = keep & (kj > qi - self.window)
             if not self.causal:
                 keep = keep & (kj < qi + self.window)
-        keep = keep[None, None].expand(batch_size, 1, sq, sk)
         if self.q_segments is not None:
             keep = keep & (self.q_segments[:, :, None] == self.k_segments[:, None, :]).to(device)[:, None]
         if self.key_padding is not None:
@@ -155,6 +167,7 @@ class Pattern:
     causal: bool
     window: int | None = None
     segments: list = field(default_factory=list)  # each: (B|1, n) absolute indices -> (B|1, n) int ids
+    groups: list = field(default_factory=list)  # at most one: absolute indices -> bidirectional group ids (-1: none)
     packed: bool = False  # holds packed-sequence segments
     remapped: bool = False  # its pieces were remapped to positions (exact only within packed segments)
 
@@ -170,6 +183,8 @@ def _closure(fn) -> dict:
 
 
 _AND_CODE = _code(and_masks(causal_mask_function))
+_OR_CODE = _code(or_masks(causal_mask_function))
+_BLOCKWISE_CODE = _code(blockwise_overlay(torch.zeros(1, 1, dtype=torch.long)))
 _WINDOW_CODE = _code(sliding_window_overlay(1))
 _BIWINDOW_CODE = _code(sliding_window_bidirectional_overlay(1))
 _CHUNK_CODE = _code(chunked_overlay(1, torch.zeros(1, dtype=torch.long)))
@@ -195,6 +210,11 @@ def _piece(fn):
     code, cl = _code(fn), _closure(fn)
     if code is _AND_CODE:
         return _and([_piece(p) for p in cl.get("mask_functions", ())])
+    if code is _OR_CODE:
+        return _or([_piece(p) for p in cl.get("mask_functions", ())])
+    if code is _BLOCKWISE_CODE and isinstance(cl.get("block_sequence_ids"), torch.Tensor):
+        table = cl["block_sequence_ids"]
+        return ("group", lambda idx: _gather(table, idx))
     if code is _WINDOW_CODE and isinstance(cl.get("sliding_window"), int) and cl["sliding_window"] >= 1:
         return ("window", cl["sliding_window"])
     if code is _BIWINDOW_CODE and isinstance(cl.get("sliding_window"), int) and cl["sliding_window"] >= 0:
@@ -225,7 +245,10 @@ def _and(parts: list) -> Pattern | None:
     causal = any(b.causal for b in bases)
     windows = [b.window for b in bases if b.window is not None]
     segments = [f for b in bases for f in b.segments]
+    groups = [f for b in bases for f in b.groups]
     packed = any(b.packed for b in bases)
+    if len(groups) > 1 or any(isinstance(p, tuple) and p[0] == "group" for p in parts):
+        return None  # groups only as or_masks(causal, blockwise_overlay)
     for kind, value in (p for p in parts if not isinstance(p, Pattern)):
         if kind == "window":
             if not causal:  # a one-sided window without causality has no compact form here
@@ -238,7 +261,22 @@ def _and(parts: list) -> Pattern | None:
             packed = packed or kind == "packed"
     if any(b.remapped for b in bases) and not packed:
         return None  # positions remapped outside packed segments: not the plain pattern
-    return Pattern(causal=causal, window=min(windows) if windows else None, segments=segments, packed=packed)
+    if groups and segments:
+        return None
+    return Pattern(causal=causal, window=min(windows) if windows else None, segments=segments, packed=packed,
+                   groups=groups)  # fmt: skip
+
+
+def _or(parts: list) -> Pattern | None:
+    """``or_masks(causal, blockwise_overlay(ids))``: causal attention plus bidirectional groups (None otherwise)."""
+    bases = [p for p in parts if isinstance(p, Pattern)]
+    groups = [p[1] for p in parts if isinstance(p, tuple) and p[0] == "group"]
+    if len(bases) != 1 or len(groups) != 1 or len(parts) != 2:
+        return None
+    base = bases[0]
+    if not base.causal or base.window is not None or base.segments or base.groups or base.remapped:
+        return None  # (causal ∧ more) ∨ group is not (causal ∨ group) ∧ more
+    return Pattern(causal=True, groups=groups)
 
 
 def recognise(mask_function) -> Pattern | None:
@@ -287,7 +325,7 @@ def longctx_mask(
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     key_padding = None
     if padding is not None:
-        padding = padding[:, kv_offset : kv_offset + kv_length].to(device=device, dtype=torch.bool)
+        padding = padding[:, -kv_length:].to(device=device, dtype=torch.bool)
         if not bool(padding.all()):
             key_padding = ~padding
     pattern = recognise(mask_function)
@@ -316,14 +354,18 @@ def _compact(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, key_
         kv_used = q_length + d  # keys past the last query's frontier are seen by no query
     elif pattern.window is not None and d != kv_length - q_length:
         return None
-    q_seg = k_seg = None
-    if pattern.segments:
-        q_idx = torch.arange(q_offset, q_offset + q_length, device=device)[None]
-        k_idx = torch.arange(kv_offset, kv_offset + kv_length, device=device)[None]
-        try:
+    q_seg = k_seg = q_grp = k_grp = None
+    q_idx = torch.arange(q_offset, q_offset + q_length, device=device)[None]
+    k_idx = torch.arange(kv_offset, kv_offset + kv_length, device=device)[None]
+    try:
+        if pattern.segments:
             q_seg, k_seg = _segment_ids(pattern, q_idx, k_idx, batch_size)
-        except (IndexError, RuntimeError) as err:  # a table shorter than the indices: the dense path
-            logger.debug("segment ids not computable (%s); dense mask", err)
-            return None
+        if pattern.groups:
+            fn = pattern.groups[0]
+            q_grp, k_grp = fn(q_idx).long().expand(batch_size, -1), fn(k_idx).long().expand(batch_size, -1)
+    except (IndexError, RuntimeError) as err:  # a table shorter than the indices: the dense path
+        logger.debug("segment or group ids not computable (%s); dense mask", err)
+        return None
     return LongctxMask(causal=pattern.causal, window=pattern.window, key_padding=key_padding, q_length=q_length,
-                       kv_length=kv_length, q_segments=q_seg, k_segments=k_seg, kv_used=kv_used)  # fmt: skip
+                       kv_length=kv_length, q_segments=q_seg, k_segments=k_seg, kv_used=kv_used, q_groups=q_grp,
+                       k_groups=k_grp)  # fmt: skip

@@ -60,10 +60,13 @@ def attention_probabilities(
     q_segments: torch.Tensor | None = None,
     k_segments: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
+    q_groups: torch.Tensor | None = None,
+    k_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``(B, H_q, n, S_k)`` softmax probabilities of the last ``n`` queries (all when None), with
     :mod:`core.attention`'s mask semantics (bottom-right causal, windows, padding, segment ids, attention sinks as
-    one more value-zero column, an extra bool ``keep`` mask ``(B, 1|H_q, S_q, S_k)``; rows with no key are zeros)."""
+    one more value-zero column, an extra bool ``keep`` mask ``(B, 1|H_q, S_q, S_k)``, bidirectional groups inside causal
+    attention; rows with no key are zeros)."""
     Sq, Sk = query.shape[2], key.shape[2]
     n = Sq if last_queries is None else min(Sq, last_queries)
     q = query[:, :, Sq - n :].float()
@@ -78,6 +81,9 @@ def attention_probabilities(
     qi = torch.arange(Sk - n, Sk, device=s.device)[:, None]
     kj = torch.arange(Sk, device=s.device)[None, :]
     hide = kj > qi if causal else torch.zeros(n, Sk, dtype=torch.bool, device=s.device)
+    if causal and q_groups is not None:  # later keys of the query's own group are seen
+        qg = q_groups[:, Sq - n :, None]
+        hide = (hide & ~((qg == k_groups[:, None, :]) & (qg >= 0)))[:, None]  # (B, 1, n, Sk)
     if window is not None:
         hide = hide | (kj <= qi - window)
         if not causal:
