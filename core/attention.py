@@ -67,7 +67,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import math
 from collections.abc import Callable
 
 import torch

@@ -195,6 +195,22 @@ def minimax_m3(B=2, S=23):
     return _finish(MiniMaxM3VLForCausalLM(cfg)), {"input_ids": _ids(B, S)}
 
 
+def inkling2(B=2, S=20):
+    """Inkling 2: per-row attention sinks (``sinks``, projected from the hidden states) and a relative position
+    bias, a sliding layer (window 6) and a full one."""
+    from transformers import Inkling2ForCausalLM
+    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
+
+    cfg = Inkling2TextConfig(vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+                             swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=6, d_rel=4, rel_extent=8,
+                             log_scaling_n_floor=16, layer_types=["hybrid_sliding", "hybrid"],
+                             max_position_embeddings=256, moe_intermediate_size=32, n_routed_experts=4,
+                             num_experts_per_tok=2, n_layers_per_attn_res_block=1, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2)  # fmt: skip
+    return _finish(Inkling2ForCausalLM(cfg)), {"input_ids": _ids(B, S)}
+
+
 GEMMA3_IMAGE = 150
 
 
@@ -220,6 +236,7 @@ def gemma3(B=2, S=16):
 
 SERVED_FAMILIES = {
     "gpt-oss-sinks": gpt_oss,
+    "inkling2-row-sinks": inkling2,
     "modernbert-bidirectional-window": modernbert,
     "llama4-chunked": llama4,
     "deepseek-v32-indices": deepseek_v32,

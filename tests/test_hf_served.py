@@ -1,5 +1,5 @@
 """Attention calls that carry extra keywords or patterns are served by the core, against ``"eager"`` (fp32, tiny random
-models built from configs): GPT-OSS's sinks (``s_aux``), ModernBERT's bidirectional windows and ``deterministic``,
+models built from configs): GPT-OSS's sinks (``s_aux``), Inkling 2's per-row ``sinks``, ModernBERT's bidirectional windows and ``deterministic``,
 Llama 4's chunked attention, DeepSeek-V3.2's ``indices``, MiniMax-M3's ``block_indices`` and Gemma 3's image tokens
 (bidirectional groups inside causal and sliding layers); no call falls back to
 eager and no dense mask is built (DeepSeek-V3.2's own indexer reads the mask densely: counted apart). What cannot be
@@ -82,6 +82,8 @@ def test_served_families_match_eager_without_fallbacks(family, monkeypatch):
     served = calls.core + calls.indexed
     if family.startswith("gpt-oss"):
         assert all(kw["sinks"] is not None for kw in served) and {kw["window"] for kw in served} == {6, None}
+    if family.startswith("inkling2"):  # per-row sinks (B, H, S, 1) and a position bias on both layers
+        assert len(served) == 2 and all(kw["sinks"] is not None and kw["attn_bias"] is not None for kw in served)
     if family.startswith("modernbert"):  # local_attention 8: |q - kv| <= 4, core window 5, not causal
         assert {(kw["causal"], kw["window"]) for kw in served} == {(False, 5), (False, None)}
     if family.startswith("llama4"):
