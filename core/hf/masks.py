@@ -325,7 +325,7 @@ def longctx_mask(
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     key_padding = None
     if padding is not None:
-        padding = padding[:, -kv_length:].to(device=device, dtype=torch.bool)
+        padding = padding[:, kv_offset : kv_offset + kv_length].to(device=device, dtype=torch.bool)
         if not bool(padding.all()):
             key_padding = ~padding
     pattern = recognise(mask_function)
