@@ -154,6 +154,8 @@ def test_masks_stay_compact_and_match_transformers_dense_masks():
     full = dict(q_length=12, kv_length=12, q_offset=0)
     cases = [  # (mask function, compact, (causal, window, has segments), sizes, padding)
         (causal_mask_function, True, (True, None, False), dict(q_length=5, kv_length=12, q_offset=7), pad),
+        (causal_mask_function, True, (True, None, False), dict(q_length=2, kv_length=6, q_offset=6, kv_offset=2),
+         pad),  # a key window that starts past the mask's first column: padding read at absolute key indices
         (sliding_window_causal_mask_function(4), True, (True, 4, False), full, pad),
         (sliding_window_causal_mask_function(4), True, (True, 4, False),
          dict(q_length=1, kv_length=4, q_offset=11, kv_offset=8), pad),
