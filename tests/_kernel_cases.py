@@ -193,7 +193,7 @@ def test_offsets_past_int32_reach_the_last_batch(kernel, far, monkeypatch):
         pytest.param(1, 2, 2, 40, 57, 16, False, True, 9, None, None, id="bidirectional-window9-40x57"),
         pytest.param(1, 2, 1, 50, 50, 16, True, False, 20, 2.0, None, id="causal-window-softcap"),
         pytest.param(1, 1, 1, 33, 33, 16, False, False, None, 1.5, None, id="softcap-full"),
-        pytest.param(2, 2, 1, 45, 45, 16, True, True, None, None, "head", id="sinks-per-head-causal-pad"),
+        pytest.param(2, 4, 2, 45, 45, 16, True, True, None, None, "head", id="sinks-per-head-causal-pad-gqa4:2"),
         pytest.param(1, 2, 2, 30, 47, 16, False, False, 6, 2.5, "row", id="sinks-per-row-softcap-biwindow"),
         pytest.param(1, 2, 1, 1, 40, 16, True, False, 7, None, "head", id="decode-window-sinks"),
     ],

@@ -139,6 +139,7 @@ def test_masks_stay_compact_and_match_transformers_dense_masks():
         chunked_causal_mask_function,
         or_masks,
         packed_sequence_compatibility_function,
+        remap_positions_for_packed_sequence,
         sdpa_mask,
         sliding_window_bidirectional_mask_function,
         sliding_window_causal_mask_function,
@@ -178,6 +179,9 @@ def test_masks_stay_compact_and_match_transformers_dense_masks():
          (True, 3, False), full, pad),  # Gemma 3's sliding layers
         (or_masks(sliding_window_causal_mask_function(3), blockwise_overlay(images)), False, None, full, pad),
         (or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0), False, None, full, pad),  # unknown overlay
+        (remap_positions_for_packed_sequence(causal_mask_function, packed_pos), False, None, full, None),  # unpaired
+        (and_masks(remap_positions_for_packed_sequence(causal_mask_function, packed_pos), causal_mask_function), False,
+         None, full, None),  # remapped positions without the packed segments
         (causal_mask_function, False, None, dict(q_length=4, kv_length=12, q_offset=10), pad),  # past the keys
     ]  # fmt: skip
     for fn, compact, pattern, sizes, padding in cases:

@@ -282,7 +282,9 @@ def _or(parts: list) -> Pattern | None:
 def recognise(mask_function) -> Pattern | None:
     """The compact :class:`Pattern` of a transformers mask function, or None (module docs)."""
     p = _piece(mask_function)
-    return p if isinstance(p, Pattern) else None
+    if not isinstance(p, Pattern) or p.remapped:  # positions remapped without packed segments: not the plain pattern
+        return None
+    return p
 
 
 def _segment_ids(pattern: Pattern, q_idx: torch.Tensor, k_idx: torch.Tensor, batch: int):
