@@ -228,6 +228,22 @@ def test_packed_sequences_are_served_with_segment_ids(family, monkeypatch):
     assert (_logits(model, "eager", {"input_ids": ids}, use_cache=False) - ref).abs().max() > 1e-3
 
 
+def test_a_layer_holding_other_keys_than_the_mask_is_bottom_right_causal():
+    """A per-layer pruned cache (EMLoC) gives layers other key counts than the one the mask was made for: each
+    layer attends causally over the keys it holds, aligned bottom-right; none is cut to the mask's length."""
+    from transformers.masking_utils import causal_mask_function
+
+    torch.manual_seed(0)
+    mask = B.longctx_mask(1, 4, 7, q_offset=3, mask_function=causal_mask_function)  # made for a 7-key layer
+    module = torch.nn.Module()
+    for n_keys in (5, 7, 12):  # fewer, as many, more keys than the mask's
+        q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, n_keys, 8), torch.randn(1, 2, n_keys, 8)
+        out, _ = B.longctx_attention(module, q, k, v, mask, scaling=8 ** -0.5)
+        keep = torch.arange(n_keys)[None] <= torch.arange(n_keys - 4, n_keys)[:, None]
+        ref = ((q @ k.transpose(-1, -2)) * 8 ** -0.5).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+        torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
 def test_static_cache_generation_builds_no_dense_mask(monkeypatch):
     model, inputs = T.llama(B=1, S=16)
     kw = dict(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")

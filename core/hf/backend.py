@@ -219,14 +219,16 @@ def longctx_attention(
         m = attention_mask
         causal, window, q_seg, k_seg = m.causal, m.window, m.q_segments, m.k_segments
         q_grp, k_grp = m.q_groups, m.k_groups
-        if m.kv_length != key.shape[2] and (m.key_padding is not None or k_seg is not None or m.kv_used != m.kv_length):
+        same_length = m.kv_length == key.shape[2]  # a per-layer pruned cache holds other lengths in other layers
+        if not same_length and (m.key_padding is not None or k_seg is not None or k_grp is not None
+                                or m.kv_used != m.kv_length):
             raise ValueError(
                 f"this layer holds {key.shape[2]} keys, the mask was made for {m.kv_length} (a cache whose layers "
                 "differ in length, e.g. pruned per layer): prune padded tokens out of the cache and pass an all-ones "
                 "attention_mask"
             )
         key_padding = m.key_padding
-        if m.kv_used < key.shape[2]:  # a static cache's unfilled tail: seen by no query
+        if same_length and m.kv_used < key.shape[2]:  # a static cache's unfilled tail: seen by no query
             used = m.kv_used
             key, value = key[:, :, :used], value[:, :, :used]
             key_padding = key_padding[:, :used] if key_padding is not None else None
