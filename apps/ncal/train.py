@@ -57,6 +57,7 @@ from apps.ncal.data import (
 from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
+from apps.ncal.presets import BATCHINGS, PREDICTS, PRESETS, PROMPTS, make_batches, num_batches, resolve_switches
 from apps.ncal.weights_io import load_state, save_state
 from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli)
@@ -83,7 +84,11 @@ class TrainConfig:
     test: str | None = None  # evaluation JSONL for a user dataset (shipped sets use their test split)
     loss: str = "tc"  # one of LOSSES
     tc_lambda: float = 0.1  # TC weight (NCAL: 0.1)
-    bank_size: int = 256  # TC feature bank (0 = pairs within the batch only)
+    # preset: "project" (this project's choices) or "reference" (the released code's); it sets the four switches
+    # below that are left None (apps.ncal.presets): bank_size, batching, and for the lm head prompt and predict
+    preset: str = "project"
+    bank_size: int | None = None  # TC feature bank (0 = pairs within the batch only, the release); None: preset
+    batching: str | None = None  # "bucketed" (length windows, last partial kept) or "random" (drop_last); None: preset
     tc_start: float = 0.0  # share of the training steps before the TC term enters the loss (0: every step)
     grad_share_every: int = 50  # tc: every N steps, measure ‖∇(λ·TC)‖ / ‖∇CE‖ over the trainable weights (0: never)
     encoder: str = "default"  # "default", "scratch", a pretrain folder, or "hf:/path"
@@ -110,8 +115,15 @@ class TrainConfig:
     instruction: str | None = None  # lm head: the prompt's instruction (None: the dataset's default)
     max_prompt_tokens: int = 2048  # lm head: prompt cut-off (the text's end is cut)
     score: str = "sum"  # lm head: class score = sum (or mean) of the class name's token log-probabilities
+    prompt: str | None = None  # lm head: "instruction" (system message + text) or "question" (text alone); None: preset
+    predict: str | None = None  # lm head: "constrained" (class-set argmax) or "sample" (T 0.7, top-p 0.9, match)
+    eval_seed: int = 0  # lm head, predict "sample": seed of the sampling generator (fixed: same draws every epoch)
 
     def __post_init__(self) -> None:
+        sw = resolve_switches(self.preset, bank_size=self.bank_size, batching=self.batching, prompt=self.prompt,
+                              predict=self.predict)
+        self.bank_size, self.batching, self.prompt, self.predict = (int(sw["bank_size"]), sw["batching"],
+                                                                     sw["prompt"], sw["predict"])
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.context not in CONTEXTS:
@@ -172,18 +184,6 @@ def _encoder_spec(cfg: TrainConfig) -> tuple[dict, dict | None, Path | None]:
     weights = None if cfg.encoder == "scratch" else load_safetensors(
         folder / "encoder.safetensors", what="the encoder written by apps.ncal.pretrain")
     return {"kind": "char", "config": enc_cfg, "init": cfg.encoder}, weights, folder / "tokenizer.json"
-
-
-def _batches(n: int, lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
-    order = list(range(n))
-    rng.shuffle(order)
-    window = batch_size * 20
-    out = []
-    for s in range(0, n, window):
-        chunk = sorted(order[s:s + window], key=lambda i: lengths[i])
-        out += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
-    rng.shuffle(out)
-    return out
 
 
 def class_stats(train_ex, classes) -> tuple[dict, dict, Counter, torch.Tensor]:
@@ -292,7 +292,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     texts = [e.text for e in train_ex]
     y_all = torch.tensor([label_idx[e.label] for e in train_ex])
     lengths = [len(t) for t in texts]
-    n_batches = math.ceil(len(texts) / cfg.batch_size)
+    n_batches = num_batches(len(texts), cfg.batch_size, cfg.batching)
     steps_per_epoch = math.ceil(n_batches / world)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps:
@@ -316,8 +316,8 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     if (out / "last.pt").exists():
         st = load_state(out / "last.pt")
         same = {k: v for k, v in settings.items() if k not in ("out", "device", "ckpt_every")}
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        # settings added after a checkpoint was written count as their defaults (valid_frac: 0)
+        defaults = dataclasses.asdict(TrainConfig(dataset=cfg.dataset, out=cfg.out))
+        # settings added after a checkpoint was written count as their defaults (valid_frac: 0, the project preset)
         old = {k: st["settings"].get(k, defaults.get(k)) for k in same}
         if old != same:
             diff = {k: (old.get(k), v) for k, v in same.items() if old.get(k) != v}
@@ -345,9 +345,10 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     try:
         while step < total:
             epoch = step // steps_per_epoch
-            batches = _batches(len(texts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch))[rank::world]
+            batches = make_batches(len(texts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch),
+                                   cfg.batching)[rank::world]
             model.train(); loss_fn.train()
-            run_loss, run_n, run_tc, shares = 0.0, 0, 0.0, []
+            run_loss, run_n, run_tc, shares, tc_was_on = 0.0, 0, 0.0, [], False
             for bi in range(step % steps_per_epoch, steps_per_epoch):
                 if step >= total:  # --max-steps ends the run inside an epoch
                     break
@@ -357,6 +358,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                 y_B = y_all[idx].to(device)
                 feats_BD, logits_BK = ddp_model(b["input_ids"], b["attention_mask"])
                 tc_on = step >= tc_from
+                tc_was_on = tc_was_on or tc_on
                 opt.zero_grad(set_to_none=True)
                 if cfg.loss == "tc" and cfg.grad_share_every and step % cfg.grad_share_every == 0 and world == 1:
                     loss, parts, share = _step_with_share(loss_fn, feats_BD, logits_BK, y_B, params, tc_on)
@@ -376,7 +378,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                 rec = {"epoch": epoch + 1, "step": step, "train_loss": round(run_loss / max(run_n, 1), 4), "wall_s": round(wall, 1)}
                 if cfg.loss == "tc":  # the TC term alone (before λ), mean over this call's steps of the epoch
                     rec["train_tc"] = round(run_tc / max(run_n, 1), 4)
-                    rec["tc_active"] = step > tc_from  # the TC term was in the loss for (part of) this epoch
+                    rec["tc_active"] = tc_was_on  # the TC term was in the loss for (some) steps of this epoch
                     if shares:  # ‖∇(λ·TC)‖ / ‖∇CE‖ over the trainable weights, median of the measured steps
                         rec["tc_grad_share"] = round(float(np.median(shares)), 4)
                 sub = [train_ex[i] for i in nc_idx]
@@ -439,8 +441,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default=d.loss, choices=LOSSES)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tc-lambda", type=nonnegative_float, default=d.tc_lambda)
-    p.add_argument("--bank-size", type=nonnegative_int, default=d.bank_size,
-                   help="TC feature bank size (0: within-batch pairs)")
+    p.add_argument("--preset", default="project", choices=tuple(PRESETS),
+                   help="project (default): this project's choices; reference: the released code's TC pairing, "
+                        "batching, prompt and sampling evaluation (each also settable below)")
+    p.add_argument("--bank-size", type=nonnegative_int, default=None,
+                   help="TC feature bank size (0: within-batch pairs; default from --preset: 256 / 0)")
+    p.add_argument("--batching", default=None, choices=BATCHINGS,
+                   help="bucketed: length windows, last partial batch kept; random: drop_last (default from --preset)")
+    p.add_argument("--prompt", default=None, choices=PROMPTS,
+                   help="lm head: instruction (system message listing the classes) or question (the text alone)")
+    p.add_argument("--predict", default=None, choices=PREDICTS,
+                   help="lm head: constrained (class-set argmax) or sample (T 0.7, top-p 0.9, then match the text)")
+    p.add_argument("--eval-seed", type=nonnegative_int, default=d.eval_seed, help="lm head: seed of --predict sample")
     p.add_argument("--tc-start", type=_share_before_end, default=d.tc_start,
                    help="share of the training steps before the TC term enters the loss (0: every step)")
     p.add_argument("--grad-share-every", type=nonnegative_int, default=d.grad_share_every,
@@ -480,7 +492,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     check_outputs([("--out", args.out)], inputs=[args.dataset, args.test, args.encoder])
     configure_run(args)
     cfg = TrainConfig(dataset=args.dataset, out=args.out, test=args.test, loss=args.loss, seed=args.seed,
-                      tc_lambda=args.tc_lambda, bank_size=args.bank_size, tc_start=args.tc_start,
+                      tc_lambda=args.tc_lambda, preset=args.preset, bank_size=args.bank_size, batching=args.batching,
+                      prompt=args.prompt, predict=args.predict, eval_seed=args.eval_seed, tc_start=args.tc_start,
                       grad_share_every=args.grad_share_every, encoder=args.encoder,
                       lora_r=args.lora_r if args.lora_r is not None else (8 if args.head == "lm" else 0),
                       pool=args.pool, context=args.context, epochs=args.epochs, batch_size=args.batch_size,
