@@ -100,7 +100,8 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     from tqdm.auto import tqdm
 
     from apps.ncal.llm import pad
-    from apps.ncal.train import _batches, class_stats, prepare_data
+    from apps.ncal.presets import make_batches
+    from apps.ncal.train import class_stats, prepare_data
 
     from core.infra.device import resolve_device
 
@@ -194,7 +195,7 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     with open(out / "metrics.jsonl", "a", encoding="utf-8") as metrics_f:
         while step < total:
             epoch = step // steps_per_epoch
-            micro = _batches(len(prompts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch))
+            micro = make_batches(len(prompts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch), "bucketed")
             model.train(); loss_fn.train()
             run_loss, run_reg, run_n, shares = 0.0, 0.0, 0, []
             for s in range(step % steps_per_epoch, steps_per_epoch):
