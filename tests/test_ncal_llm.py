@@ -55,6 +55,14 @@ def _model(d, classes=NAMES, **kw):
     return LMClassifier(d, pr.label_ids, pad_id=pr.pad_id, lora=LoraSpec(**kw)), pr
 
 
+def test_last_real_index_for_left_and_right_padding():
+    """The TC feature's position: the last real token of each row, whichever side is padded."""
+    from apps.ncal.llm import last_real_index
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]], dtype=torch.bool)
+    assert last_real_index(mask).tolist() == [4, 2, 4, 1]
+
+
 def test_feature_is_the_last_real_prompt_token_for_any_padding(tiny_llm):
     m, pr = _model(tiny_llm)
     m.eval()

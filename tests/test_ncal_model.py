@@ -292,3 +292,16 @@ def test_max_steps_ends_the_run_evaluated_and_saved(tmp_path, tiny_encoder_dir):
         _train_cfg(tmp_path / "x", tiny_encoder_dir, max_steps=0)
     with pytest.raises(SystemExit):
         main(["--dataset", "tmwpl", "--out", str(tmp_path / "y"), "--max-steps", "0"])
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.1, 2.5])
+def test_tc_weight_scales_the_tc_term_and_tc_on_gates_it(lam):
+    """loss = task + λ·TC with the TC term on; = task with it off (the TC schedule); λ is the configured one."""
+    torch.manual_seed(0)
+    feats, logits, y = torch.randn(6, 8), torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+    lf = LongTailLoss(LossConfig(name="tc", tc_lambda=lam, bank_size=0), torch.tensor([4.0, 3.0, 2.0]), 8).eval()
+    loss, parts = lf(feats, logits, y, None, tc_on=True)
+    assert parts["tc"] > 0
+    assert float(loss) == pytest.approx(parts["task"] + lam * parts["tc"], rel=1e-5, abs=1e-6)
+    off, _ = lf(feats, logits, y, None, tc_on=False)
+    assert float(off) == pytest.approx(parts["task"], rel=1e-6)
