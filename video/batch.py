@@ -175,6 +175,16 @@ def question_id(question: str) -> str:
     return "q" + hashlib.sha256(question.encode("utf-8")).hexdigest()[:12]
 
 
+def parse_records(text: str, suffix: str):
+    """The records of a questions file's ``text``: CSV rows as dicts, JSONL lines, or the JSON value (the caller
+    checks it is a list); raises ``json.JSONDecodeError`` / ``csv.Error`` for a malformed file."""
+    if suffix.lower() == ".csv":
+        return list(csv.DictReader(io.StringIO(text)))
+    if suffix.lower() == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
 def load_prompts(path) -> tuple[dict[str, list[str]], list[str]]:
     """Questions per video and questions for every video from a ``--questions`` file.
 
@@ -192,12 +202,7 @@ def load_prompts(path) -> tuple[dict[str, list[str]], list[str]]:
             raise UsageError(f"--questions {path}: no questions (one per line)")
         return {}, qs
     try:
-        if path.suffix.lower() == ".csv":
-            records = list(csv.DictReader(io.StringIO(text)))
-        elif path.suffix.lower() == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            records = json.loads(text)
+        records = parse_records(text, path.suffix)
     except (json.JSONDecodeError, csv.Error) as err:
         raise UsageError(f"--questions {path}: not a questions file ({err}); expected .txt (one question per line), "
                          f"JSON, JSONL or CSV records with video and question") from None

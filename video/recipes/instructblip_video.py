@@ -40,7 +40,7 @@ from core.infra.device import add_device_options, device_from_args
 from core.infra.fileio import check_writable
 from core.infra.guard import check_outputs
 from core.infra.jobs import atomic_write, settings_diff
-from video.batch import MAX_CHUNK, fps_arg
+from video.batch import MAX_CHUNK, fps_arg, parse_records
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,7 @@ def load_questions(path) -> dict[str, list[dict]]:
         raise FileNotFoundError(f"questions file not found: {str(path)!r}")
     text = path.read_text(encoding="utf-8", errors="replace")
     try:
-        if path.suffix.lower() == ".csv":
-            records = list(csv.DictReader(text.splitlines()))
-        elif path.suffix.lower() == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            records = json.loads(text)
+        records = parse_records(text, path.suffix)
     except (json.JSONDecodeError, csv.Error) as err:
         raise ValueError(f"{path}: not a questions file ({err}); expected JSON, JSONL or CSV with video, question, "
                          f"answer") from None

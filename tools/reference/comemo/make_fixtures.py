@@ -223,7 +223,7 @@ def main() -> int:
     with torch.no_grad():  # the end token's logit is 0, far below the best of 400 O(1) logits: 16 tokens always come
         model.language_model.output.weight[tok.convert_tokens_to_ids("<|im_end|>")] = 0.0
     model.save_pretrained(str(release_dir), safe_serialization=True)
-    model = CoMemoChatModel.from_pretrained(str(release_dir), torch_dtype=torch.float32).eval()
+    model = CoMemoChatModel.from_pretrained(str(release_dir), torch_dtype=torch.float32, local_files_only=True).eval()
     rec = Recorder(model)
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<img>", "</img>", "<IMG_CONTEXT>", "<|im_end|>")}
