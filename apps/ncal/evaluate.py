@@ -34,7 +34,7 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 64, bas
     from apps.ncal.data import DATASETS, load_split, read_jsonl
     from apps.ncal.estimator import resolve_checkpoint
     from apps.ncal.metrics import classification_metrics, collapse_metrics
-    from apps.ncal.model import infer, load_checkpoint
+    from apps.ncal.model import infer, load_checkpoint, predicted_labels
 
     ckpt = load_checkpoint(resolve_checkpoint(checkpoint), base_model=base_model, device=device, dtype=dtype)
     classes = tuple(ckpt.classes)
@@ -49,7 +49,7 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 64, bas
                          progress=progress)
     idx = {c: k for k, c in enumerate(classes)}
     y = [idx[e.label] for e in examples]
-    m = classification_metrics(y, probs.argmax(1).tolist(), list(classes), ckpt.meta.get("bins"))
+    m = classification_metrics(y, predicted_labels(probs), list(classes), ckpt.meta.get("bins"))
     if len(set(y)) >= 2:
         m["collapse"] = collapse_metrics(feats, y, len(classes))
     m["classes"] = list(classes)

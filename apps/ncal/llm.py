@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from apps.ncal.presets import PROMPTS, SAMPLING
 from core.collapse import simplex_etf
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LoraSpec", "LMPrompter", "LMClassifier", "default_instruction", "last_real_index", "real_positions",
-           "LORA_TARGETS"]
+           "LORA_TARGETS", "match_answer"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -58,6 +59,21 @@ def default_instruction(dataset: str, classes) -> str:
     if name in _INSTRUCTIONS:
         return _INSTRUCTIONS[name].format(classes="、".join(classes))
     return _GENERIC.format(classes=", ".join(classes))
+
+
+def match_answer(text: str, classes) -> int:
+    """Index of the class whose name equals the generated answer with surrounding white space removed, else -1.
+
+    The released code trains the model to generate exactly ``label + EOS`` and its ``inference.py`` returns the
+    decoded, stripped answer without comparing it to the classes; equality with a class name is the rule that
+    scores that output. An answer that names no class (-1) counts as wrong for its true class and as no class's
+    prediction.
+    """
+    t = str(text).strip()
+    for k, c in enumerate(classes):
+        if t == c:
+            return k
+    return -1
 
 
 def last_real_index(mask_BS: torch.Tensor) -> torch.Tensor:
@@ -96,10 +112,14 @@ class LMPrompter:
         instruction: the task instruction (system message).
         max_prompt_tokens: prompts longer than this lose the end of their text (the template is kept).
         padding_side: ``"left"`` or ``"right"`` for :meth:`batch` (features do not depend on it).
+        prompt: ``"instruction"`` (default: a system message with ``instruction``, then the text as the user turn,
+            encoded without added special tokens since the chat template writes its own) or ``"question"``
+            (the released code's: the text alone as the user turn, whatever the chat template adds, encoded
+            with the tokenizer's default special tokens; no chat template: ``"user: <text>\nAssistant:"``).
     """
 
     def __init__(self, path: str | Path, classes, *, instruction: str, max_prompt_tokens: int = 2048,
-                 padding_side: str = "left") -> None:
+                 padding_side: str = "left", prompt: str = "instruction") -> None:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -109,12 +129,14 @@ class LMPrompter:
             self.tok.pad_token = self.tok.eos_token
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-        self.padding_side = padding_side
+        if prompt not in PROMPTS:
+            raise ValueError(f"prompt must be one of {PROMPTS}, got {prompt!r}")
+        self.padding_side, self.prompt = padding_side, prompt
         self.classes = tuple(classes)
         self.instruction = instruction
         self.max_prompt_tokens = int(max_prompt_tokens)
         self.template = "chat" if getattr(self.tok, "chat_template", None) else "plain"
-        if self.template == "plain":
+        if self.template == "plain" and prompt == "instruction":
             logger.warning("the tokenizer in %s has no chat template; using the plain prompt "
                            "'<instruction>\\n\\n<text>\\n\\nAnswer: '", path)
         self.label_ids = [self.tok.encode(c, add_special_tokens=False) + [self.tok.eos_token_id] for c in self.classes]
@@ -127,6 +149,11 @@ class LMPrompter:
 
     def prompt_text(self, text: str) -> str:
         """The prompt string for one input (chat template with the generation prompt, or the plain form)."""
+        if self.prompt == "question":
+            if self.template == "plain":
+                return f"user: {text}\n".strip() + "\nAssistant:"
+            return self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
         if self.template == "plain":
             return f"{self.instruction}\n\n{text}\n\nAnswer: "
         msgs = [{"role": "system", "content": self.instruction}, {"role": "user", "content": text}]
@@ -139,7 +166,8 @@ class LMPrompter:
 
     def prompt_ids(self, text: str) -> list[int]:
         """Token ids of the prompt; an over-long text is cut at its end until the prompt fits."""
-        special = self.template == "plain"  # a chat template writes its own BOS
+        # a chat template writes its own BOS; the question prompt is encoded as the release encodes it (defaults)
+        special = self.template == "plain" or self.prompt == "question"
         ids = self.tok.encode(self.prompt_text(text), add_special_tokens=special)
         for _ in range(4):
             over = len(ids) - self.max_prompt_tokens
@@ -183,6 +211,10 @@ class LMClassifier(nn.Module):
     """
 
     head_kind = "lm"
+    #: "constrained" (class-set argmax of the scores) or "sample" (:meth:`sample_answers` + :func:`match_answer`)
+    predict = "constrained"
+    sampling = dict(SAMPLING)  # the release's generation settings
+    eval_seed = 0  # seed of the sampling draws (``predict = "sample"``)
 
     def __init__(self, path: str | Path, label_ids: list[list[int]], *, pad_id: int, lora: LoraSpec | None = None,
                  dtype=None, score: str = "sum", attn: str = "sdpa", max_rows: int = 64) -> None:
@@ -279,6 +311,26 @@ class LMClassifier(nn.Module):
                 if feats[r] is None:
                     feats[r] = h[i, plen[i] - 1].float()
         return torch.stack(feats), scores.view(B, K)
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The last real prompt token's final hidden state ``(B, D)`` (float32), for either padding side."""
+        h = self.hidden(input_ids, attention_mask)
+        return h[torch.arange(h.shape[0], device=h.device), last_real_index(attention_mask)].float()
+
+    @torch.no_grad()
+    def sample_answers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tok) -> list[str]:
+        """Sampled answers to left-padded prompts ``(B, S)``, as the released ``inference.py`` makes them:
+        ``generate(do_sample=True)`` with :attr:`sampling` (temperature 0.7, top-k 50, top-p 0.9, up to 512 new
+        tokens, stopping at the end token), the new tokens decoded without special tokens and stripped. Draws
+        come from torch's global generator (seed it, e.g. in :func:`apps.ncal.model.infer`)."""
+        if bool((~attention_mask[:, -1]).any()):
+            raise ValueError("sample_answers needs left-padded prompts (the last position real in every row)")
+        s = self.sampling
+        out = self.lm.generate(input_ids=input_ids, attention_mask=attention_mask.long(), do_sample=True,
+                               temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+                               max_new_tokens=s["max_new_tokens"], pad_token_id=self.pad_id,
+                               eos_token_id=tok.eos_token_id)
+        return [tok.decode(row, skip_special_tokens=True).strip() for row in out[:, input_ids.shape[1]:]]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights that training changes (LoRA adapters, or every weight without LoRA)."""

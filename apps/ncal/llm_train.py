@@ -10,8 +10,12 @@ only; the base model is read again from its folder) + ``ncal.json``, which
 :func:`apps.ncal.model.load_checkpoint` and so ``evaluate``/``predict``/:class:`apps.ncal.NCALClassifier` read.
 
 Loss per micro-batch: LM cross-entropy on the gold label tokens (``cb``: each example's tokens weighted by its
-class-balanced weight), plus ``λ · tc_loss`` (``tc``, with the feature bank) or ``λ · dot_regression_loss`` to a
-fixed simplex ETF (``etf``) of the features. AdamW, linear warm-up over ``warmup_frac`` of the optimizer steps
+class-balanced weight), plus ``λ · tc_loss`` (``tc``; pairs also with the feature bank of ``bank_size`` recent
+features, 0 under ``--preset reference``) or ``λ · dot_regression_loss`` to a fixed simplex ETF (``etf``) of the
+features; the term is in the loss from optimizer step ``round(tc_start · total)`` on (:func:`tc_on_at`). The
+preset's switches (:mod:`apps.ncal.presets`) also set the batching (``bucketed`` / ``random`` with the last
+partial batch dropped), the prompt (``instruction`` / ``question``) and the evaluation (``constrained`` /
+``sample``). AdamW, linear warm-up over ``warmup_frac`` of the optimizer steps
 then linear decay to 0 (the published recipe's Trainer schedule), gradient clipping at 1, ``grad_accum``
 micro-batches per step. Base weights in ``cfg.dtype`` (``auto``: bf16 on CUDA, fp32 on the CPU; see
 :mod:`core.infra.device`), adapters in float32, autocast in the base dtype on CUDA, loss scaling with fp16. With
@@ -31,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from apps.ncal.losses import LongTailLoss, LossConfig
+from apps.ncal.losses import LongTailLoss, LossConfig, tc_on_at
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
 from core.collapse import dot_regression_loss, tc_loss
@@ -47,7 +51,8 @@ def lm_spec(cfg, classes, ds_name: str) -> dict:
 
     return {"kind": "hf-lm", "source": cfg.encoder, "classes": list(classes),
             "instruction": cfg.instruction or default_instruction(ds_name, classes),
-            "max_prompt_tokens": cfg.max_prompt_tokens, "score": cfg.score,
+            "max_prompt_tokens": cfg.max_prompt_tokens, "score": cfg.score, "prompt": cfg.prompt,
+            "predict": cfg.predict, "eval_seed": cfg.eval_seed,
             "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
                      "targets": list(LORA_TARGETS)},
             "dtype": cfg.dtype}
@@ -65,7 +70,8 @@ def build_lm(spec: dict, *, device=None, dtype=None):
 
     path = parse_hf_source(spec["source"])
     prompter = LMPrompter(path, spec["classes"], instruction=spec["instruction"],
-                          max_prompt_tokens=spec.get("max_prompt_tokens", 2048))
+                          max_prompt_tokens=spec.get("max_prompt_tokens", 2048),
+                          prompt=spec.get("prompt", "instruction"))
     lo = spec.get("lora") or {}
     lora = LoraSpec(r=lo.get("r", 8), alpha=lo.get("alpha", 32), dropout=lo.get("dropout", 0.1),
                     targets=tuple(lo.get("targets") or ())) if lo.get("r", 0) > 0 else None
@@ -76,23 +82,24 @@ def build_lm(spec: dict, *, device=None, dtype=None):
     model = LMClassifier(path, prompter.label_ids, pad_id=prompter.pad_id, lora=lora, dtype=dtype,
                          score=spec.get("score", "sum"))
     model.spec, model.base_dtype = spec, dtype
+    model.predict, model.eval_seed = spec.get("predict", "constrained"), int(spec.get("eval_seed", 0))
     return model.to(dev), prompter
 
 
 def _evaluate(model, prompter, examples, classes, bins, device, batch_size) -> dict:
-    from apps.ncal.model import infer
+    from apps.ncal.model import infer, predicted_labels
 
     probs, feats = infer(model, prompter, [e.text for e in examples], device=device, batch_size=batch_size)
     idx = {c: k for k, c in enumerate(classes)}
     y = [idx[e.label] for e in examples]
-    m = classification_metrics(y, probs.argmax(1).tolist(), list(classes), bins)
+    m = classification_metrics(y, predicted_labels(probs), list(classes), bins)
     if len(set(y)) >= 2:
         cm = collapse_metrics(feats, y, len(classes))
         m.update({f"nc_{k}": v for k, v in cm.items() if k != "cosines"})
     return m
 
 
-_KEEP = ("accuracy", "macro_f1", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2", "nc_cos_mean")
+_KEEP = ("accuracy", "macro_f1", "unmatched", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2", "nc_cos_mean")
 
 
 def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
@@ -100,7 +107,7 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     from tqdm.auto import tqdm
 
     from apps.ncal.llm import pad
-    from apps.ncal.presets import make_batches
+    from apps.ncal.presets import make_batches, num_batches
     from apps.ncal.train import class_stats, prepare_data
 
     from core.infra.device import resolve_device
@@ -129,13 +136,13 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     scaler = torch.amp.GradScaler("cuda", enabled=use_amp and base_dtype == torch.float16)
     prompts = [prompter.prompt_ids(e.text) for e in train_ex]
     y_all = torch.tensor([label_idx[e.label] for e in train_ex])
-    n_micro = math.ceil(len(prompts) / cfg.batch_size)
+    n_micro = num_batches(len(prompts), cfg.batch_size, cfg.batching)
     steps_per_epoch = math.ceil(n_micro / cfg.grad_accum)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
     warm = max(1, int(round(cfg.warmup_frac * total)))
-    tc_from = int(round(cfg.tc_start * total))
+    tc_from = int(round(cfg.tc_start * total))  # first optimizer step whose loss has the TC term (tc_on_at)
 
     def lr_at(step: int) -> float:  # linear warm-up, then linear decay to 0
         return (step + 1) / warm if step < warm else max(0.0, (total - step) / max(1, total - warm))
@@ -195,14 +202,16 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
     with open(out / "metrics.jsonl", "a", encoding="utf-8") as metrics_f:
         while step < total:
             epoch = step // steps_per_epoch
-            micro = make_batches(len(prompts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch), "bucketed")
+            micro = make_batches(len(prompts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch),
+                                 cfg.batching)
             model.train(); loss_fn.train()
-            run_loss, run_reg, run_n, shares = 0.0, 0.0, 0, []
+            run_loss, run_reg, run_n, shares, tc_steps = 0.0, 0.0, 0, [], 0
             for s in range(step % steps_per_epoch, steps_per_epoch):
                 if step >= total:  # --max-steps ends the run inside an epoch
                     break
                 t0 = time.time()
-                tc_on = step >= tc_from
+                tc_on = tc_on_at(step, tc_from)
+                tc_steps += int(tc_on)
                 group = micro[s * cfg.grad_accum:(s + 1) * cfg.grad_accum]
                 opt.zero_grad(set_to_none=True)
                 for mi, idx in enumerate(group):
@@ -224,7 +233,8 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
                    "wall_s": round(wall, 1)}
             if cfg.loss in ("tc", "etf"):
                 rec["train_" + cfg.loss] = round(run_reg / max(run_n, 1), 4)
-                rec["tc_active"] = step > tc_from
+                rec["tc_active"] = tc_steps > 0  # the term was in the loss of (some) steps of this epoch
+                rec["tc_steps"] = tc_steps  # steps of this epoch (this call) whose loss had it
                 if shares:
                     rec["tc_grad_share"] = round(float(np.median(shares)), 4)
             eval_bs = max(1, cfg.batch_size)

@@ -20,9 +20,17 @@ from torch import nn
 
 from core.collapse import FeatureBank, dot_regression_loss, tc_loss
 
-__all__ = ["LOSSES", "LossConfig", "LongTailLoss"]
+__all__ = ["LOSSES", "LossConfig", "LongTailLoss", "tc_on_at"]
 
 LOSSES = ("ce", "tc", "cb", "la", "focal", "etf")
+
+
+def tc_on_at(step: int, tc_from: int) -> bool:
+    """Whether the TC term is in the loss of optimizer step ``step`` (0-based): from step ``tc_from`` on, inclusive.
+
+    ``tc_from = round(tc_start · total)``; ``tc_start = 0`` puts the term in every step's loss, step 0 included.
+    """
+    return step >= tc_from
 
 
 @dataclass(kw_only=True)

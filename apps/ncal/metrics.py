@@ -21,23 +21,27 @@ def confusion_matrix(y_true, y_pred, num_classes: int) -> np.ndarray:
 def classification_metrics(y_true, y_pred, classes: list[str], bins: dict[str, str] | None = None) -> dict:
     """Accuracy, macro-F1 (mean over all K classes of per-class F1, 0 for a class never predicted nor present),
     per-class recall and F1, recall averaged over each long-tail bin (classes present in ``y_true`` only), the
-    confusion matrix. Values in [0, 1]."""
+    confusion matrix. Values in [0, 1]. A prediction of -1 (no class) counts as wrong; ``unmatched`` counts them."""
     K = len(classes)
-    cm = confusion_matrix(y_true, y_pred, K)
+    y_true, y_pred = np.asarray(y_true, dtype=np.int64), np.asarray(y_pred, dtype=np.int64)
+    none = y_pred < 0  # a prediction of no class (a sampled answer that named none): wrong, nobody's false positive
+    cm = confusion_matrix(y_true[~none], y_pred[~none], K)
     tp = np.diag(cm).astype(float)
-    support = cm.sum(1).astype(float)
+    support = (cm.sum(1) + np.bincount(y_true[none], minlength=K)).astype(float)
     predicted = cm.sum(0).astype(float)
     recall = np.divide(tp, support, out=np.zeros(K), where=support > 0)
     precision = np.divide(tp, predicted, out=np.zeros(K), where=predicted > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros(K), where=(precision + recall) > 0)
     out = {
-        "n": int(cm.sum()),
-        "accuracy": float(tp.sum() / max(cm.sum(), 1)),
+        "n": int(len(y_true)),
+        "accuracy": float(tp.sum() / max(len(y_true), 1)),
         "macro_f1": float(f1.mean()),
         "recall": {c: float(recall[k]) for k, c in enumerate(classes)},
         "f1": {c: float(f1[k]) for k, c in enumerate(classes)},
         "confusion": cm.tolist(),
     }
+    if none.any():
+        out["unmatched"] = int(none.sum())
     if bins:
         for b in ("head", "medium", "tail"):
             ks = [k for k, c in enumerate(classes) if bins.get(c) == b and support[k] > 0]

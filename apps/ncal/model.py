@@ -27,8 +27,8 @@ from core.collapse import ETFClassifier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NCALModel", "Checkpoint", "build_encoder", "save_checkpoint", "load_checkpoint", "infer", "record_base",
-           "locate_base"]
+__all__ = ["NCALModel", "Checkpoint", "build_encoder", "save_checkpoint", "load_checkpoint", "infer", "predicted_labels",
+           "record_base", "locate_base"]
 
 #: encoder kinds whose weights are a local transformers model folder (``source: "hf:DIR"``) read again at load
 BASE_KINDS = ("hf", "hf-lm")
@@ -199,7 +199,9 @@ def infer(model: NCALModel, tokenizer, texts: list[str], *, batch_size: int = 64
     """``(probabilities (N, K), features (N, D))`` for texts, in input order, on CPU, in float32.
 
     Texts are batched by length (less padding); the model is put in eval mode. ``progress``: a tqdm bar over the
-    batches on stderr (an LLM takes minutes over a test set).
+    batches on stderr (an LLM takes minutes over a test set). An LLM head with ``predict = "sample"`` (the
+    released code's evaluation) gives the one-hot of the class its sampled answer names, or a row of zeros when
+    the answer names none (:func:`predicted_labels` makes that -1); its draws are seeded with ``model.eval_seed``.
     """
     from tqdm.auto import tqdm
 
@@ -208,12 +210,37 @@ def infer(model: NCALModel, tokenizer, texts: list[str], *, batch_size: int = 64
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     probs, feats = [None] * len(texts), [None] * len(texts)
     starts = range(0, len(order), batch_size)
-    for s in tqdm(starts, desc="classify", unit="batch", disable=not progress or len(starts) < 2, dynamic_ncols=True):
-        idx = order[s:s + batch_size]
-        b = tokenizer.batch([texts[i] for i in idx], device=device)
-        f_BD, logits_BK = model(b["input_ids"], b["attention_mask"])
-        p_BK = logits_BK.float().softmax(-1).cpu()
-        f_BD = f_BD.float().cpu()
-        for j, i in enumerate(idx):
-            probs[i], feats[i] = p_BK[j], f_BD[j]
+    sample = getattr(model, "predict", "constrained") == "sample"
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], enabled=sample):
+        if sample:  # the same draws on every call (each epoch's evaluation), the training generator untouched
+            torch.manual_seed(int(getattr(model, "eval_seed", 0)))
+        for s in tqdm(starts, desc="classify", unit="batch", disable=not progress or len(starts) < 2,
+                      dynamic_ncols=True):
+            idx = order[s:s + batch_size]
+            if sample:  # one-hot of the class the sampled answer names; a row of zeros when it names none
+                from apps.ncal.llm import match_answer
+
+                b = tokenizer.batch([texts[i] for i in idx], device=device, padding_side="left")
+                f_BD = model.features(b["input_ids"], b["attention_mask"])
+                answers = model.sample_answers(b["input_ids"], b["attention_mask"], tokenizer.tok)
+                p_BK = torch.zeros(len(idx), len(tokenizer.classes))
+                for j, a in enumerate(answers):
+                    k = match_answer(a, tokenizer.classes)
+                    if k >= 0:
+                        p_BK[j, k] = 1.0
+            else:
+                b = tokenizer.batch([texts[i] for i in idx], device=device)
+                f_BD, logits_BK = model(b["input_ids"], b["attention_mask"])
+                p_BK = logits_BK.float().softmax(-1).cpu()
+            f_BD = f_BD.float().cpu()
+            for j, i in enumerate(idx):
+                probs[i], feats[i] = p_BK[j], f_BD[j]
     return torch.stack(probs), torch.stack(feats)
+
+
+def predicted_labels(probs_NK: torch.Tensor) -> list[int]:
+    """Argmax class per row; -1 for a row of zeros (a sampled answer that named no class)."""
+    pred = probs_NK.argmax(1)
+    pred[probs_NK.sum(1) <= 0] = -1
+    return pred.tolist()

@@ -3,13 +3,14 @@
 
 | switch | ``project`` (default) | ``reference`` (the release) | applies to |
 |---|---|---|---|
-| ``bank_size`` | 256: TC also pairs the batch with the 256 most recent (detached) features | 0: pairs within the batch only (``trainer.py``) | every run with ``loss="tc"`` |
-| ``batching`` | ``bucketed``: length-sorted windows of 20 batches, shuffled, last partial batch kept | ``random``: a random permutation cut into batches, last partial batch dropped (``dataloader_drop_last``) | every run |
-| ``prompt`` | ``instruction``: a system message that lists the class names, then the text as the user turn | ``question``: the text alone as the user turn (``dataset.py``); the chat template adds what it adds | the LLM head |
-| ``predict`` | ``constrained``: argmax over the class names' log-probabilities | ``sample``: sample at temperature 0.7, top-k 50, top-p 0.9 (seeded), then match the text to a class (``inference.py``) | the LLM head |
+| ``bank_size`` | 256: TC also pairs the batch with the 256 most recent (detached) features | 0: pairs within the batch only (``code/trainer.py``) | every run with ``loss="tc"`` |
+| ``batching`` | ``bucketed``: length-sorted windows of 20 batches, shuffled, last partial batch kept | ``random``: a random permutation cut into batches, last partial batch dropped (``dataloader_drop_last``, ``code/config.py``, ``code/train.sh``) | every run |
+| ``prompt`` | ``instruction``: a system message that lists the class names, then the text as the user turn | ``question``: the text alone as the user turn, encoded with the tokenizer's default special tokens (``code/dataset.py``); the chat template adds what it adds | the LLM head |
+| ``predict`` | ``constrained``: argmax over the class names' log-probabilities | ``sample``: sample at temperature 0.7, top-k 50, top-p 0.9, ≤ 512 new tokens (seeded), decode without special tokens, strip (``code/inference.py``); the answer counts for the class whose name it equals, else for none (the release has no matching code: :func:`apps.ncal.llm.match_answer`) | the LLM head |
 
 Everything else (feature position, loss, optimiser, schedule, LoRA) is the same in both presets. Why the
-project's choices differ is in ``apps/ncal/README.md`` ("Presets").
+project's choices differ is in ``apps/ncal/README.md`` ("Presets"); the release lines behind each reference value
+are cited in ``docs/experiments/ncal.md``.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ from apps.ncal.data import (
     read_jsonl,
     stratified_holdout,
 )
-from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig
+from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig, tc_on_at
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.presets import BATCHINGS, PREDICTS, PRESETS, PROMPTS, make_batches, num_batches, resolve_switches
@@ -348,7 +348,7 @@ def train(cfg: TrainConfig, *, progress: bool = True,
             batches = make_batches(len(texts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch),
                                    cfg.batching)[rank::world]
             model.train(); loss_fn.train()
-            run_loss, run_n, run_tc, shares, tc_was_on = 0.0, 0, 0.0, [], False
+            run_loss, run_n, run_tc, shares, tc_steps = 0.0, 0, 0.0, [], 0
             for bi in range(step % steps_per_epoch, steps_per_epoch):
                 if step >= total:  # --max-steps ends the run inside an epoch
                     break
@@ -357,8 +357,8 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                 b = tok.batch([texts[i] for i in idx], device=device)
                 y_B = y_all[idx].to(device)
                 feats_BD, logits_BK = ddp_model(b["input_ids"], b["attention_mask"])
-                tc_on = step >= tc_from
-                tc_was_on = tc_was_on or tc_on
+                tc_on = tc_on_at(step, tc_from)
+                tc_steps += int(tc_on)
                 opt.zero_grad(set_to_none=True)
                 if cfg.loss == "tc" and cfg.grad_share_every and step % cfg.grad_share_every == 0 and world == 1:
                     loss, parts, share = _step_with_share(loss_fn, feats_BD, logits_BK, y_B, params, tc_on)
@@ -378,7 +378,8 @@ def train(cfg: TrainConfig, *, progress: bool = True,
                 rec = {"epoch": epoch + 1, "step": step, "train_loss": round(run_loss / max(run_n, 1), 4), "wall_s": round(wall, 1)}
                 if cfg.loss == "tc":  # the TC term alone (before λ), mean over this call's steps of the epoch
                     rec["train_tc"] = round(run_tc / max(run_n, 1), 4)
-                    rec["tc_active"] = tc_was_on  # the TC term was in the loss for (some) steps of this epoch
+                    rec["tc_active"] = tc_steps > 0  # the TC term was in the loss for (some) steps of this epoch
+                    rec["tc_steps"] = tc_steps  # steps of this epoch (this call) whose loss had the TC term
                     if shares:  # ‖∇(λ·TC)‖ / ‖∇CE‖ over the trainable weights, median of the measured steps
                         rec["tc_grad_share"] = round(float(np.median(shares)), 4)
                 sub = [train_ex[i] for i in nc_idx]

@@ -5,7 +5,10 @@ template; nothing is downloaded) to generate the class name, with the published 
 dropout 0.1 on q/k/v/o, 5 epochs, batch 8 × gradient accumulation 4, lr 2e-4, linear warm-up over 5% of the
 steps then linear decay, TC (λ = 0.1) on the last real prompt token's hidden state. The release trains in fp16 on
 CUDA; here ``--dtype auto`` is bf16 on CUDA and fp32 on the CPU (``--dtype float16`` for the release's). Prediction
-is constrained to the class set (:mod:`apps.ncal.llm`). Writes an ``apps.ncal.train`` run folder (resumable, test
+is constrained to the class set (:mod:`apps.ncal.llm`). ``--preset reference`` switches to the released code's
+choices (TC pairs within the batch only, the question alone as the prompt, random batches with the last partial
+batch dropped, evaluation by sampling at T 0.7 / top-p 0.9 and matching the answer to a class name;
+:mod:`apps.ncal.presets`); ``--bank-size``, ``--batching``, ``--prompt``, ``--predict`` set one switch each. Writes an ``apps.ncal.train`` run folder (resumable, test
 metrics per epoch in ``metrics.jsonl``) that ``apps.ncal.evaluate`` / ``predict`` / ``NCALClassifier`` load.
 
 ``--limit-train N`` / ``--limit-test N`` (a fixed random sample) and ``--epochs`` shrink a run for a smoke test.
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from apps.ncal.data import CONTEXTS
+from apps.ncal.presets import BATCHINGS, PREDICTS, PRESETS, PROMPTS
 from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float,
                             nonnegative_int, positive_float, positive_int, run_cli, seed_int)
 from core.infra.device import add_device_options, device_from_args
@@ -52,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="tc", choices=("ce", "tc", "etf", "cb"))
     p.add_argument("--tc-lambda", type=nonnegative_float, default=r["tc_lambda"], help="weight of TC (or of the ETF term)")
     p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--preset", default="project", choices=tuple(PRESETS),
+                   help="project (default): this project's choices; reference: the released code's TC pairing, "
+                        "prompt, batching and sampling evaluation (each also settable below)")
+    p.add_argument("--bank-size", type=nonnegative_int, default=None,
+                   help="TC feature bank size (0: pairs within the batch only; default from --preset: 256 / 0)")
+    p.add_argument("--batching", default=None, choices=BATCHINGS,
+                   help="bucketed: length windows, last partial batch kept; random: drop_last (default from --preset)")
+    p.add_argument("--prompt", default=None, choices=PROMPTS,
+                   help="instruction (a system message listing the classes) or question (the text alone as the user "
+                        "turn; default from --preset)")
+    p.add_argument("--predict", default=None, choices=PREDICTS,
+                   help="constrained (class-set argmax) or sample (T 0.7, top-p 0.9, then match the answer to a class "
+                        "name; default from --preset)")
+    p.add_argument("--eval-seed", type=nonnegative_int, default=0, help="seed of the draws of --predict sample")
     p.add_argument("--epochs", type=positive_int, default=r["epochs"])
     p.add_argument("--batch-size", type=positive_int, default=r["batch_size"])
     p.add_argument("--grad-accum", type=positive_int, default=r["grad_accum"])
@@ -89,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if (out / "recipe.json").is_file() and json.loads((out / "recipe.json").read_text(encoding="utf-8")) != recipe:
         raise ValueError(f"{out} holds a run of another model or sample ({out / 'recipe.json'}); use a new --out")
     cfg = TrainConfig(dataset=args.dataset, out=str(out), loss=args.loss, tc_lambda=args.tc_lambda, seed=args.seed,
+                      preset=args.preset, bank_size=args.bank_size, batching=args.batching, prompt=args.prompt,
+                      predict=args.predict, eval_seed=args.eval_seed,
                       encoder=f"hf:{model_dir}", head="lm", lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                       lora_dropout=args.lora_dropout, epochs=args.epochs, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, dtype=args.dtype,
