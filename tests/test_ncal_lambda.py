@@ -44,6 +44,9 @@ def test_tc_start_keeps_the_term_out_until_then_and_the_share_is_logged(tmp_path
     assert late[0]["train_loss"] == pytest.approx(ce[0]["train_loss"], abs=1e-3)
     assert late[0]["valid_macro_f1"] == pytest.approx(ce[0]["valid_macro_f1"])
     assert late[0]["tc_active"] is False and late[1]["tc_active"] is True
+    # tc_start 0.5 of 2 epochs: from the first step of epoch 2 on, exactly (tc_on_at: step >= tc_from)
+    assert late[0]["tc_steps"] == 0 and late[1]["tc_steps"] == late[1]["step"] - late[0]["step"]
+    assert now[0]["tc_steps"] == now[0]["step"]
     assert late[1]["train_loss"] > ce[1]["train_loss"] + 0.05  # the TC term (λ = 10) is now in the loss
     assert now[0]["train_loss"] > ce[0]["train_loss"] + 0.05
     assert all(r["tc_grad_share"] > 0 and "valid_nc_cos_mean" in r for r in late + now)
