@@ -92,11 +92,35 @@ def test_project_tc_pairs_with_the_bank_so_differs_after_a_step():
     assert abs(float(later.detach()) - case["loss"]) > 1e-3
 
 
-def test_tc_is_on_from_exactly_step_tc_from():
-    from apps.ncal.losses import tc_on_at
+def test_tc_is_on_from_exactly_step_tc_from_and_weighted_by_lambda():
+    from apps.ncal.losses import tc_on_at, with_tc
 
     assert tc_on_at(0, 0) and tc_on_at(5, 5) and tc_on_at(6, 5)
     assert not tc_on_at(4, 5)
+    task, reg = torch.tensor(2.0), torch.tensor(3.0)
+    tc_from = 5
+    assert float(with_tc(task, reg, 0.25, tc_on_at(tc_from, tc_from))) == 2.75  # the term is in at step tc_from
+    assert float(with_tc(task, reg, 0.25, tc_on_at(tc_from - 1, tc_from))) == 2.0
+    assert float(with_tc(task, None, 0.25, True)) == 2.0
+
+
+def test_batches_of_the_two_presets():
+    import random
+
+    from apps.ncal.presets import make_batches, num_batches, resolve_switches
+
+    lengths = list(range(10))
+    ref = make_batches(10, lengths, 4, random.Random(0), "random")
+    assert [len(b) for b in ref] == [4, 4] and len({i for b in ref for i in b}) == 8 and num_batches(10, 4, "random") == 2
+    assert make_batches(10, lengths, 4, random.Random(1), "random") != ref  # a new permutation per epoch seed
+    proj = make_batches(10, lengths, 4, random.Random(0), "bucketed")
+    assert sorted(len(b) for b in proj) == [2, 4, 4] and sorted(i for b in proj for i in b) == list(range(10))
+    assert num_batches(10, 4, "bucketed") == 3
+    with pytest.raises(ValueError, match="leave no batch"):
+        num_batches(3, 4, "random")
+    assert resolve_switches("reference", bank_size=16)["bank_size"] == 16
+    with pytest.raises(ValueError, match="prompt must be one of"):
+        resolve_switches("reference", prompt="system")
 
 
 # the fixture's answers, in order, and the class each names under the exact-name rule (-1: none)
@@ -173,6 +197,10 @@ def test_sampling_evaluation_is_seeded_and_unmatched_answers_count_as_wrong(tiny
     p2, f2 = infer(model, pr, texts, batch_size=2)
     torch.testing.assert_close(p1, p2)
     torch.testing.assert_close(f1, f2)
+    model.predict = "constrained"  # the features do not depend on how the answer is read
+    _, f_con = infer(model, pr, texts, batch_size=2)
+    torch.testing.assert_close(f1, f_con, atol=1e-5, rtol=1e-5)
+    model.predict = "sample"
     assert set(p1.sum(1).tolist()) <= {0.0, 1.0}
     # a random model names no class: every prediction is -1 and counts as wrong
     pred = predicted_labels(p1)
@@ -210,9 +238,13 @@ def test_llm_recipe_reference_preset_end_to_end(tmp_path, tiny_dir, monkeypatch)
     from apps.ncal.llm import LMClassifier
 
     monkeypatch.setattr(LMClassifier, "sampling", {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "max_new_tokens": 3})
-    meta, lines = _train(tmp_path / "ref", tiny_dir, "reference")
+    meta, lines = _train(tmp_path / "ref", tiny_dir, "reference", tc_lambda=0.37)
     assert [r["step"] for r in lines] == [2, 4]
     assert [r["tc_steps"] for r in lines] == [0, 2] and [r["tc_active"] for r in lines] == [False, True]
+    # epoch 1 trains on the task loss alone, epoch 2 on task + λ·TC (every step)
+    assert lines[0]["train_loss"] == pytest.approx(lines[0]["train_task"], abs=1e-4)
+    assert lines[1]["train_tc"] > 0.01
+    assert lines[1]["train_loss"] == pytest.approx(lines[1]["train_task"] + 0.37 * lines[1]["train_tc"], abs=3e-4)
     assert meta["loss"]["bank_size"] == 0
     enc = meta["encoder"]
     assert (enc["prompt"], enc["predict"]) == ("question", "sample")

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from apps.ncal.losses import LongTailLoss, LossConfig, tc_on_at
+from apps.ncal.losses import LongTailLoss, LossConfig, tc_on_at, with_tc
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.weights_io import load_state, save_safetensors, save_state, write_json_atomic
 from core.collapse import dot_regression_loss, tc_loss
@@ -189,7 +189,7 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
             loss_fn.bank.push(feats, y_B)
         elif cfg.loss == "etf":
             reg = dot_regression_loss(feats, y_B, model.etf_W_KD)
-        loss = task + (cfg.tc_lambda * reg if reg is not None and tc_on else 0.0)
+        loss = with_tc(task, reg, cfg.tc_lambda, tc_on)
         return loss, task, reg
 
     def pad_prompts(seqs):
@@ -205,7 +205,7 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
             micro = make_batches(len(prompts), lengths, cfg.batch_size, random.Random(cfg.seed * 1000 + epoch),
                                  cfg.batching)
             model.train(); loss_fn.train()
-            run_loss, run_reg, run_n, shares, tc_steps = 0.0, 0.0, 0, [], 0
+            run_loss, run_task, run_reg, run_n, shares, tc_steps = 0.0, 0.0, 0.0, 0, [], 0
             for s in range(step % steps_per_epoch, steps_per_epoch):
                 if step >= total:  # --max-steps ends the run inside an epoch
                     break
@@ -219,7 +219,7 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
                     if reg is not None and cfg.grad_share_every and step % cfg.grad_share_every == 0 and mi == 0:
                         shares.append(_share(task, cfg.tc_lambda * reg, params))
                     scaler.scale(loss / len(group)).backward()
-                    run_loss += float(loss.detach()); run_n += 1
+                    run_loss += float(loss.detach()); run_task += float(task.detach()); run_n += 1
                     run_reg += float(reg.detach()) if reg is not None else 0.0
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -232,6 +232,7 @@ def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:
             rec = {"epoch": epoch + 1, "step": step, "train_loss": round(run_loss / max(run_n, 1), 4),
                    "wall_s": round(wall, 1)}
             if cfg.loss in ("tc", "etf"):
+                rec["train_task"] = round(run_task / max(run_n, 1), 4)  # the loss without the λ-weighted term
                 rec["train_" + cfg.loss] = round(run_reg / max(run_n, 1), 4)
                 rec["tc_active"] = tc_steps > 0  # the term was in the loss of (some) steps of this epoch
                 rec["tc_steps"] = tc_steps  # steps of this epoch (this call) whose loss had it

@@ -20,7 +20,7 @@ from torch import nn
 
 from core.collapse import FeatureBank, dot_regression_loss, tc_loss
 
-__all__ = ["LOSSES", "LossConfig", "LongTailLoss", "tc_on_at"]
+__all__ = ["LOSSES", "LossConfig", "LongTailLoss", "tc_on_at", "with_tc"]
 
 LOSSES = ("ce", "tc", "cb", "la", "focal", "etf")
 
@@ -31,6 +31,11 @@ def tc_on_at(step: int, tc_from: int) -> bool:
     ``tc_from = round(tc_start · total)``; ``tc_start = 0`` puts the term in every step's loss, step 0 included.
     """
     return step >= tc_from
+
+
+def with_tc(task: torch.Tensor, reg: torch.Tensor | None, tc_lambda: float, tc_on: bool) -> torch.Tensor:
+    """The training loss: ``task + tc_lambda · reg`` while the term is on (:func:`tc_on_at`), else ``task``."""
+    return task + tc_lambda * reg if reg is not None and tc_on else task
 
 
 @dataclass(kw_only=True)
@@ -106,8 +111,7 @@ class LongTailLoss(nn.Module):
         loss = task
         if reg is not None:
             parts["tc"] = float(reg.detach())
-            if tc_on:
-                loss = task + self.cfg.tc_lambda * reg
+            loss = with_tc(task, reg, self.cfg.tc_lambda, tc_on)
             if self.training:
                 self.bank.push(feats_ND, y_N)
         return loss, parts

@@ -54,7 +54,7 @@ from apps.ncal.data import (
     read_jsonl,
     stratified_holdout,
 )
-from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig, tc_on_at
+from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig, tc_on_at, with_tc
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
 from apps.ncal.presets import BATCHINGS, PREDICTS, PRESETS, PROMPTS, make_batches, num_batches, resolve_switches
@@ -247,7 +247,7 @@ def _step_with_share(loss_fn, feats_BD, logits_BK, y_B, params, tc_on: bool):
         p.grad = g
     if loss_fn.training:
         loss_fn.bank.push(feats_BD, y_B)
-    loss = (task + lam * reg) if tc_on else task
+    loss = with_tc(task, reg, lam, tc_on)
     return loss.detach(), {"task": float(task.detach()), "tc": float(reg.detach())}, share
 
 
