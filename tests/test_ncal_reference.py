@@ -193,8 +193,13 @@ def test_sampling_evaluation_is_seeded_and_unmatched_answers_count_as_wrong(tiny
     monkeypatch.setattr(LMClassifier, "sampling", {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "max_new_tokens": 3})
     model, pr = _lm(tiny_dir)
     texts = _load("prompts")["questions"][:3]
+    drawn, real = [], model.sample_answers
+    monkeypatch.setattr(model, "sample_answers", lambda *a: drawn.append(real(*a)) or drawn[-1])
     p1, f1 = infer(model, pr, texts, batch_size=2)
+    n = len(drawn)
+    torch.manual_seed(123)  # the evaluation seeds its own draws, whatever the global generator holds
     p2, f2 = infer(model, pr, texts, batch_size=2)
+    assert drawn[:n] == drawn[n:]
     torch.testing.assert_close(p1, p2)
     torch.testing.assert_close(f1, f2)
     model.predict = "constrained"  # the features do not depend on how the answer is read
@@ -232,13 +237,23 @@ def _train(out, d, preset, **kw):
     return meta, [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+def _record_batching(monkeypatch) -> list[str]:
+    import apps.ncal.presets as presets
+
+    seen, real = [], presets.make_batches
+    monkeypatch.setattr(presets, "make_batches", lambda *a: seen.append(a[-1]) or real(*a))
+    return seen
+
+
 def test_llm_recipe_reference_preset_end_to_end(tmp_path, tiny_dir, monkeypatch):
     """10 examples in batches of 4: 2 steps per epoch with drop_last (3 with the last partial batch kept); the
     TC term from step round(0.5 · total) on, exactly; within-batch pairs; sampled answers matched to a class."""
     from apps.ncal.llm import LMClassifier
 
     monkeypatch.setattr(LMClassifier, "sampling", {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "max_new_tokens": 3})
+    batchings = _record_batching(monkeypatch)
     meta, lines = _train(tmp_path / "ref", tiny_dir, "reference", tc_lambda=0.37)
+    assert batchings == ["random", "random"]
     assert [r["step"] for r in lines] == [2, 4]
     assert [r["tc_steps"] for r in lines] == [0, 2] and [r["tc_active"] for r in lines] == [False, True]
     # epoch 1 trains on the task loss alone, epoch 2 on task + λ·TC (every step)
@@ -254,8 +269,10 @@ def test_llm_recipe_reference_preset_end_to_end(tmp_path, tiny_dir, monkeypatch)
         ("reference", 0, "random", "question", "sample")
 
 
-def test_llm_recipe_project_preset_keeps_the_last_batch(tmp_path, tiny_dir):
+def test_llm_recipe_project_preset_keeps_the_last_batch(tmp_path, tiny_dir, monkeypatch):
+    batchings = _record_batching(monkeypatch)
     meta, lines = _train(tmp_path / "proj", tiny_dir, "project", epochs=1, tc_start=0.0)
+    assert batchings == ["bucketed"]
     assert [r["step"] for r in lines] == [3] and lines[0]["tc_steps"] == 3
     assert meta["loss"]["bank_size"] == 256 and meta["encoder"]["predict"] == "constrained"
     assert meta["encoder"]["prompt"] == "instruction" and "unmatched" not in meta["test"]
