@@ -189,6 +189,8 @@ def case_settings(algo: str, args) -> dict:
     out = {k: getattr(args, k) for k in _CASE_KEYS[algo]}
     if getattr(args, "behaviour", None):  # only when given: cases recorded before the option keep matching
         out["behaviour"] = {fam: b["sha256"] for fam, b in sorted(parse_behaviour(args.behaviour).items())}
+    if algo not in ("dt", "d3rlpy-dt", "d3rlpy-iql") and getattr(args, "preset", "project") != "project":
+        out["preset"] = args.preset  # likewise only when not the default
     return out
 
 
@@ -303,7 +305,8 @@ def _run_ours(algo, prep: Prepared | str | Path, seed, args, workdir: Path, dm_c
     train_algo, overrides, derived = arm_overrides(algo, args, dm_case)
     cfg = TrainConfig(algo=train_algo, steps=args.steps, seed=seed, batch_size=args.batch_size, lr=args.lr,
                       warmup_steps=min(args.warmup, args.steps), log_every=max(1, min(100, args.steps // 4)),
-                      eval_episodes=0, checkpoint_every=min(1_000, args.steps), segment_anchor=args.segment_anchor)
+                      eval_episodes=0, checkpoint_every=min(1_000, args.steps), segment_anchor=args.segment_anchor,
+                      preset=args.preset if train_algo == "dm" else "project")
     # A run killed part-way (a long benchmark spans several sittings) resumes from its last checkpoint; the
     # training records are read back from its metrics log, so they cover the whole run, not only this part.
     train(cfg, prep.train_path, out, model_overrides=overrides, resume=(out / "checkpoint.pt").exists(),
@@ -388,7 +391,7 @@ def _timing(path, args) -> dict:
     trainers = {}
     for name, (algo, ov) in cases.items():
         torch.manual_seed(0)
-        model = build_model(algo, _model_config(algo, ds, env, ov))
+        model = build_model(algo, _model_config(algo, ds, env, ov, args.preset if algo == "dm" else "project"))
         model.set_state_normalization(ds.observations.mean(0), ds.observations.std(0))
         trainers[name] = Trainer(model, TrainConfig(algo=algo, steps=total, lr=args.lr,
                                                     warmup_steps=min(args.warmup, total)), SegmentSampler(ds, args.context, seed=0))
@@ -519,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DM probe_tokens (default: DMConfig's, 4; results recorded before the option used 0)")
     p.add_argument("--train-selection", choices=("topk", "prefix"), default=None,
                    help="DM routing in training (default: DMConfig's, top-k over the segment)")
+    p.add_argument("--preset", choices=("project", "reference"), default="project",
+                   help="DM arms' routed layers: this project's (default) or the released code's (rl.train --preset)")
     p.add_argument("--timing-warmup", type=int, default=500,
                    help="with --timing-steps: untimed steps before the second timed phase (DM at its learned capacity)")
     p.add_argument("--timing-steps", type=int, default=0,

@@ -27,7 +27,8 @@ import torch
 
 from rl.models import DecisionMixer, DMConfig
 
-__all__ = ["RELEASE_SHAPE", "reference_config", "load_release_state_dict"]
+__all__ = ["RELEASE_SHAPE", "PRESETS", "REFERENCE_ROUTING", "reference_config", "preset_overrides",
+           "load_release_state_dict"]
 
 # The release's defaults (main.py): K = 120 timesteps, width 256, 6 layers, 4 heads, dropout 0.1.
 RELEASE_SHAPE = dict(context=120, embed_dim=256, num_layers=6, num_heads=4, dropout=0.1)
@@ -46,6 +47,41 @@ def reference_config(*, state_dim: int, act_dim: int, **overrides) -> DMConfig:
                 capacity_cost_weight=0.0)
     base.update({k: v for k, v in overrides.items() if k not in RELEASE_SHAPE})
     return DMConfig(**base)
+
+
+#: ``rl.train --preset``: ``project`` (``DMConfig``'s defaults, this project's fixes) or ``reference`` (the release's
+#: routed layer, :data:`REFERENCE_ROUTING`; shape, routed layers and everything else stay the run's own).
+PRESETS = ("project", "reference")
+#: the ``DMConfig`` fields the ``reference`` preset sets to the release's values (:func:`reference_config`)
+REFERENCE_ROUTING = ("capacity", "learn_capacity", "min_capacity", "max_capacity", "probe_tokens", "train_selection",
+                     "capacity_input", "capacity_rounding", "capacity_gradient", "strict_threshold", "routed_update",
+                     "aux_activation", "capacity_hidden", "aux_hidden", "capacity_cost_weight")
+_WHY = {"train_selection": " (its capacity reads all 3 K tokens flattened: it has no causal prefix form)",
+        "probe_tokens": " (no gradient reaches its capacity predictor, so probes have nothing to train)",
+        "capacity_cost_weight": " (no gradient reaches its capacity predictor, so a cost has no effect)"}
+
+
+def preset_overrides(preset: str, overrides: dict, *, embed_dim: int) -> dict:
+    """``overrides`` (``DMConfig`` fields of a run, ``None`` = not given) under ``preset``.
+
+    ``project`` returns them unchanged; ``reference`` adds the release's routing fields (:data:`REFERENCE_ROUTING`,
+    the auxiliary width from ``embed_dim``) and keeps the shape, the routed layers and the rest as given.
+
+    Raises:
+        ValueError: unknown preset, or under ``reference`` a given routing field that differs from the release's
+            (named, with the value the preset accepts).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
+    if preset == "project":
+        return dict(overrides)
+    ref = reference_config(state_dim=1, act_dim=1, embed_dim=embed_dim, num_heads=1)
+    routing = {k: getattr(ref, k) for k in REFERENCE_ROUTING}
+    for k, v in overrides.items():
+        if v is not None and k in routing and v != routing[k]:
+            raise ValueError(f"preset 'reference' sets {k}={routing[k]!r}, the release's{_WHY.get(k, '')}; "
+                             f"{k}={v!r} does not apply: leave it out or use preset 'project'")
+    return {**overrides, **routing}
 
 
 def _linear_from_conv1d(w: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from core.infra.fileio import set_file_mode, torch_load
 from core.infra.guard import check_outputs
 from rl.data import OfflineDataset, check_env_compat, load_dataset, returns_to_go
 from rl.models import DMConfig, DTConfig, build_model, config_from_dict, config_to_dict
+from rl.release import PRESETS, preset_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +63,19 @@ class TrainConfig:
     eval_targets: list[float] = field(default_factory=list)  # target returns (empty: the env's defaults)
     checkpoint_every: int = 1_000  # full-state checkpoint period (steps)
     segment_anchor: str = "start"  # training segments start ("start", DT's sampling) or end ("end") at a uniform step
+    # DM's routed layers: "project" (DMConfig's defaults, this project's fixes) or "reference" (the released
+    # code's routed layer, rl.release.preset_overrides; shape and everything else unchanged)
+    preset: str = "project"
 
     def __post_init__(self) -> None:
         if self.algo not in ("dm", "dt"):
             raise ValueError(f"algo must be 'dm' or 'dt', got {self.algo!r}")
         if self.segment_anchor not in SEGMENT_ANCHORS:
             raise ValueError(f"segment_anchor must be 'start' or 'end', got {self.segment_anchor!r}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {PRESETS}, got {self.preset!r}")
+        if self.preset != "project" and self.algo != "dm":
+            raise ValueError(f"preset {self.preset!r} sets the routed layers: it applies to algo 'dm' only")
         for name in ("steps", "batch_size", "log_every", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -202,11 +210,13 @@ def _export(out: Path, trainer: Trainer, info: dict) -> None:
     _atomic(out / "config.json", lambda p: p.write_text(json.dumps({**info, "step": trainer.step}, indent=1)))
 
 
-def _model_config(algo: str, ds: OfflineDataset, env, overrides: dict) -> DTConfig:
+def _model_config(algo: str, ds: OfflineDataset, env, overrides: dict, preset: str = "project") -> DTConfig:
     env_id = ds.metadata.get("env")
     base = {"state_dim": ds.obs_dim, "act_dim": ds.act_dim,
             "return_scale": ENV_DEFAULTS.get(env_id, {}).get("return_scale", 1000.0),
             "action_scale": float(np.max(np.abs(env.action_space.high)))}
+    if algo == "dm":
+        overrides = preset_overrides(preset, overrides, embed_dim=overrides.get("embed_dim") or DMConfig.embed_dim)
     base.update({k: v for k, v in overrides.items() if v is not None})
     return (DMConfig if algo == "dm" else DTConfig)(**base)
 
@@ -239,17 +249,16 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
     if ckpt_path.exists() and not resume:
         raise ValueError(f"{str(out)!r} already holds a run (checkpoint.pt); pass --resume to continue it or choose "
                          f"another --out")
-    out.mkdir(parents=True, exist_ok=True)
-
     torch.manual_seed(cfg.seed)
-    mcfg = _model_config(cfg.algo, ds, env, model_overrides or {})
+    mcfg = _model_config(cfg.algo, ds, env, model_overrides or {}, cfg.preset)  # a preset that cannot apply stops here
     env.close()
+    out.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg.algo, mcfg)
     model.set_state_normalization(ds.observations.mean(0), ds.observations.std(0))
     sampler = SegmentSampler(ds, mcfg.context, seed=cfg.seed, anchor=cfg.segment_anchor)
     trainer = Trainer(model, cfg, sampler)
     targets = cfg.eval_targets or ENV_DEFAULTS[env_id]["targets"]
-    info = {"algo": cfg.algo, "env": env_id, "model": config_to_dict(mcfg), "train": asdict(cfg),
+    info = {"algo": cfg.algo, "preset": cfg.preset, "env": env_id, "model": config_to_dict(mcfg), "train": asdict(cfg),
             "dataset": {"path": Path(dataset).name, "metadata": {k: v for k, v in ds.metadata.items()
                                                                   if k != "episode_returns"}},
             "eval_targets": targets}
@@ -258,6 +267,10 @@ def train(cfg: TrainConfig, dataset: str | os.PathLike, out: str | os.PathLike, 
         st = torch_load(ckpt_path, what="the checkpoint written by rl.train", map_location=None)
         # a config saved before a later option gets the value it was trained with (config_from_dict)
         saved = config_to_dict(config_from_dict(st["train_config"]["algo"], st["model_config"]))
+        saved_preset = st["train_config"].get("preset", "project")  # checkpoints from before the option
+        if saved_preset != cfg.preset:
+            raise ValueError(f"--resume: {str(out)!r} was trained with preset {saved_preset!r}, not {cfg.preset!r}; "
+                             f"choose another --out")
         if st["train_config"]["algo"] != cfg.algo or saved != config_to_dict(mcfg):
             now = config_to_dict(mcfg)
             diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(now) | set(saved)) if saved.get(k) != now.get(k)}
@@ -366,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment-anchor", choices=SEGMENT_ANCHORS, default="start",
                    help="training segments start (DT's sampling) or end (d3rlpy's) at a uniform step")
     g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=PRESETS, default="project",
+                   help="dm: routed layers as this project fixes them (project, the default) or as the released "
+                        "code has them (reference: capacity without gradient, strict threshold, s·f(x); rl/README.md)")
     g.add_argument("--context", type=capped_int(MAX_CONTEXT, why="the longest episode of the supported environments"),
                    default=None, help=f"timesteps per segment K (default 20, at most {MAX_CONTEXT})")
     g.add_argument("--embed-dim", type=positive_int, default=None, help="token width (default 128)")
@@ -393,12 +409,14 @@ def main(argv=None) -> None:
     if args.resume and not (Path(args.out) / "checkpoint.pt").is_file():
         raise SystemExit(f"--resume given but {Path(args.out) / 'checkpoint.pt'} does not exist")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.algo == "dt" and args.preset != "project":
+        raise SystemExit(f"--preset {args.preset} sets the routed layers: it applies to --algo dm only")
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(algo=args.algo, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                       weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
                       log_every=args.log_every, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
                       eval_targets=args.eval_target or [], checkpoint_every=args.checkpoint_every,
-                      segment_anchor=args.segment_anchor)
+                      segment_anchor=args.segment_anchor, preset=args.preset)
     overrides = {"context": args.context, "embed_dim": args.embed_dim, "num_layers": args.layers,
                  "num_heads": args.heads, "dropout": args.dropout, "capacity": args.capacity,
                  "capacity_cost_weight": args.capacity_cost, "aux_loss_weight": args.aux_weight,
