@@ -59,6 +59,17 @@ def test_cli_refuses_what_the_reference_preset_cannot_take(tmp_path, dataset, ca
     assert "--algo dm only" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("preset", ["project", "reference"])
+def test_cli_trains_under_the_preset_it_is_given(tmp_path, dataset, preset):
+    from core.infra.cli import run_cli
+
+    argv = ["--algo", "dm", "--dataset", str(dataset), "--steps", "1", "--out", str(tmp_path / "o"), "--eval-episodes",
+            "0", "--context", "6", "--embed-dim", "32", "--layers", "2", "--routed-layers", "1", "--batch-size", "4"]
+    assert run_cli(main, argv + ["--preset", preset]) == 0
+    info = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert info["preset"] == preset and info["model"]["capacity_gradient"] == (preset == "project")
+
+
 def test_preset_overrides_keep_the_shape_and_set_the_release_routing():
     shape = dict(context=6, embed_dim=32, num_heads=2, num_layers=4, routed_layers=(1, 3))
     assert preset_overrides("project", shape, embed_dim=32) == shape
