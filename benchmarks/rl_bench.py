@@ -39,6 +39,9 @@ For the decisive DM-vs-DT experiment (``docs/experiments/rl.md``, "Decisive expe
   take DM's learned values run after ``dm``.
 - Partially observed Hopper: a dataset name ending in ``-po`` (``hopper-medium-replay-po``) is the dataset
   with the velocity dims zeroed (``rl/partial.py``), evaluated with the same mask on the environment.
+- ``--preset reference``: the DM arms train the released code's routed layer (``rl.train --preset``); the
+  preset is part of a case's settings (recorded only when not ``project``), so a case or run directory of one
+  preset is never reused for the other. ``benchmarks.rl_preset`` pairs the two presets seed by seed.
 - Each case stores the settings it ran with; a case in ``--out`` run with other settings is never reused:
   ``--on-mismatch error`` (default) stops naming the differences, ``redo`` reruns it.
 """
