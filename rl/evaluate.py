@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 MAX_EPISODES = 100_000
 MAX_BATCH_ENVS = 1_000
 
-__all__ = ["EpisodeResult", "rollout", "evaluate_returns", "heldout_action_mse", "load_policy", "write_video", "shipped_policies",
-           "build_parser", "main"]
+__all__ = ["EpisodeResult", "check_routing", "rollout", "evaluate_returns", "heldout_action_mse", "load_policy",
+           "write_video", "shipped_policies", "build_parser", "main"]
 
 
 @dataclass
@@ -47,6 +47,15 @@ class EpisodeResult:
     rewards: list[np.ndarray] = field(default_factory=list)  # per episode, (length,)
     routed: np.ndarray | None = None  # (E, steps, L, 2) bool: was the newest return/state token routed, per routed layer
     frames: list[np.ndarray] = field(default_factory=list)  # rgb frames of episode 0 (if rendered)
+
+
+def check_routing(model, routing: str) -> None:
+    """Refuse a selection ``model`` cannot act with (``ValueError`` naming what is accepted)."""
+    if routing not in ("aux", "prefix"):
+        raise ValueError(f"routing must be 'aux' or 'prefix' (causal selections), got {routing!r}")
+    if routing == "prefix" and getattr(model.config, "capacity_input", "mean") == "flatten":
+        raise ValueError("routing 'prefix' needs a capacity from the tokens so far; this model's comes from all 3 K "
+                         "tokens flattened (the reference preset), which has no causal prefix form: use 'aux'")
 
 
 @torch.no_grad()
@@ -65,8 +74,7 @@ def rollout(model, env_id: str, *, target_return: float, episodes: int = 1, seed
     With ``render=True`` only one episode may run; frames come from MuJoCo's offscreen renderer
     (``MUJOCO_GL=egl`` on a machine without a display).
     """
-    if routing not in ("aux", "prefix"):
-        raise ValueError(f"routing must be 'aux' or 'prefix' (causal selections), got {routing!r}")
+    check_routing(model, routing)
     model.eval()
     cfg = model.config
     K = cfg.context
@@ -157,8 +165,7 @@ def heldout_action_mse(model, trajectories, *, batch: int = 256, routing: str = 
     """
     from rl.data import returns_to_go
 
-    if routing not in ("aux", "prefix"):
-        raise ValueError(f"routing must be 'aux' or 'prefix' (causal selections), got {routing!r}")
+    check_routing(model, routing)
     model.eval()
     K = model.config.context
     segs = []
@@ -299,6 +306,10 @@ def main(argv=None) -> int:
         check_writable(args.video, what="--video")
     torch.set_num_threads(args.threads)
     model, info = load_policy(args.checkpoint)
+    try:
+        check_routing(model, args.routing)
+    except ValueError as e:
+        raise UsageError(f"--routing {args.routing}: {args.checkpoint}: {e}") from e
     env_id = info["env"]
     targets = args.target_return or info.get("eval_targets") or [3600.0]
     tally = InputTally("target return")

@@ -140,6 +140,22 @@ def test_a_training_run_under_each_preset_records_it(tmp_path, dataset, preset):
     assert len(losses) == 2 and np.all(np.isfinite(losses))
 
 
+def test_a_reference_run_refuses_to_act_with_prefix_selection(tmp_path, dataset, capsys):
+    from core.infra.cli import run_cli
+    from rl.evaluate import heldout_action_mse, load_policy, main as evaluate_main, rollout
+
+    train(TrainConfig(steps=1, preset="reference", **COMMON), dataset, tmp_path / "run", model_overrides=TINY,
+          progress=False)
+    model, _ = load_policy(tmp_path / "run")
+    with pytest.raises(ValueError, match="no causal prefix form"):
+        rollout(model, "Hopper-v5", target_return=100.0, routing="prefix")
+    with pytest.raises(ValueError, match="no causal prefix form"):
+        heldout_action_mse(model, _hopper_like(np.random.default_rng(0)).trajectories(), routing="prefix")
+    assert run_cli(evaluate_main, ["--checkpoint", str(tmp_path / "run"), "--episodes", "1", "--routing", "prefix"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no causal prefix form" in err[0] and "use 'aux'" in err[0]
+
+
 def test_a_run_of_one_preset_is_never_resumed_as_the_other(tmp_path, dataset):
     train(TrainConfig(steps=1, **COMMON), dataset, tmp_path / "run", model_overrides=TINY, progress=False)
     with pytest.raises(ValueError, match="preset 'project', not 'reference'"):
