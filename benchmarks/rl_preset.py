@@ -71,7 +71,8 @@ def summarize(cases: dict[str, dict[int, dict]], baseline: dict | None = None, b
         cs = [by_seed[s] for s in sorted(by_seed)]
         out["presets"][p] = {"seeds": sorted(by_seed), "score": _interval([c["score"] for c in cs]),
                              "scores": [c["score"] for c in cs],
-                             "heldout_mse": _interval([c["heldout_mse"] for c in cs if c.get("heldout_mse") is not None]),
+                             "heldout_mse": _interval([c["heldout_mse"] for c in cs
+                                                       if c.get("heldout_mse") is not None]),
                              "routed_fraction": statistics.fmean([c["routed_fraction"] for c in cs]),
                              "cpu_sec_per_1k_steps": statistics.fmean([c["cpu_sec_per_1k_steps"] for c in cs])}
     both = sorted(set(cases.get("reference", {})) & set(cases.get("project", {})))

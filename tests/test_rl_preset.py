@@ -50,7 +50,8 @@ def test_cli_refuses_what_the_reference_preset_cannot_take(tmp_path, dataset, ca
     from core.infra.cli import run_cli
 
     argv = ["--algo", "dm", "--dataset", str(dataset), "--steps", "1", "--out", str(tmp_path / "o"), "--eval-episodes",
-            "0", "--context", "6", "--embed-dim", "32", "--layers", "2", "--routed-layers", "1", "--preset", "reference"]
+            "0", "--context", "6", "--embed-dim", "32", "--layers", "2", "--routed-layers", "1",
+            "--preset", "reference"]
     assert run_cli(main, argv + extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0] and "preset 'project'" in err[0]
@@ -151,7 +152,8 @@ def test_a_reference_run_refuses_to_act_with_prefix_selection(tmp_path, dataset,
         rollout(model, "Hopper-v5", target_return=100.0, routing="prefix")
     with pytest.raises(ValueError, match="no causal prefix form"):
         heldout_action_mse(model, _hopper_like(np.random.default_rng(0)).trajectories(), routing="prefix")
-    assert run_cli(evaluate_main, ["--checkpoint", str(tmp_path / "run"), "--episodes", "1", "--routing", "prefix"]) == 2
+    argv = ["--checkpoint", str(tmp_path / "run"), "--episodes", "1", "--routing", "prefix"]
+    assert run_cli(evaluate_main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no causal prefix form" in err[0] and "use 'aux'" in err[0]
 
