@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -302,3 +303,29 @@ def test_recipe_cli_passes_the_preset(monkeypatch, tmp_path):
     c = got["cfg"]
     assert (c.preset, c.bank_size, c.batching, c.prompt, c.predict) == ("project", 256, "bucketed", "instruction",
                                                                          "constrained")
+
+
+def test_estimator_predict_gives_a_named_class_when_the_sampled_answer_names_none(tiny_dir, monkeypatch, caplog):
+    """predict_proba keeps the zero row of an unmatched sample; predict falls back to the class-set argmax for it
+    (not silently the first class) and leaves matched rows as the sample named them."""
+    from apps.ncal import NCALClassifier
+    from apps.ncal.model import Checkpoint
+
+    model, pr = _lm(tiny_dir)
+    classes = list(pr.classes)
+    texts = _load("prompts")["questions"][:3]
+    # the first text's answer names the last class, the others name none
+    monkeypatch.setattr(model, "sample_answers", lambda ids, mask, tok: [
+        classes[-1] if texts[0] in tok.decode(ids[j][mask[j].bool()]) else "?" for j in range(len(ids))])
+    clf = NCALClassifier()
+    clf._set_checkpoint(Checkpoint(model=model, tokenizer=pr, meta={"classes": classes}), np.asarray(sorted(classes)))
+    monkeypatch.setattr(clf, "_inputs", lambda X: list(X))
+    proba = clf.predict_proba(texts)
+    assert proba[0].sum() == 1.0 and (proba[1:] == 0).all()
+    model.predict = "constrained"
+    constrained = clf.predict(texts)
+    model.predict = "sample"
+    with caplog.at_level("WARNING"):
+        pred = clf.predict(texts)
+    assert pred[0] == classes[-1] and list(pred[1:]) == list(constrained[1:])
+    assert model.predict == "sample" and "2 of 3 sampled answers named no class" in caplog.text

@@ -154,9 +154,31 @@ class NCALClassifier(ClassifierMixin, BaseEstimator):
         return probs.numpy()[:, self.column_order_]
 
     def predict(self, X) -> np.ndarray:
-        """Predicted labels ``(N,)`` from ``classes_``; ``X`` as for :meth:`predict_proba` (strings or rows)."""
+        """Predicted labels ``(N,)`` from ``classes_``; ``X`` as for :meth:`predict_proba` (strings or rows).
+
+        An LLM model that reads a sampled answer (``predict = "sample"``, the reference preset) gives a row of
+        zeros in :meth:`predict_proba` when the answer names no class; :meth:`predict` then takes that row's
+        class-set argmax (the ``constrained`` reading) and logs how many rows it did so for, instead of a class
+        the model never named.
+        """
+        from apps.ncal.model import infer
+
         proba = self.predict_proba(X)  # checks fitting first
-        return self.classes_[proba.argmax(1)]
+        pred = proba.argmax(1)
+        unmatched = np.flatnonzero(proba.sum(1) <= 0)
+        if unmatched.size:
+            model = self.checkpoint_.model
+            texts = self._inputs(X)
+            logger.warning("%d of %d sampled answers named no class; those rows take the class-set argmax",
+                           unmatched.size, len(pred))
+            mode, model.predict = model.predict, "constrained"
+            try:
+                p, _ = infer(model, self.checkpoint_.tokenizer, [texts[i] for i in unmatched],
+                             batch_size=self.batch_size_predict)
+            finally:
+                model.predict = mode
+            pred[unmatched] = p.numpy()[:, self.column_order_].argmax(1)
+        return self.classes_[pred]
 
     def transform(self, X) -> np.ndarray:
         """The sentence features ``(N, D)`` the classifier reads (for collapse analysis or other models); ``X`` as
