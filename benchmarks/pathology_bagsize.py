@@ -54,6 +54,19 @@ VARIANTS: dict[str, dict] = {
     # no Querent layer: embedding + gated attention pooling (ABMIL with Querent's position code); tells whether the
     # region-attention layer is what loses the planted patches
     "depth0": dict(depth=0),
+    # depth 0 without the position code: the same layers as ABMIL plus the final LayerNorm, so depth0 - depth0_nopos
+    # is what the position code costs or gains
+    "depth0_nopos": dict(depth=0, pos_encoding="none"),
+    # the layer attends only its own region (no neighbours, no top-k): local context, no bag-wide average
+    "local": dict(neighbourhood=0, topk=0),
+    # the pooling's gate reads the pre-layer embedding, its values the layer's tokens (QuerentConfig.pool_from)
+    # depth 0 without the final LayerNorm: ABMIL plus the position code; depth0 - depth0_nonorm is what the norm costs
+    "depth0_nonorm": dict(depth=0, final_norm=False),
+    "depth0_nonorm_nopos": dict(depth=0, final_norm=False, pos_encoding="none"),  # = ABMIL's architecture
+    "nonorm": dict(final_norm=False),  # the layered model without the final LayerNorm
+    "embed_gate": dict(pool_from="embed_gate"),
+    # the gate reads the layer's tokens, the pooled values are the pre-layer embedding
+    "embed_values": dict(pool_from="embed_values"),
     # TransMIL's published training: RAdam + Lookahead, lr 2e-4, weight decay 1e-5, width 512 (8 heads, 256
     # Nyström landmarks), batch size 1 with 2 accumulated steps, no schedule, every patch (pathology.optim)
     "transmil_published": dict(optimizer="radam_lookahead", schedule="constant", lr=2e-4, weight_decay=1e-5, dim=512,
@@ -193,7 +206,8 @@ def run_unit(stage: str, n_bags: int, bag_size: int, seed: int, variant: str, mo
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
                          pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
                          region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0))
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
+                         pool_from=s.get("pool_from", "tokens"), final_norm=s.get("final_norm", True))
     mp = s["max_patches"] or None
     tc = TrainConfig(epochs=s["epochs"], lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=mp, feature_dropout=s["feature_dropout"], monitor=s["monitor"], smooth=s["smooth"],
@@ -231,7 +245,8 @@ def run_memo(n_bags: int, bag_size: int, seed: int, variant: str, model: str, *,
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
                          pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
                          region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0))
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
+                         pool_from=s.get("pool_from", "tokens"), final_norm=s.get("final_norm", True))
     tc = TrainConfig(epochs=epochs, lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=s["max_patches"] or None, feature_dropout=s["feature_dropout"], monitor=s["monitor"],
                      smooth=s["smooth"], patience=epochs, min_epochs=epochs, optimizer=s["optimizer"],

@@ -46,12 +46,15 @@ from core.layers import MLP, MultiHeadAttention
 from core.rope import RotaryEmbedding2D, apply_rope
 
 __all__ = ["QuerentConfig", "Querent", "RegionLayout", "build_regions", "MILOutput", "GatedAttentionPool",
-           "sincos_2d", "querent_small", "select_regions", "per_query_region_attention", "SELECTIONS", "POS_ENCODINGS"]
+           "sincos_2d", "querent_small", "select_regions", "per_query_region_attention", "SELECTIONS", "POS_ENCODINGS",
+           "POOL_FROM"]
 
 #: Values of ``QuerentConfig.selection``.
 SELECTIONS = ("region", "query", "dense")
 #: Values of ``QuerentConfig.pos_encoding``.
 POS_ENCODINGS = ("sincos", "rope2d", "both", "none")
+#: Values of ``QuerentConfig.pool_from``.
+POOL_FROM = ("tokens", "embed_gate", "embed_values")
 
 
 @dataclass(kw_only=True)
@@ -82,6 +85,17 @@ class QuerentConfig:
     # embedding of queries and keys in every layer (scores depend on the patches' offset); "both"; "none"
     rope_scale: float = 0.25  # rope2d: rotary position units per grid cell (sincos uses the same scale)
     nystrom_landmarks: int = 0  # TransMIL only: Nyström landmarks (0: dim // 2, TransMIL's rule)
+    # What the attention pooling reads (the normalised pre-layer embedding is the patch's own embedding with its
+    # position code; the tokens are the layers' output; both go through the final LayerNorm): "tokens" (gate scores
+    # and pooled values from the tokens), "embed_gate" (gate scores from the pre-layer embedding, values from the
+    # tokens: the layers cannot move the pooling's weights), "embed_values" (gate scores from the tokens, values
+    # from the pre-layer embedding: the layers change only which patches are weighted, never what is pooled).
+    # The same model at depth 0.
+    pool_from: str = "tokens"
+    # LayerNorm on what the pooling reads (tokens and pre-layer embedding); False: they are pooled unnormalised, as
+    # ABMIL pools its embedding (a LayerNorm divides every patch by its own spread, so a strong and a weak copy of a
+    # pattern look alike afterwards)
+    final_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.in_dim < 1 or self.dim < 1:
@@ -117,6 +131,8 @@ class QuerentConfig:
             raise ValueError(f"num_classes ({self.num_classes}) must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout ({self.dropout}) must be in [0, 1)")
+        if self.pool_from not in POOL_FROM:
+            raise ValueError(f"pool_from ({self.pool_from!r}) must be one of {', '.join(POOL_FROM)}")
 
     @property
     def block_size(self) -> int:
@@ -440,7 +456,8 @@ def sincos_2d(grid_xy_N2: torch.Tensor, dim: int, scale: float = 1.0) -> torch.T
 
 
 class GatedAttentionPool(nn.Module):
-    """Gated attention pooling (Ilse et al.): ``a_i ∝ exp(w·(tanh(V h_i) ⊙ σ(U h_i)))``; returns Σ a_i h_i and a."""
+    """Gated attention pooling (Ilse et al.): ``a_i ∝ exp(w·(tanh(V h_i) ⊙ σ(U h_i)))``; returns Σ a_i h_i and a
+    (Σ a_i v_i when other per-patch ``values_ND`` are given)."""
 
     def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
         super().__init__()
@@ -449,10 +466,11 @@ class GatedAttentionPool(nn.Module):
         self.w = nn.Linear(hidden, 1)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, h_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h_ND: torch.Tensor, values_ND: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.w(self.drop(torch.tanh(self.v(h_ND)) * torch.sigmoid(self.u(h_ND)))).squeeze(-1)  # (N,)
         a = torch.softmax(s, dim=0)
-        return (a[:, None] * h_ND).sum(0, keepdim=True), a  # (1, D), (N,)
+        vals = h_ND if values_ND is None else values_ND
+        return (a[:, None] * vals).sum(0, keepdim=True), a  # (1, D), (N,)
 
 
 class QuerentLayer(nn.Module):
@@ -505,7 +523,7 @@ class Querent(nn.Module):
         self.cfg = cfg
         self.embed = nn.Sequential(nn.Linear(cfg.in_dim, cfg.dim), nn.GELU(), nn.Dropout(cfg.dropout))
         self.layers = nn.ModuleList([QuerentLayer(cfg) for _ in range(cfg.depth)])
-        self.norm = nn.LayerNorm(cfg.dim)
+        self.norm = nn.LayerNorm(cfg.dim) if cfg.final_norm else nn.Identity()
         self.pool = GatedAttentionPool(cfg.dim, cfg.pool_hidden, cfg.dropout)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
         self.rope = (RotaryEmbedding2D(cfg.dim // cfg.num_heads) if cfg.pos_encoding in ("rope2d", "both") else None)
@@ -538,6 +556,7 @@ class Querent(nn.Module):
             rope = self.rope(slot_xy[layout.fill_src].float() * self.cfg.rope_scale)
         x = h.new_zeros(1, S, self.cfg.dim)
         x[0, layout.slot] = h  # (1, S, dim) region-padded sequence
+        pre = self.norm(h) if self.cfg.pool_from != "tokens" else None  # (N, dim) (normalised) pre-layer embedding
         del h
         pad = torch.ones(1, S, dtype=torch.bool, device=x.device)
         pad[0, layout.slot] = False
@@ -547,7 +566,12 @@ class Querent(nn.Module):
             if return_index and idx is not None:
                 indices.append(idx[0].detach())
         tok = self.norm(x[0, layout.slot])  # (N, dim) back in the input order
-        emb, a = self.pool(tok)
+        if self.cfg.pool_from == "embed_gate":
+            emb, a = self.pool(pre, tok)
+        elif self.cfg.pool_from == "embed_values":
+            emb, a = self.pool(tok, pre)
+        else:
+            emb, a = self.pool(tok)
         return MILOutput(self.head(emb), a, emb, indices if return_index and indices else None, layout)
 
     @torch.no_grad()

@@ -360,3 +360,66 @@ def test_rope2d_config_validation():
         QuerentConfig(in_dim=8, dim=24, num_heads=4, pos_encoding="rope2d")  # head size 6
     with pytest.raises(ValueError, match="rope_scale"):
         QuerentConfig(in_dim=8, pos_encoding="rope2d", rope_scale=0)
+
+
+@pytest.mark.parametrize("pool_from", ["tokens", "embed_gate", "embed_values"])
+def test_pool_from_decides_what_the_pooling_reads(pool_from):
+    g = torch.Generator().manual_seed(5)
+    coords = _bag_coords(12, 10, 0.7, g=g)
+    x = torch.randn(len(coords), 6, generator=g)
+    cfg = dict(in_dim=6, dim=16, depth=1, num_heads=2, region_size=4, topk=2, pool_hidden=8, pos_encoding="none")
+    torch.manual_seed(0)
+    m = Querent(QuerentConfig(**cfg, pool_from=pool_from)).eval()
+    grab = []
+    m.norm.register_forward_hook(lambda mod, i, o: grab.append(o.detach()))
+    with torch.no_grad():
+        out = m(x, coords, patch_size_level0=256)
+        pre = m.norm(m.embed(x))  # the normalised pre-layer embedding, independently (no position code here)
+        tok = grab[-2]  # the forward's last norm call: the layer's tokens
+        for p in m.layers.parameters():  # another layer: the tokens change, the pre-layer embedding does not
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+        out2 = m(x, coords, patch_size_level0=256)
+    a = out.attention
+    assert not torch.allclose(tok, pre, atol=1e-3)
+    gate_fixed = torch.allclose(out2.attention, a, atol=1e-6)
+    assert gate_fixed == (pool_from == "embed_gate")
+    values = pre if pool_from == "embed_values" else tok
+    torch.testing.assert_close(out.embedding, (a[:, None] * values).sum(0, keepdim=True), atol=1e-5, rtol=1e-5)
+    # at depth 0 there is one representation: every choice is the same model
+    torch.manual_seed(0)
+    d0 = Querent(QuerentConfig(**{**cfg, "depth": 0}, pool_from=pool_from)).eval()
+    torch.manual_seed(0)
+    ref = Querent(QuerentConfig(**{**cfg, "depth": 0})).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(d0(x, coords, patch_size_level0=256).logits, ref(x, coords, patch_size_level0=256).logits)
+    with pytest.raises(ValueError, match="pool_from"):
+        QuerentConfig(in_dim=6, pool_from="nope")
+
+
+def test_final_norm_off_pools_the_raw_tokens_and_is_abmil_at_depth_0():
+    g = torch.Generator().manual_seed(6)
+    coords = _bag_coords(12, 10, 0.7, g=g)
+    x = torch.randn(len(coords), 6, generator=g)
+    cfg = dict(in_dim=6, dim=16, num_heads=2, region_size=4, topk=2, pool_hidden=8, pos_encoding="none")
+    torch.manual_seed(0)
+    abmil = build_model("abmil", QuerentConfig(**cfg)).eval()
+    outs = {}
+    for norm in (True, False):
+        torch.manual_seed(0)
+        outs[norm] = Querent(QuerentConfig(**cfg, depth=0, final_norm=norm)).eval()
+    with torch.no_grad():
+        ref = abmil(x, coords, patch_size_level0=256)
+        off = outs[False](x, coords, patch_size_level0=256)
+        on = outs[True](x, coords, patch_size_level0=256)
+    torch.testing.assert_close(off.logits, ref.logits)  # embedding -> gated pooling -> head, as ABMIL
+    torch.testing.assert_close(off.attention, ref.attention)
+    assert not torch.allclose(on.attention, ref.attention, atol=1e-4)  # the norm changes what the gate reads
+    # with a layer: the pooled embedding is the attention-weighted sum of the layer's raw output
+    torch.manual_seed(0)
+    m = Querent(QuerentConfig(**cfg, depth=1, final_norm=False)).eval()
+    grab = []
+    m.layers[-1].register_forward_hook(lambda mod, i, o: grab.append(o[0].detach()))
+    with torch.no_grad():
+        out = m(x, coords, patch_size_level0=256)
+    raw = grab[0][0, out.layout.slot]  # (N, dim) in input order
+    torch.testing.assert_close(out.embedding, (out.attention[:, None] * raw).sum(0, keepdim=True), atol=1e-5, rtol=1e-5)
