@@ -64,6 +64,15 @@ VARIANTS: dict[str, dict] = {
     "depth0_nonorm": dict(depth=0, final_norm=False),
     "depth0_nonorm_nopos": dict(depth=0, final_norm=False, pos_encoding="none"),  # = ABMIL's architecture
     "nonorm": dict(final_norm=False),  # the layered model without the final LayerNorm
+    # the layer with every patch attending only itself (1×1 regions, no neighbours, no top-k): the layer's per-patch
+    # capacity (value/output projections, MLP) without any mixing of patches
+    "selfonly": dict(region_size=1, neighbourhood=0, topk=0),
+    # the pooling's gate reads the pre-layer embedding without the final LayerNorm (ABMIL's gate plus the position
+    # code), its values the layer's raw output
+    "embed_gate_nonorm": dict(pool_from="embed_gate", final_norm=False),
+    # ... and without the position code: the gate is ABMIL's (depth0_nonorm_nopos is ABMIL exactly)
+    "embed_gate_nonorm_nopos": dict(pool_from="embed_gate", final_norm=False, pos_encoding="none"),
+    "nonorm_nopos": dict(final_norm=False, pos_encoding="none"),  # the layered model without both
     "embed_gate": dict(pool_from="embed_gate"),
     # the gate reads the layer's tokens, the pooled values are the pre-layer embedding
     "embed_values": dict(pool_from="embed_values"),
