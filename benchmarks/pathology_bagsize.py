@@ -95,6 +95,17 @@ def settings(variant: str, n_bags: int, bag_size: int) -> dict:
     return {**base, **VARIANTS[variant]}
 
 
+def model_config(s: dict, in_dim: int):
+    """The :class:`pathology.querent.QuerentConfig` of a unit's settings ``s`` (:func:`settings`)."""
+    from pathology.querent import QuerentConfig
+
+    return QuerentConfig(in_dim=in_dim, dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
+                         pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
+                         region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
+                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
+                         pool_from=s.get("pool_from", "tokens"), final_norm=s.get("final_norm", True))
+
+
 def _auc(y: np.ndarray, p: np.ndarray) -> float:
     from sklearn.metrics import roc_auc_score
 
@@ -207,16 +218,11 @@ def run_unit(stage: str, n_bags: int, bag_size: int, seed: int, variant: str, mo
 
     from benchmarks.pathology_cohort import CohortConfig, make_cohort
     from benchmarks.pathology_cohort_bench import CURVE
-    from pathology.querent import QuerentConfig
     from pathology.training import TrainConfig, cross_validate
 
     s = settings(variant, n_bags, bag_size)
     bags = make_cohort(n_bags, seed, CohortConfig(**{**CURVE, "bag_size": bag_size}))
-    mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
-                         pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
-                         region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
-                         pool_from=s.get("pool_from", "tokens"), final_norm=s.get("final_norm", True))
+    mcfg = model_config(s, int(bags[0].features.shape[1]))
     mp = s["max_patches"] or None
     tc = TrainConfig(epochs=s["epochs"], lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=mp, feature_dropout=s["feature_dropout"], monitor=s["monitor"], smooth=s["smooth"],
@@ -246,16 +252,11 @@ def run_memo(n_bags: int, bag_size: int, seed: int, variant: str, model: str, *,
 
     from benchmarks.pathology_cohort import CohortConfig, make_cohort
     from benchmarks.pathology_cohort_bench import CURVE
-    from pathology.querent import QuerentConfig
     from pathology.training import (TrainConfig, patient_folds, predict_outputs, train_model, validation_split)
 
     s = settings(variant, n_bags, bag_size)
     bags = make_cohort(n_bags, seed, CohortConfig(**{**CURVE, "bag_size": bag_size}))
-    mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=s["dim"], depth=s["depth"], num_heads=s["heads"],
-                         pool_hidden=s["pool_hidden"], dropout=s["dropout"], num_classes=2,
-                         region_size=s["region_size"], topk=s["topk"], neighbourhood=s["neighbourhood"],
-                         pos_encoding=s["pos_encoding"], nystrom_landmarks=s.get("landmarks", 0),
-                         pool_from=s.get("pool_from", "tokens"), final_norm=s.get("final_norm", True))
+    mcfg = model_config(s, int(bags[0].features.shape[1]))
     tc = TrainConfig(epochs=epochs, lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=s["max_patches"] or None, feature_dropout=s["feature_dropout"], monitor=s["monitor"],
                      smooth=s["smooth"], patience=epochs, min_epochs=epochs, optimizer=s["optimizer"],

@@ -111,6 +111,12 @@ def test_variants_and_settings():
     assert (pub["optimizer"], pub["lr"], pub["weight_decay"], pub["dim"]) == ("radam_lookahead", 2e-4, 1e-5, 512)
     with pytest.raises(ValueError, match="unknown variant"):
         bs.settings("nope", 120, 500)
+    base = bs.model_config(auto, 16)
+    assert (base.pool_from, base.final_norm, base.pos_encoding, base.depth) == ("tokens", True, "sincos", 1)
+    cfg = bs.model_config(bs.settings("embed_gate_nonorm_nopos", 120, 2000), 16)
+    assert (cfg.pool_from, cfg.final_norm, cfg.pos_encoding) == ("embed_gate", False, "none")
+    cfg = bs.model_config(bs.settings("selfonly", 120, 2000), 16)
+    assert (cfg.region_size, cfg.neighbourhood, cfg.topk) == (1, 0, 0)
 
 
 def test_cli_runs_diagnoses_resumes_and_refuses_the_other_stages_seeds(tmp_path, monkeypatch, capsys):
