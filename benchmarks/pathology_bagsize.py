@@ -73,6 +73,9 @@ VARIANTS: dict[str, dict] = {
     # ... and without the position code: the gate is ABMIL's (depth0_nonorm_nopos is ABMIL exactly)
     "embed_gate_nonorm_nopos": dict(pool_from="embed_gate", final_norm=False, pos_encoding="none"),
     "nonorm_nopos": dict(final_norm=False, pos_encoding="none"),  # the layered model without both
+    # the gate reads the layer's raw output, the pooled values are ABMIL's (raw embedding, no position code): the head
+    # sees only the pre-layer embedding, the layer can change only which patches are weighted
+    "embed_values_nonorm_nopos": dict(pool_from="embed_values", final_norm=False, pos_encoding="none"),
     "embed_gate": dict(pool_from="embed_gate"),
     # the gate reads the layer's tokens, the pooled values are the pre-layer embedding
     "embed_values": dict(pool_from="embed_values"),
