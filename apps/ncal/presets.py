@@ -15,9 +15,10 @@ are cited in ``docs/experiments/ncal.md``.
 
 from __future__ import annotations
 
+import argparse
 import random
 
-__all__ = ["PRESETS", "SWITCHES", "BATCHINGS", "PROMPTS", "PREDICTS", "SAMPLING", "resolve_switches", "make_batches",
+__all__ = ["add_preset_options", "PRESETS", "SWITCHES", "BATCHINGS", "PROMPTS", "PREDICTS", "SAMPLING", "resolve_switches", "make_batches",
            "num_batches"]
 
 BATCHINGS = ("bucketed", "random")
@@ -86,3 +87,25 @@ def make_batches(n: int, lengths: list[int], batch_size: int, rng: random.Random
         out += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
     rng.shuffle(out)
     return out
+
+
+def add_preset_options(p: argparse.ArgumentParser, *, lm_only: str = "") -> None:
+    """``--preset`` and its switches (``--bank-size``, ``--batching``, ``--prompt``, ``--predict``,
+    ``--eval-seed``), shared by ``apps.ncal.train`` and ``apps.ncal.recipes.llm``; a switch left unset takes the
+    preset's value (:func:`resolve_switches`). ``lm_only``: a prefix for the help of the LLM-only switches."""
+    from core.infra.cli import nonnegative_int
+
+    p.add_argument("--preset", default="project", choices=tuple(PRESETS),
+                   help="project (default): this project's choices; reference: the released code's TC pairing, "
+                        "batching, prompt and sampling evaluation (each also settable below)")
+    p.add_argument("--bank-size", type=nonnegative_int, default=None,
+                   help="TC feature bank size (0: pairs within the batch only; default from --preset: 256 / 0)")
+    p.add_argument("--batching", default=None, choices=BATCHINGS,
+                   help="bucketed: length windows, last partial batch kept; random: drop_last (default from --preset)")
+    p.add_argument("--prompt", default=None, choices=PROMPTS,
+                   help=f"{lm_only}instruction (a system message listing the classes) or question (the text alone as "
+                        "the user turn; default from --preset)")
+    p.add_argument("--predict", default=None, choices=PREDICTS,
+                   help=f"{lm_only}constrained (class-set argmax) or sample (T 0.7, top-p 0.9, then match the answer "
+                        "to a class name; default from --preset)")
+    p.add_argument("--eval-seed", type=nonnegative_int, default=0, help=f"{lm_only}seed of the draws of --predict sample")

@@ -57,7 +57,7 @@ from apps.ncal.data import (
 from apps.ncal.losses import LOSSES, LongTailLoss, LossConfig, tc_on_at, with_tc
 from apps.ncal.metrics import classification_metrics, collapse_metrics
 from apps.ncal.model import NCALModel, build_encoder, infer, save_checkpoint
-from apps.ncal.presets import BATCHINGS, PREDICTS, PRESETS, PROMPTS, make_batches, num_batches, resolve_switches
+from apps.ncal.presets import add_preset_options, make_batches, num_batches, resolve_switches
 from apps.ncal.weights_io import load_state, save_state
 from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float, nonnegative_int,
                             positive_float, positive_int, run_cli)
@@ -442,18 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default=d.loss, choices=LOSSES)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tc-lambda", type=nonnegative_float, default=d.tc_lambda)
-    p.add_argument("--preset", default="project", choices=tuple(PRESETS),
-                   help="project (default): this project's choices; reference: the released code's TC pairing, "
-                        "batching, prompt and sampling evaluation (each also settable below)")
-    p.add_argument("--bank-size", type=nonnegative_int, default=None,
-                   help="TC feature bank size (0: within-batch pairs; default from --preset: 256 / 0)")
-    p.add_argument("--batching", default=None, choices=BATCHINGS,
-                   help="bucketed: length windows, last partial batch kept; random: drop_last (default from --preset)")
-    p.add_argument("--prompt", default=None, choices=PROMPTS,
-                   help="lm head: instruction (system message listing the classes) or question (the text alone)")
-    p.add_argument("--predict", default=None, choices=PREDICTS,
-                   help="lm head: constrained (class-set argmax) or sample (T 0.7, top-p 0.9, then match the text)")
-    p.add_argument("--eval-seed", type=nonnegative_int, default=d.eval_seed, help="lm head: seed of --predict sample")
+    add_preset_options(p, lm_only="lm head: ")
     p.add_argument("--tc-start", type=_share_before_end, default=d.tc_start,
                    help="share of the training steps before the TC term enters the loss (0: every step)")
     p.add_argument("--grad-share-every", type=nonnegative_int, default=d.grad_share_every,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from apps.ncal.data import CONTEXTS
-from apps.ncal.presets import BATCHINGS, PREDICTS, PRESETS, PROMPTS
+from apps.ncal.presets import add_preset_options
 from core.infra.cli import (add_run_options, configure_run, fraction, nonempty_path, nonnegative_float,
                             nonnegative_int, positive_float, positive_int, run_cli, seed_int)
 from core.infra.device import add_device_options, device_from_args
@@ -56,20 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="tc", choices=("ce", "tc", "etf", "cb"))
     p.add_argument("--tc-lambda", type=nonnegative_float, default=r["tc_lambda"], help="weight of TC (or of the ETF term)")
     p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--preset", default="project", choices=tuple(PRESETS),
-                   help="project (default): this project's choices; reference: the released code's TC pairing, "
-                        "prompt, batching and sampling evaluation (each also settable below)")
-    p.add_argument("--bank-size", type=nonnegative_int, default=None,
-                   help="TC feature bank size (0: pairs within the batch only; default from --preset: 256 / 0)")
-    p.add_argument("--batching", default=None, choices=BATCHINGS,
-                   help="bucketed: length windows, last partial batch kept; random: drop_last (default from --preset)")
-    p.add_argument("--prompt", default=None, choices=PROMPTS,
-                   help="instruction (a system message listing the classes) or question (the text alone as the user "
-                        "turn; default from --preset)")
-    p.add_argument("--predict", default=None, choices=PREDICTS,
-                   help="constrained (class-set argmax) or sample (T 0.7, top-p 0.9, then match the answer to a class "
-                        "name; default from --preset)")
-    p.add_argument("--eval-seed", type=nonnegative_int, default=0, help="seed of the draws of --predict sample")
+    add_preset_options(p)
     p.add_argument("--epochs", type=positive_int, default=r["epochs"])
     p.add_argument("--batch-size", type=positive_int, default=r["batch_size"])
     p.add_argument("--grad-accum", type=positive_int, default=r["grad_accum"])
