@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import statistics
 from pathlib import Path
 
@@ -51,14 +50,11 @@ def bench_argv(preset: str, seed: int, args) -> list[str]:
 
 
 def _interval(vals: list[float]) -> dict:
-    n = len(vals)
-    mean = statistics.fmean(vals)
-    if n < 2:
-        return {"mean": mean, "lo": None, "hi": None, "n": n}
-    from scipy import stats
-
-    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(vals) / math.sqrt(n)
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "sd": statistics.stdev(vals), "n": n}
+    """Mean with its 95% Student-t interval (:func:`benchmarks.ncal_bench.paired_t` on the values themselves)."""
+    t = paired_t(vals)
+    if t is None:
+        return {"mean": statistics.fmean(vals), "lo": None, "hi": None, "n": len(vals)}
+    return {"mean": t[0], "lo": t[1], "hi": t[2], "sd": statistics.stdev(vals), "n": len(vals)}
 
 
 def summarize(cases: dict[str, dict[int, dict]], baseline: dict | None = None, bootstrap: int = 10_000) -> dict:

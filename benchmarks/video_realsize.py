@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.common import PeakRSS, env_info, format_table, parse_size, read_json, run_isolated, write_json_atomic
 from core.infra.cli import run_cli
-from core.infra.device import _dtype_arg, add_device_options
+from core.infra.device import add_device_options
 from core.infra.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -173,8 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", default="1K,4K,16K", help="video lengths in frames (comma list)")
     p.add_argument("--vision-layers", type=int, default=None,
                    help="vision transformer layers run (of 39; default 0 on CPU, 39 on CUDA)")
-    add_device_options(p, dtype=False)
-    p.add_argument("--dtype", type=_dtype_arg, default="bfloat16", help="model dtype (default bfloat16)")
+    add_device_options(p, dtype_default="bfloat16")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=str(RESULTS / "video_realsize.json"), help="JSON result (a .md table beside it)")
     p.add_argument("--case-timeout", type=float, default=5400, help="seconds per length")

@@ -140,7 +140,7 @@ def test_match_answer_on_the_releases_answers():
 def _tiny_model_dir(d: Path) -> Path:
     """A random 2-layer Qwen2 with the fixture's chat tokenizer."""
     shutil.copytree(FIX / "tokenizer_chat", d)
-    tok = tf.AutoTokenizer.from_pretrained(str(d))
+    tok = tf.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)

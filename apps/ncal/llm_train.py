@@ -99,7 +99,8 @@ def _evaluate(model, prompter, examples, classes, bins, device, batch_size) -> d
     return m
 
 
-_KEEP = ("accuracy", "macro_f1", "unmatched", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2", "nc_cos_mean")
+_KEEP = ("accuracy", "macro_f1", "unmatched", "recall_head", "recall_medium", "recall_tail", "nc_nc1", "nc_nc2",
+         "nc_cos_mean")
 
 
 def train_lm(cfg, *, progress: bool = True, examples=None) -> dict:

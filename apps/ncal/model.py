@@ -27,8 +27,8 @@ from core.collapse import ETFClassifier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NCALModel", "Checkpoint", "build_encoder", "save_checkpoint", "load_checkpoint", "infer", "predicted_labels",
-           "record_base", "locate_base"]
+__all__ = ["NCALModel", "Checkpoint", "build_encoder", "save_checkpoint", "load_checkpoint", "infer",
+           "predicted_labels", "record_base", "locate_base"]
 
 #: encoder kinds whose weights are a local transformers model folder (``source: "hf:DIR"``) read again at load
 BASE_KINDS = ("hf", "hf-lm")

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import random
 
-__all__ = ["add_preset_options", "PRESETS", "SWITCHES", "BATCHINGS", "PROMPTS", "PREDICTS", "SAMPLING", "resolve_switches", "make_batches",
-           "num_batches"]
+__all__ = ["add_preset_options", "PRESETS", "SWITCHES", "BATCHINGS", "PROMPTS", "PREDICTS", "SAMPLING",
+           "resolve_switches", "make_batches", "num_batches"]
 
 BATCHINGS = ("bucketed", "random")
 PROMPTS = ("instruction", "question")
@@ -108,4 +108,5 @@ def add_preset_options(p: argparse.ArgumentParser, *, lm_only: str = "") -> None
     p.add_argument("--predict", default=None, choices=PREDICTS,
                    help=f"{lm_only}constrained (class-set argmax) or sample (T 0.7, top-p 0.9, then match the answer "
                         "to a class name; default from --preset)")
-    p.add_argument("--eval-seed", type=nonnegative_int, default=0, help=f"{lm_only}seed of the draws of --predict sample")
+    p.add_argument("--eval-seed", type=nonnegative_int, default=0,
+                   help=f"{lm_only}seed of the draws of --predict sample")

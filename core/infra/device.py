@@ -106,14 +106,15 @@ def _dtype_arg(text: str) -> str:
     return text
 
 
-def add_device_options(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-    """``--device`` (default ``auto``) and, unless ``dtype=False``, ``--dtype`` (default ``auto``); their spelling
-    is checked when parsed, their availability by :func:`device_from_args` (exit 2 when missing)."""
+def add_device_options(p: argparse.ArgumentParser, *, dtype: bool = True, dtype_default: str = "auto") -> None:
+    """``--device`` (default ``auto``) and, unless ``dtype=False``, ``--dtype`` (default ``dtype_default``, ``auto``
+    unless a command measures at a fixed dtype); their spelling is checked when parsed, their availability by
+    :func:`device_from_args` (exit 2 when missing)."""
     p.add_argument("--device", type=_device_arg, default="auto",
                    help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N, mps (default auto)")
     if dtype:
-        p.add_argument("--dtype", type=_dtype_arg, default="auto",
-                       help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16 (default auto)")
+        p.add_argument("--dtype", type=_dtype_arg, default=_dtype_arg(dtype_default),
+                       help=f"auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16 (default {dtype_default})")
 
 
 def device_from_args(args: argparse.Namespace) -> tuple["torch.device", "torch.dtype"]:  # noqa: F821

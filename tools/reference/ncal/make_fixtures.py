@@ -84,7 +84,7 @@ def build_tokenizer(out: Path, variant: str):
         tok.chat_template = CHAT
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out))
-    return transformers.AutoTokenizer.from_pretrained(str(out))
+    return transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
 
 
 class _StandInModel:
@@ -172,7 +172,7 @@ def tc_fixture(rel) -> dict:
 def answers_fixture(rel, out: Path) -> dict:
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(out / "tokenizer_chat"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out / "tokenizer_chat"), local_files_only=True)
     marks = {"<eos>": tok.eos_token_id, "<pad>": tok.pad_token_id, "<im_start>": tok.convert_tokens_to_ids("<|im_start|>")}
     rows = []
     for text in ANSWERS:
