@@ -44,7 +44,8 @@ DEV_SEEDS = (200, 201, 202, 203, 204)
 REPORT_SEEDS = (10, 11, 12, 13, 14)
 
 #: Settings changed from ``auto`` (keys of :func:`benchmarks.pathology_cohort_bench.recipe`, plus ``region_size``,
-#: ``topk``, ``neighbourhood``, ``optimizer``, ``schedule``, ``pos_encoding``). ``max_patches`` 0 = every patch.
+#: ``topk``, ``neighbourhood``, ``optimizer``, ``schedule``, ``pos_encoding``, ``layers_from``). ``max_patches`` 0 =
+#: every patch.
 VARIANTS: dict[str, dict] = {
     "auto": {},
     "allpatches": dict(max_patches=0),
@@ -79,6 +80,11 @@ VARIANTS: dict[str, dict] = {
     "embed_gate": dict(pool_from="embed_gate"),
     # the gate reads the layer's tokens, the pooled values are the pre-layer embedding
     "embed_values": dict(pool_from="embed_values"),
+    # the layers held back for the first 30 epochs (TrainConfig.layers_from): the depth-0 form trains first, so its
+    # pooling can find the planted patches before the layer can fit the bags another way; staged_nonorm_nopos's
+    # first stage is ABMIL exactly
+    "staged": dict(layers_from=30),
+    "staged_nonorm_nopos": dict(final_norm=False, pos_encoding="none", layers_from=30),
     # TransMIL's published training: RAdam + Lookahead, lr 2e-4, weight decay 1e-5, width 512 (8 heads, 256
     # Nyström landmarks), batch size 1 with 2 accumulated steps, no schedule, every patch (pathology.optim)
     "transmil_published": dict(optimizer="radam_lookahead", schedule="constant", lr=2e-4, weight_decay=1e-5, dim=512,
@@ -230,7 +236,7 @@ def run_unit(stage: str, n_bags: int, bag_size: int, seed: int, variant: str, mo
     tc = TrainConfig(epochs=s["epochs"], lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=mp, feature_dropout=s["feature_dropout"], monitor=s["monitor"], smooth=s["smooth"],
                      patience=s["patience"], min_epochs=s["min_epochs"], optimizer=s["optimizer"],
-                     schedule=s["schedule"], seed=0)
+                     schedule=s["schedule"], layers_from=s.get("layers_from", 0), seed=0)
     torch.manual_seed(0)
     c0 = time.process_time()
     res = cross_validate(model, mcfg, bags, tc, folds=folds, on_fold=fold_diagnostics(model, mp))
@@ -263,7 +269,7 @@ def run_memo(n_bags: int, bag_size: int, seed: int, variant: str, model: str, *,
     tc = TrainConfig(epochs=epochs, lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=s["max_patches"] or None, feature_dropout=s["feature_dropout"], monitor=s["monitor"],
                      smooth=s["smooth"], patience=epochs, min_epochs=epochs, optimizer=s["optimizer"],
-                     schedule=s["schedule"], seed=0)
+                     schedule=s["schedule"], layers_from=s.get("layers_from", 0), seed=0)
     tr, te = patient_folds(bags, folds, seed=0)[0]
     tr, va = validation_split(bags, tr, tc.val_fraction, seed=0)
     torch.manual_seed(0)

@@ -527,6 +527,9 @@ class Querent(nn.Module):
         self.pool = GatedAttentionPool(cfg.dim, cfg.pool_hidden, cfg.dropout)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
         self.rope = (RotaryEmbedding2D(cfg.dim // cfg.num_heads) if cfg.pos_encoding in ("rope2d", "both") else None)
+        # True: the layers are left out and the model is its depth-0 form (embedding, pooling, head); set by training
+        # while TrainConfig.layers_from holds them back, never saved
+        self.skip_layers = False
 
     def forward(self, features_ND: torch.Tensor, coords_N2: torch.Tensor, *, patch_size_level0: float,
                 return_index: bool = False) -> MILOutput:
@@ -561,7 +564,7 @@ class Querent(nn.Module):
         pad = torch.ones(1, S, dtype=torch.bool, device=x.device)
         pad[0, layout.slot] = False
         indices = []
-        for layer in self.layers:
+        for layer in () if self.skip_layers else self.layers:
             x, idx = layer(x, layout, pad, rope)
             if return_index and idx is not None:
                 indices.append(idx[0].detach())

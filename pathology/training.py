@@ -97,6 +97,10 @@ class TrainConfig:
     # "adamw" (this recipe) or "radam_lookahead" (TransMIL's published optimiser, pathology.optim)
     optimizer: str = "adamw"
     schedule: str = "cosine"  # learning rate: "cosine" decay over `epochs`, or "constant" (TransMIL's release)
+    # Querent only: for this many epochs the layers are left out, so the model trains as its depth-0 form (embedding,
+    # gated pooling, head) and its pooling can find the informative patches before the layers can fit the bags another
+    # way; afterwards the whole model trains. Early stopping counts only epochs with the layers (0: from the start)
+    layers_from: int = 0
     seed: int = 0  # seeds model init, shuffling, patch sampling and the validation split
     device: str = "cpu"  # torch device
 
@@ -115,6 +119,8 @@ class TrainConfig:
             raise ValueError(f"monitor ({self.monitor!r}) must be 'auc' or 'loss'")
         if self.smooth < 1 or not 0 <= self.feature_dropout < 1:
             raise ValueError(f"smooth ({self.smooth}) must be >= 1 and feature_dropout ({self.feature_dropout}) in [0, 1)")
+        if not 0 <= self.layers_from < self.epochs:
+            raise ValueError(f"layers_from ({self.layers_from}) must be >= 0 and below epochs ({self.epochs})")
         if self.patience < 1 or self.min_epochs < 0 or self.min_delta < 0:
             raise ValueError(f"patience ({self.patience}) must be >= 1, min_epochs ({self.min_epochs}) and "
                              f"min_delta ({self.min_delta}) >= 0")
@@ -235,7 +241,10 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
 
         it = tqdm(it, desc=f"train {name}", unit="epoch", leave=False)
     stopped = False
+    staged = cfg.layers_from > 0 and hasattr(model, "skip_layers")
     for epoch in it:
+        if staged:
+            model.skip_layers = epoch < cfg.layers_from
         model.train()
         order = torch.randperm(len(bags), generator=g).tolist()
         losses = []
@@ -274,16 +283,20 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
             # an epoch is a candidate once its score spans `smooth` epochs (or it is the last one): one epoch's AUC
             # on a few dozen bags is noise, and epoch 1 kept by luck is a model that has learnt nothing
             full = len(recent) == cfg.smooth or epoch + 1 == cfg.epochs
-            if full and (len(key) != len(best[0]) or key > best[0]):
+            # with staged layers only epochs whose whole window ran with them: the returned model has its layers
+            with_layers = not staged or epoch + 1 - cfg.layers_from >= min(cfg.smooth, cfg.epochs - cfg.layers_from)
+            if with_layers and full and (len(key) != len(best[0]) or key > best[0]):
                 best = (key, epoch + 1, copy.deepcopy(model.state_dict()))
-            if ref is None or len(key) != len(ref) or key[0] > ref[0] + cfg.min_delta:
+            if with_layers and (ref is None or len(key) != len(ref) or key[0] > ref[0] + cfg.min_delta):
                 ref, ref_epoch = key, epoch + 1
         history.append(rec)
         if progress:
             it.set_postfix(loss=f"{rec['train_loss']:.3f}", val=f"{rec['val_loss']:.3f}" if val_bags else "-")
-        if val_bags and epoch + 1 >= cfg.min_epochs and epoch + 1 - ref_epoch >= cfg.patience:
+        if val_bags and ref is not None and epoch + 1 >= cfg.min_epochs and epoch + 1 - ref_epoch >= cfg.patience:
             stopped = True
             break
+    if staged:
+        model.skip_layers = False
     if best[2] is not None:
         model.load_state_dict(best[2])
     if cfg.standardize:
