@@ -295,8 +295,6 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
         if val_bags and ref is not None and epoch + 1 >= cfg.min_epochs and epoch + 1 - ref_epoch >= cfg.patience:
             stopped = True
             break
-    if staged:
-        model.skip_layers = False
     if best[2] is not None:
         model.load_state_dict(best[2])
     if cfg.standardize:

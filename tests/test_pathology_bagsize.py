@@ -117,6 +117,10 @@ def test_variants_and_settings():
     assert (cfg.pool_from, cfg.final_norm, cfg.pos_encoding) == ("embed_gate", False, "none")
     cfg = bs.model_config(bs.settings("selfonly", 120, 2000), 16)
     assert (cfg.region_size, cfg.neighbourhood, cfg.topk) == (1, 0, 0)
+    staged = bs.settings("staged_nonorm_nopos", 120, 2000)
+    assert staged["layers_from"] == 30 and "layers_from" not in auto  # earlier records' keys stay as they were
+    cfg = bs.model_config(staged, 16)
+    assert (cfg.final_norm, cfg.pos_encoding, cfg.depth) == (False, "none", 1)
 
 
 def test_cli_runs_diagnoses_resumes_and_refuses_the_other_stages_seeds(tmp_path, monkeypatch, capsys):
@@ -143,3 +147,19 @@ def test_cli_runs_diagnoses_resumes_and_refuses_the_other_stages_seeds(tmp_path,
     table = json.loads(out.read_text())
     row = table["dev/n12/bag300/auto/querent/f2"]
     assert row["seeds"] == [200] and "minus_abmil" in row and "recall" in row
+
+
+def test_a_units_training_gets_the_variants_staged_layers(monkeypatch):
+    import pathology.training as training
+
+    seen = []
+
+    def fake_cv(name, mcfg, bags, tc, folds, on_fold):
+        seen.append((name, mcfg.depth, tc.layers_from))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(training, "cross_validate", fake_cv)
+    for variant in ("staged", "auto"):
+        with pytest.raises(RuntimeError, match="stop"):
+            bs.run_unit("dev", 12, 300, 200, variant, "querent", folds=2)
+    assert seen == [("querent", 1, 30), ("querent", 1, 0)]

@@ -357,3 +357,76 @@ def test_early_stopping_on_validation_auc_keeps_the_epoch_that_ranks_best():
     assert info["threshold"] is not None and 0 <= info["threshold"] <= 1
     with pytest.raises(ValueError, match="monitor"):
         TrainConfig(monitor="accuracy")
+
+
+def _count_layer_calls(monkeypatch):
+    """Patch the model builder of pathology.training so that the built Querent counts, per call of its first layer,
+    whether the model was training (True) or evaluating (False)."""
+    import pathology.training as training
+
+    calls: list[bool] = []
+    built: list = []
+
+    def build(name, cfg):
+        m = build_model(name, cfg)
+        if name == "querent":
+            m.layers[0].register_forward_hook(lambda mod, i, o: calls.append(mod.training))
+        built.append(m)
+        return m
+
+    monkeypatch.setattr(training, "build_model", build)
+    return calls, built
+
+
+def test_layers_from_trains_the_depth_0_form_first_then_the_layers(monkeypatch):
+    bags = planted_cohort(12, lo=30, hi=50, d=8)
+    cfg = QuerentConfig(in_dim=8, dim=16, depth=1, num_heads=2, region_size=4, num_classes=2)
+    calls, built = _count_layer_calls(monkeypatch)
+    tc = TrainConfig(epochs=5, layers_from=3, batch_slides=4, max_patches=None, seed=0)
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in build_model("querent", cfg).state_dict().items() if k.startswith("layers.")}
+    calls.clear()
+    model, info = train_model("querent", cfg, bags, tc)
+    # 12 bags, 4 per step: the layer runs for each bag of epochs 4 and 5 only
+    assert calls.count(True) == 2 * 12 and info["epochs_run"] == 5
+    assert model.skip_layers is False and built[-1] is model
+    x = model(bags[0].features, bags[0].coords, patch_size_level0=bags[0].patch_size_level0)
+    assert calls[-1] is False and torch.isfinite(x.logits).all()  # the returned model uses its layers
+    # the layer trained in the last two epochs
+    moved = [k for k, v in model.state_dict().items() if k in init and not torch.equal(v, init[k])]
+    assert any(k.startswith("layers.0.attn") for k in moved) and any(k.startswith("layers.0.mlp") for k in moved)
+    # depth-0 models and the other models ignore it; 0 = the layers from the first step
+    calls.clear()
+    train_model("querent", cfg, bags, TrainConfig(epochs=2, layers_from=0, batch_slides=4, max_patches=None))
+    assert calls.count(True) == 2 * 12
+    train_model("abmil", cfg, bags, TrainConfig(epochs=2, layers_from=1, batch_slides=4))
+    with pytest.raises(ValueError, match="layers_from"):
+        TrainConfig(epochs=5, layers_from=5)
+    with pytest.raises(ValueError, match="layers_from"):
+        TrainConfig(layers_from=-1)
+
+
+def test_layers_from_keeps_only_epochs_trained_with_the_layers(monkeypatch):
+    """Validation AUC made to fall epoch by epoch: without staged layers early stopping keeps the first candidate;
+    with them the first epoch whose smoothing window ran with the layers, and patience counts from there."""
+    import pathology.training as training
+
+    bags = planted_cohort(16, lo=30, hi=50, d=8)
+    cfg = QuerentConfig(in_dim=8, dim=16, depth=1, num_heads=2, region_size=4, num_classes=2)
+    real = training._metrics
+    seen = {"n": 0}
+
+    def falling(outs, bs, task, pred=None):
+        m = real(outs, bs, task, pred)
+        if len(bs) == 4:  # the validation bags
+            seen["n"] += 1
+            m["auc"] = 1.0 - 0.01 * seen["n"]
+        return m
+
+    monkeypatch.setattr(training, "_metrics", falling)
+    tc = dict(epochs=20, batch_slides=4, max_patches=None, min_epochs=0, patience=3, smooth=2, seed=0)
+    _, plain = train_model("querent", cfg, bags[:12], TrainConfig(**tc), val_bags=bags[12:])
+    assert plain["best_epoch"] == 2 and plain["epochs_run"] == 4  # patience from epoch 1
+    seen["n"] = 0
+    model, staged = train_model("querent", cfg, bags[:12], TrainConfig(**tc, layers_from=6), val_bags=bags[12:])
+    assert staged["best_epoch"] == 8 and staged["epochs_run"] == 11 and model.skip_layers is False
