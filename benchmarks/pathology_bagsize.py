@@ -85,6 +85,13 @@ VARIANTS: dict[str, dict] = {
     # first stage is ABMIL exactly
     "staged": dict(layers_from=30),
     "staged_nonorm_nopos": dict(final_norm=False, pos_encoding="none", layers_from=30),
+    # the first stage is ABMIL's training exactly (the gate reads the pre-layer embedding, no position code, no final
+    # norm), ended by its own early stopping; its best weights restored, the layer then trains with its own schedule.
+    # _frozen: the embedding and the gate stay as ABMIL left them (the layer and the head train)
+    "staged_es": dict(final_norm=False, pos_encoding="none", pool_from="embed_gate", layers_from=80,
+                      stage_end="early_stop"),
+    "staged_es_frozen": dict(final_norm=False, pos_encoding="none", pool_from="embed_gate", layers_from=80,
+                             stage_end="early_stop", freeze_pooling=True),
     # TransMIL's published training: RAdam + Lookahead, lr 2e-4, weight decay 1e-5, width 512 (8 heads, 256
     # Nyström landmarks), batch size 1 with 2 accumulated steps, no schedule, every patch (pathology.optim)
     "transmil_published": dict(optimizer="radam_lookahead", schedule="constant", lr=2e-4, weight_decay=1e-5, dim=512,
@@ -236,7 +243,8 @@ def run_unit(stage: str, n_bags: int, bag_size: int, seed: int, variant: str, mo
     tc = TrainConfig(epochs=s["epochs"], lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=mp, feature_dropout=s["feature_dropout"], monitor=s["monitor"], smooth=s["smooth"],
                      patience=s["patience"], min_epochs=s["min_epochs"], optimizer=s["optimizer"],
-                     schedule=s["schedule"], layers_from=s.get("layers_from", 0), seed=0)
+                     schedule=s["schedule"], layers_from=s.get("layers_from", 0), stage_end=s.get("stage_end", "fixed"),
+                     freeze_pooling=s.get("freeze_pooling", False), seed=0)
     torch.manual_seed(0)
     c0 = time.process_time()
     res = cross_validate(model, mcfg, bags, tc, folds=folds, on_fold=fold_diagnostics(model, mp))
@@ -269,7 +277,8 @@ def run_memo(n_bags: int, bag_size: int, seed: int, variant: str, model: str, *,
     tc = TrainConfig(epochs=epochs, lr=s["lr"], weight_decay=s["weight_decay"], batch_slides=s["batch_slides"],
                      max_patches=s["max_patches"] or None, feature_dropout=s["feature_dropout"], monitor=s["monitor"],
                      smooth=s["smooth"], patience=epochs, min_epochs=epochs, optimizer=s["optimizer"],
-                     schedule=s["schedule"], layers_from=s.get("layers_from", 0), seed=0)
+                     schedule=s["schedule"], layers_from=s.get("layers_from", 0), stage_end=s.get("stage_end", "fixed"),
+                     freeze_pooling=s.get("freeze_pooling", False), seed=0)
     tr, te = patient_folds(bags, folds, seed=0)[0]
     tr, va = validation_split(bags, tr, tc.val_fraction, seed=0)
     torch.manual_seed(0)

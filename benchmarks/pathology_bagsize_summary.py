@@ -60,3 +60,52 @@ def summary(records: dict[str, dict], out: str) -> dict:
         json.dump(table, f, indent=1)
     os.replace(out + ".tmp", out)
     return table
+
+
+def plot(table: dict, path: str, variants: dict[tuple[str, int], str] | None = None) -> str | None:
+    """The report stage's curve: pooled out-of-fold AUC (seed mean, 95% t interval) against patches per bag, one
+    panel per cohort size, one line per model. ``variants`` maps (model, patches per bag) to the variant that is the
+    model's recipe there (default ``auto``). Written atomically as PNG to ``path``; None when nothing was reported."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from benchmarks.pathology_bagsize import MODELS
+
+    rows: dict[int, dict[str, list]] = {}
+    for key, row in table.items():
+        stage, n, size, variant, model, _ = key.split("/")
+        n, size = int(n[1:]), int(size[3:])
+        if stage != "report" or (variants or {}).get((model, size), "auto") != variant:
+            continue
+        rows.setdefault(n, {}).setdefault(model, []).append((size, row))
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.2 * len(rows), 4.0), dpi=110, squeeze=False)
+    for ax, n in zip(axes[0], sorted(rows)):
+        sizes = sorted({s for pts in rows[n].values() for s, _ in pts})
+        for j, m in enumerate(MODELS):
+            pts = sorted(rows[n].get(m, []), key=lambda t: t[0])
+            if not pts:
+                continue
+            x = np.array([s for s, _ in pts], float) * (1 + 0.03 * (j - 2))
+            y = np.array([r["auc"] for _, r in pts])
+            err = np.array([[r["auc"] - r["lo"] for _, r in pts], [r["hi"] - r["auc"] for _, r in pts]])
+            seeds = min(len(r["seeds"]) for _, r in pts)
+            ax.errorbar(x, y, yerr=np.nan_to_num(err), marker="o", ms=4, capsize=3, lw=1.2, label=f"{m} ({seeds}+ seeds)")
+        ax.set_xscale("log")
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set_ylim(0.3, 1.02)
+        ax.axhline(0.5, color="grey", lw=0.6, ls=":")
+        ax.set_xlabel("patches per bag")
+        ax.set_ylabel("pooled out-of-fold AUC (seed mean, 95% t)")
+        ax.set_title(f"{n} bags, report cohorts", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp", format="png")
+    plt.close(fig)
+    os.replace(path + ".tmp", path)
+    return path

@@ -101,6 +101,13 @@ class TrainConfig:
     # gated pooling, head) and its pooling can find the informative patches before the layers can fit the bags another
     # way; afterwards the whole model trains. Early stopping counts only epochs with the layers (0: from the start)
     layers_from: int = 0
+    # How the first stage ends: "fixed" (after `layers_from` epochs of the one schedule) or "early_stop" (by early
+    # stopping on the validation bags, at most `layers_from` epochs; its best weights are restored and the layers then
+    # train for up to `epochs` more epochs with a schedule of their own)
+    stage_end: str = "fixed"
+    # With `layers_from`: from the second stage on, the embedding and the attention pooling keep what the depth-0
+    # stage learnt (only the layers and the head train), so the pooling cannot lose the patches it found
+    freeze_pooling: bool = False
     seed: int = 0  # seeds model init, shuffling, patch sampling and the validation split
     device: str = "cpu"  # torch device
 
@@ -119,7 +126,9 @@ class TrainConfig:
             raise ValueError(f"monitor ({self.monitor!r}) must be 'auc' or 'loss'")
         if self.smooth < 1 or not 0 <= self.feature_dropout < 1:
             raise ValueError(f"smooth ({self.smooth}) must be >= 1 and feature_dropout ({self.feature_dropout}) in [0, 1)")
-        if not 0 <= self.layers_from < self.epochs:
+        if self.stage_end not in ("fixed", "early_stop"):
+            raise ValueError(f"stage_end ({self.stage_end!r}) must be 'fixed' or 'early_stop'")
+        if not 0 <= self.layers_from < self.epochs and not (self.stage_end == "early_stop" and self.layers_from > 0):
             raise ValueError(f"layers_from ({self.layers_from}) must be >= 0 and below epochs ({self.epochs})")
         if self.patience < 1 or self.min_epochs < 0 or self.min_delta < 0:
             raise ValueError(f"patience ({self.patience}) must be >= 1, min_epochs ({self.min_epochs}) and "
@@ -197,6 +206,13 @@ def _loss(logits: torch.Tensor, batch: list[Bag], survival: bool, weight: torch.
                                        weight=None if weight is None else weight.to(dev))
 
 
+def _freeze_pooling(model: nn.Module, frozen: bool) -> None:
+    """Hold (or free) a Querent's patch embedding and attention pooling (``TrainConfig.freeze_pooling``)."""
+    for mod in (model.embed, model.pool):
+        for prm in mod.parameters():
+            prm.requires_grad_(not frozen)
+
+
 def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: TrainConfig, progress: bool = False,
                 val_bags: list[Bag] | None = None) -> tuple[nn.Module, dict]:
     """Train a fresh model ``name`` on ``bags``.
@@ -235,22 +251,31 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
     best = ((-float("inf"),), 0, None)  # (early-stopping key, epoch, state): the weights returned
     ref, ref_epoch = None, 0  # the patience counts epochs since the key last improved by > min_delta
     by_auc = cfg.monitor == "auc" and not survival
-    it = range(cfg.epochs)
+    staged = cfg.layers_from > 0 and hasattr(model, "skip_layers")
+    adaptive = staged and cfg.stage_end == "early_stop"
+    stage1 = staged  # the layers are held back
+    # "fixed": the layers come in after epoch `layers_from` of the one schedule; "early_stop": the first stage ends by
+    # early stopping (at most `layers_from` epochs), its best weights are restored and the second stage has `epochs`
+    # epochs of its own schedule (`switch`: epochs run before the layers; `limit`: most epochs in all)
+    switch = cfg.layers_from if staged and not adaptive else 0
+    limit = cfg.layers_from + cfg.epochs if adaptive else cfg.epochs
+    s0_step, span = 0, (cfg.layers_from if adaptive else cfg.epochs) * steps_per_epoch  # the schedule's start, length
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(it, desc=f"train {name}", unit="epoch", leave=False)
-    stopped = False
-    staged = cfg.layers_from > 0 and hasattr(model, "skip_layers")
-    for epoch in it:
+        bar = tqdm(total=limit, desc=f"train {name}", unit="epoch", leave=False)
+    stopped, epoch = False, 0
+    while epoch < limit:
         if staged:
-            model.skip_layers = epoch < cfg.layers_from
+            model.skip_layers = stage1 if adaptive else epoch < cfg.layers_from
         model.train()
         order = torch.randperm(len(bags), generator=g).tolist()
         losses = []
         for s0 in range(0, len(order), bs):
             batch = [bags[i] for i in order[s0 : s0 + bs]]
-            lr = cfg.lr * (0.5 * (1 + math.cos(math.pi * step / max(1, total))) if cfg.schedule == "cosine" else 1.0)
+            t = (step - s0_step) / max(1, span)
+            lr = cfg.lr * (0.5 * (1 + math.cos(math.pi * t)) if cfg.schedule == "cosine" else 1.0)
             for pg in opt.param_groups:
                 pg["lr"] = lr
             outs = []
@@ -267,7 +292,11 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
             opt.step()
             losses.append(float(loss.detach()))
             step += 1
-        rec = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "val_loss": None, "lr": lr}
+        epoch += 1
+        rec = {"epoch": epoch, "train_loss": float(np.mean(losses)), "val_loss": None, "lr": lr}
+        if staged:
+            rec["layers"] = not model.skip_layers
+        end = limit if not stage1 or not adaptive else cfg.layers_from  # the last epoch of this stage
         if val_bags:
             model.eval()
             with torch.no_grad():
@@ -281,20 +310,41 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
             s_auc = float(np.nanmean([r["val_auc"] for r in recent])) if by_auc else float("nan")
             key = (s_auc, -s_loss) if by_auc and s_auc == s_auc else (-s_loss,)
             # an epoch is a candidate once its score spans `smooth` epochs (or it is the last one): one epoch's AUC
-            # on a few dozen bags is noise, and epoch 1 kept by luck is a model that has learnt nothing
-            full = len(recent) == cfg.smooth or epoch + 1 == cfg.epochs
-            # with staged layers only epochs whose whole window ran with them: the returned model has its layers
-            with_layers = not staged or epoch + 1 - cfg.layers_from >= min(cfg.smooth, cfg.epochs - cfg.layers_from)
-            if with_layers and full and (len(key) != len(best[0]) or key > best[0]):
-                best = (key, epoch + 1, copy.deepcopy(model.state_dict()))
-            if with_layers and (ref is None or len(key) != len(ref) or key[0] > ref[0] + cfg.min_delta):
-                ref, ref_epoch = key, epoch + 1
+            # on a few dozen bags is noise, and epoch 1 kept by luck is a model that has learnt nothing. With staged
+            # layers only epochs whose whole window ran in the current stage: the returned model has its layers
+            full = epoch - switch >= min(cfg.smooth, end - switch)
+            if full and (len(key) != len(best[0]) or key > best[0]):
+                best = (key, epoch, copy.deepcopy(model.state_dict()))
+            counts = full if staged and not (adaptive and stage1) else True  # the patience counts within a stage
+            if counts and (ref is None or len(key) != len(ref) or key[0] > ref[0] + cfg.min_delta):
+                ref, ref_epoch = key, epoch
         history.append(rec)
-        if progress:
-            it.set_postfix(loss=f"{rec['train_loss']:.3f}", val=f"{rec['val_loss']:.3f}" if val_bags else "-")
-        if val_bags and ref is not None and epoch + 1 >= cfg.min_epochs and epoch + 1 - ref_epoch >= cfg.patience:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['train_loss']:.3f}", val=f"{rec['val_loss']:.3f}" if val_bags else "-")
+        floor = cfg.min_epochs + (switch if adaptive else 0)  # the second stage has its own floor
+        done = val_bags and ref is not None and epoch >= floor and epoch - ref_epoch >= cfg.patience
+        if adaptive and stage1 and (done or epoch == end):  # the depth-0 stage is over: on to the layers
+            if best[2] is not None:
+                model.load_state_dict(best[2])
+            rec["stage_best_epoch"] = best[1] or epoch
+            stage1, switch, limit = False, epoch, epoch + cfg.epochs
+            best, ref, ref_epoch = ((-float("inf"),), 0, None), None, 0
+            s0_step, span = step, cfg.epochs * steps_per_epoch
+            if cfg.freeze_pooling:
+                _freeze_pooling(model, True)
+            if bar is not None:
+                bar.total = limit
+            continue
+        if staged and not adaptive and cfg.freeze_pooling and epoch == cfg.layers_from:
+            _freeze_pooling(model, True)
+        if done:
             stopped = True
             break
+    if bar is not None:
+        bar.close()
+    if staged and cfg.freeze_pooling:
+        _freeze_pooling(model, False)
     if best[2] is not None:
         model.load_state_dict(best[2])
     if cfg.standardize:
@@ -302,7 +352,7 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
     model.eval()
     best_val = history[best[1] - 1]["val_loss"] if val_bags and best[1] else None
     info = {"steps": step, "epochs_run": len(history), "best_epoch": best[1] if val_bags else len(history),
-            "stopped_early": stopped, "train_seconds": round(time.perf_counter() - t0, 2),
+            "stopped_early": stopped, "layers_from_epoch": switch if staged else None, "train_seconds": round(time.perf_counter() - t0, 2),
             "final_loss": history[-1]["train_loss"], "best_val_loss": best_val, "monitor": cfg.monitor if val_bags
             else None, "first_candidate": min(cfg.smooth, cfg.epochs), "threshold": None, "history": history}
     if val_bags and not survival and model_cfg.num_classes == 2:

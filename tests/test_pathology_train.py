@@ -430,3 +430,47 @@ def test_layers_from_keeps_only_epochs_trained_with_the_layers(monkeypatch):
     seen["n"] = 0
     model, staged = train_model("querent", cfg, bags[:12], TrainConfig(**tc, layers_from=6), val_bags=bags[12:])
     assert staged["best_epoch"] == 8 and staged["epochs_run"] == 11 and model.skip_layers is False
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_first_stage_ended_by_early_stopping_hands_its_best_weights_to_the_layers(monkeypatch, freeze):
+    """stage_end="early_stop": the depth-0 stage stops by its own early stopping, its best epoch's weights are what
+    the layers start from, the second stage has its own floor and patience; freeze_pooling keeps the pooling's
+    weights from then on (the head still trains)."""
+    import pathology.training as training
+
+    bags = planted_cohort(16, lo=30, hi=50, d=8)
+    cfg = QuerentConfig(in_dim=8, dim=16, depth=1, num_heads=2, region_size=4, num_classes=2, pool_from="embed_gate",
+                        final_norm=False, pos_encoding="none")
+    calls, built = _count_layer_calls(monkeypatch)
+    real, snaps, at_switch = training._metrics, [], {}
+
+    def falling(outs, bs, task, pred=None):
+        m = real(outs, bs, task, pred)
+        if len(bs) == 4:  # the validation bags: AUC falls epoch by epoch; the pooling's weights of every epoch
+            snaps.append({k: v.clone() for k, v in built[-1].pool.state_dict().items()})
+            m["auc"] = 1.0 - 0.01 * len(snaps)
+        return m
+
+    monkeypatch.setattr(training, "_metrics", falling)
+    tc = TrainConfig(epochs=20, layers_from=10, stage_end="early_stop", freeze_pooling=freeze, batch_slides=4,
+                     max_patches=None, min_epochs=0, patience=3, smooth=2, seed=0)
+    model, info = train_model("querent", cfg, bags[:12], tc, val_bags=bags[12:])
+    h = info["history"]
+    # stage 1: patience from epoch 1, stops at epoch 4, keeps epoch 2 (first full window); stage 2 from epoch 5:
+    # candidates from epoch 6, patience from there, stops at epoch 9
+    assert info["layers_from_epoch"] == 4 and h[3]["stage_best_epoch"] == 2
+    assert [r["layers"] for r in h] == [False] * 4 + [True] * 5
+    assert info["best_epoch"] == 6 and info["epochs_run"] == 9
+    assert calls.count(True) == 5 * 12  # the layer trained in epochs 5-9 only
+    assert h[4]["lr"] > h[3]["lr"]  # the layers' stage starts its own schedule
+    # the pooling the layers started from is stage 1's best (epoch 2), not its last (epoch 4)
+    first = snaps[4]  # validated after epoch 5: with freezing still epoch 2's
+    same = all(torch.equal(first[k], snaps[1][k]) for k in first)
+    assert same is freeze
+    assert any(not torch.equal(snaps[1][k], snaps[3][k]) for k in first)  # epochs 2 and 4 differ
+    final = model.pool.state_dict()
+    assert all(torch.equal(final[k], snaps[1][k]) for k in final) is freeze
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(ValueError, match="stage_end"):
+        TrainConfig(stage_end="later")
