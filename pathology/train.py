@@ -35,7 +35,7 @@ from core.infra.cli import (PartialFailure, UsageError, fraction, nonempty_path,
 from core.infra.device import add_device_options, resolve_device
 from core.infra.guard import check_outputs
 from pathology.mil import MODEL_NAMES
-from pathology.querent import POS_ENCODINGS, QuerentConfig
+from pathology.querent import POOL_FROM, POS_ENCODINGS, QuerentConfig
 from pathology.features import cohort_patch_settings
 from pathology.training import TrainConfig, cross_validate, load_bags, read_splits, save_training_curves
 
@@ -108,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=fraction, default=0.1)
     p.add_argument("--pos-encoding", choices=POS_ENCODINGS, default="sincos",
                    help="Querent/dense positions: sine-cosine added to the input, 2-D RoPE in every layer, both, none")
+    p.add_argument("--final-norm", choices=("on", "off"), default="on",
+                   help="Querent: LayerNorm on the tokens the pooling reads (off: pooled raw, as ABMIL pools)")
+    p.add_argument("--pool-from", choices=POOL_FROM, default="tokens",
+                   help="Querent: what the pooling reads (embed_gate: its gate reads the pre-layer embedding, the "
+                        "pooled values are the layers' tokens; embed_values: the reverse)")
+    p.add_argument("--layers-from", type=nonnegative_int, default=d.layers_from,
+                   help="Querent: train the depth-0 form (embedding, pooling, head) first, the layers held back for "
+                        "this many epochs (0: the layers from the first step)")
+    p.add_argument("--stage-end", choices=("fixed", "early_stop"), default=d.stage_end,
+                   help="with --layers-from: the first stage ends after exactly that many epochs (fixed), or by early "
+                        "stopping (at most that many; its best weights kept, then up to --epochs more with the layers)")
+    p.add_argument("--freeze-pooling", action="store_true",
+                   help="with --layers-from: the embedding and the pooling keep what the first stage learnt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=worker_count, default=0, help="torch CPU threads (0 = torch default)")
     add_device_options(p, dtype=False)
@@ -131,10 +144,26 @@ def _write_csv(path: str, rows: list[dict]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _train_config(args: argparse.Namespace, device: str) -> TrainConfig:
+    return TrainConfig(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_slides=args.batch_slides,
+                       max_patches=args.max_patches or None, standardize=not args.no_standardize,
+                       class_weights=args.class_weights == "balanced", val_fraction=args.val_fraction,
+                       patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=device,
+                       monitor=args.monitor, smooth=args.smooth, feature_dropout=args.feature_dropout,
+                       layers_from=args.layers_from, stage_end=args.stage_end, freeze_pooling=args.freeze_pooling)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = str(resolve_device(args.device))  # a missing GPU is one line before any work
     check_outputs([("--out", args.out)], inputs=[args.features, args.labels, args.splits])
+    if args.model != "querent" and (args.layers_from or args.freeze_pooling):
+        raise UsageError(f"--layers-from and --freeze-pooling train Querent's layers in stages; --model {args.model} "
+                         "has no such layers (accepted with --model querent)")
+    try:
+        tcfg = _train_config(args, device)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     if args.splits is None and args.folds < 2:
         raise SystemExit(f"--folds must be >= 2 (or give --splits), got {args.folds}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -160,12 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=dim, depth=args.depth or auto["depth"],
                          num_heads=heads, pool_hidden=min(dim, 128),
                          region_size=args.region_size, topk=args.topk, dropout=args.dropout, num_classes=n_classes,
-                         task=args.task, pos_encoding=args.pos_encoding)
-    tcfg = TrainConfig(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_slides=args.batch_slides,
-                       max_patches=args.max_patches or None, standardize=not args.no_standardize,
-                       class_weights=args.class_weights == "balanced", val_fraction=args.val_fraction,
-                       patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=device,
-                       monitor=args.monitor, smooth=args.smooth, feature_dropout=args.feature_dropout)
+                         task=args.task, pos_encoding=args.pos_encoding, final_norm=args.final_norm == "on",
+                         pool_from=args.pool_from)
     splits = read_splits(args.splits) if args.splits else None
     os.makedirs(args.out, exist_ok=True)
     res = cross_validate(args.model, mcfg, bags, tcfg, folds=args.folds, progress=not args.no_progress,

@@ -474,3 +474,36 @@ def test_a_first_stage_ended_by_early_stopping_hands_its_best_weights_to_the_lay
     assert all(p.requires_grad for p in model.parameters())
     with pytest.raises(ValueError, match="stage_end"):
         TrainConfig(stage_end="later")
+
+
+def test_train_cli_trains_querent_in_stages_and_refuses_what_cannot_be_staged(tmp_path, capsys):
+    from core.infra.cli import run_cli
+    from pathology.train import main
+
+    bags = planted_cohort(12, lo=30, hi=50, d=8)
+    (tmp_path / "feats" / "h5_files").mkdir(parents=True)
+    rows = ["slide_id,label"]
+    for b in bags:
+        _write_h5(tmp_path / "feats" / "h5_files" / f"{b.slide_id}.h5", b.features.numpy(), b.coords.numpy())
+        rows.append(f"{b.slide_id},{b.label}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    base = ["--features", str(tmp_path / "feats"), "--labels", str(tmp_path / "labels.csv"), "--folds", "2",
+            "--epochs", "3", "--min-epochs", "1", "--dim", "16", "--heads", "2", "--region-size", "2", "--topk", "2",
+            "--no-progress", "--device", "cpu"]
+    staged = ["--layers-from", "2", "--stage-end", "early_stop", "--freeze-pooling", "--final-norm", "off",
+              "--pool-from", "embed_gate", "--pos-encoding", "none"]
+    assert main(base + staged + ["--out", str(tmp_path / "q")]) == 0
+    res = json.loads((tmp_path / "q" / "metrics_querent_label.json").read_text())
+    tc, mc = res["train_config"], res["model_config"]
+    assert (tc["layers_from"], tc["stage_end"], tc["freeze_pooling"]) == (2, "early_stop", True)
+    assert (mc["final_norm"], mc["pool_from"], mc["pos_encoding"]) == (False, "embed_gate", "none")
+    for f in res["folds"]:
+        layers = [r["layers"] for r in f["history"]]
+        assert layers[0] is False and layers[-1] is True and f["history"][-1]["epoch"] <= 5
+    cfg = json.loads((tmp_path / "q" / "querent_config.json").read_text())
+    assert (cfg["final_norm"], cfg["pool_from"]) == (False, "embed_gate")  # what the ensemble loader rebuilds
+    assert run_cli(main, base + ["--model", "abmil", "--layers-from", "2", "--out", str(tmp_path / "a")]) == 2
+    assert "--model querent" in capsys.readouterr().err
+    assert run_cli(main, base + ["--layers-from", "3", "--out", str(tmp_path / "b")]) == 2  # fixed: below --epochs
+    assert "layers_from (3)" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
