@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -97,6 +98,16 @@ VARIANTS: dict[str, dict] = {
     "transmil_published": dict(optimizer="radam_lookahead", schedule="constant", lr=2e-4, weight_decay=1e-5, dim=512,
                                heads=8, pool_hidden=128, batch_slides=2, max_patches=0, feature_dropout=0.0),
 }
+
+
+#: The variant each model is reported with by bag size (default ``auto``): Querent's large-bag recipe
+#: (``pathology.train`` picks it for bags of >= LARGE_BAG patches), chosen on the development cohorts at 2,000 patches
+LARGE_BAG = 2000
+REPORT_VARIANTS: dict[tuple[str, int], str] = {("querent", 2000): "staged_es_frozen", ("querent", 8000): "staged_es_frozen"}
+
+
+def report_variant(model: str, bag_size: int) -> str:
+    return REPORT_VARIANTS.get((model, bag_size), "auto")
 
 
 def settings(variant: str, n_bags: int, bag_size: int) -> dict:
@@ -302,13 +313,14 @@ def key_of(rec: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks.pathology_bagsize_summary import summary
+    from benchmarks.pathology_bagsize_summary import plot, summary
     from benchmarks.pathology_cohort_bench import append, read_records
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.pathology_bagsize", description=__doc__.split("\n")[0])
     p.add_argument("--stage", choices=("dev", "report", "memo", "summary"), required=True)
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["auto"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
+                   help="default: auto; in the report stage each model's recipe at the bag size (REPORT_VARIANTS)")
     p.add_argument("--bags", nargs="+", type=positive_int, default=[120], help="bags per cohort")
     p.add_argument("--bag-sizes", nargs="+", type=positive_int, default=[2000, 8000], help="patches per bag")
     p.add_argument("--seeds", nargs="+", type=int, default=None,
@@ -321,7 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     configure_run(args)
     if args.stage == "summary":
-        print(json.dumps(summary(read_records(args.records, key_of), args.out), indent=1)[:20000])
+        table = summary(read_records(args.records, key_of), args.out)
+        png = plot(table, os.path.splitext(args.out)[0] + ".png", REPORT_VARIANTS)
+        print(json.dumps(table, indent=1)[:20000])
+        if png:
+            logger.info("report curve -> %s", png)
         return 0
     seeds = args.seeds or (list(REPORT_SEEDS) if args.stage == "report" else list(DEV_SEEDS[:3]))
     clash = set(seeds) & set(DEV_SEEDS if args.stage == "report" else REPORT_SEEDS)
@@ -331,8 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for seed in seeds:
         for n in args.bags:
             for size in args.bag_sizes:
-                for variant in args.variants:
+                for chosen in args.variants or [None]:
                     for model in args.models:
+                        variant = chosen or (report_variant(model, size) if args.stage == "report" else "auto")
                         probe = {"stage": args.stage, "n_bags": n, "bag_size": size, "cohort_seed": seed,
                                  "variant": variant, "model": model, "folds": args.folds,
                                  "settings": settings(variant, n, size)}

@@ -28,6 +28,7 @@ import math
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from core.infra.cli import (PartialFailure, UsageError, fraction, nonempty_path, nonnegative_float, nonnegative_int,
@@ -58,6 +59,27 @@ def recipe_for(n_bags: int) -> dict:
     size = dict(dim=dim, depth=1 if n_bags < 400 else 2, heads=2 if dim == 32 else 4, pool_hidden=dim, dropout=0.1)
     return {**size, **{k: getattr(d, k) for k in ("lr", "weight_decay", "batch_slides", "max_patches", "feature_dropout",
                                                      "monitor", "smooth", "patience", "min_epochs", "epochs")}}
+
+
+#: Bags of at least this many patches (the cohort's median) train Querent with :data:`LARGE_BAG_QUERENT`
+LARGE_BAG = 2000
+#: Querent's recipe for large bags, chosen on development cohorts of 120 bags × 2,000 patches (docs/experiments/
+#: pathology.md): the first stage is ABMIL's training (the gate reads the patch embedding; no position code, no final
+#: norm) ended by early stopping; its embedding and pooling are then kept and the layer and head train on top
+LARGE_BAG_QUERENT = dict(pos_encoding="none", final_norm=False, pool_from="embed_gate", layers_from=80,
+                         stage_end="early_stop", freeze_pooling=True)
+#: Querent's recipe for smaller bags (the cohort-size curve's, 500 patches)
+SMALL_BAG_QUERENT = dict(pos_encoding="sincos", final_norm=True, pool_from="tokens", layers_from=0, stage_end="fixed",
+                         freeze_pooling=False)
+
+
+def querent_recipe(median_patches: float) -> dict:
+    """Querent's position code, final norm, pooling input and staged training for bags of ``median_patches``."""
+    return dict(LARGE_BAG_QUERENT if median_patches >= LARGE_BAG else SMALL_BAG_QUERENT)
+
+
+def _shown(recipe: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in recipe.items() if k != "pos_encoding")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,21 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region-size", type=positive_int, default=8, help="Querent region side in patches")
     p.add_argument("--topk", type=positive_int, default=8, help="Querent regions chosen per query region")
     p.add_argument("--dropout", type=fraction, default=0.1)
-    p.add_argument("--pos-encoding", choices=POS_ENCODINGS, default="sincos",
-                   help="Querent/dense positions: sine-cosine added to the input, 2-D RoPE in every layer, both, none")
-    p.add_argument("--final-norm", choices=("on", "off"), default="on",
+    p.add_argument("--pos-encoding", choices=POS_ENCODINGS, default=None,
+                   help="Querent/dense positions: sine-cosine added to the input, 2-D RoPE in every layer, both, none "
+                        f"(default: sincos; Querent on bags of >= {LARGE_BAG:,} patches: none)")
+    p.add_argument("--final-norm", choices=("on", "off"), default=None,
                    help="Querent: LayerNorm on the tokens the pooling reads (off: pooled raw, as ABMIL pools)")
-    p.add_argument("--pool-from", choices=POOL_FROM, default="tokens",
+    p.add_argument("--pool-from", choices=POOL_FROM, default=None,
                    help="Querent: what the pooling reads (embed_gate: its gate reads the pre-layer embedding, the "
                         "pooled values are the layers' tokens; embed_values: the reverse)")
-    p.add_argument("--layers-from", type=nonnegative_int, default=d.layers_from,
+    p.add_argument("--layers-from", type=nonnegative_int, default=None,
                    help="Querent: train the depth-0 form (embedding, pooling, head) first, the layers held back for "
                         "this many epochs (0: the layers from the first step)")
-    p.add_argument("--stage-end", choices=("fixed", "early_stop"), default=d.stage_end,
+    p.add_argument("--stage-end", choices=("fixed", "early_stop"), default=None,
                    help="with --layers-from: the first stage ends after exactly that many epochs (fixed), or by early "
                         "stopping (at most that many; its best weights kept, then up to --epochs more with the layers)")
-    p.add_argument("--freeze-pooling", action="store_true",
-                   help="with --layers-from: the embedding and the pooling keep what the first stage learnt")
+    p.add_argument("--freeze-pooling", choices=("on", "off"), default=None,
+                   help="with --layers-from: the embedding and the pooling keep what the first stage learnt. Defaults "
+                        f"of these five: Querent on bags of >= {LARGE_BAG:,} patches (median) "
+                        f"{_shown(LARGE_BAG_QUERENT)}, else {_shown(SMALL_BAG_QUERENT)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=worker_count, default=0, help="torch CPU threads (0 = torch default)")
     add_device_options(p, dtype=False)
@@ -144,26 +169,31 @@ def _write_csv(path: str, rows: list[dict]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _train_config(args: argparse.Namespace, device: str) -> TrainConfig:
+def _staging(args: argparse.Namespace, median_patches: float) -> dict:
+    """Querent's recipe for the cohort's bag size (:func:`querent_recipe`), with the options given overriding it."""
+    base = querent_recipe(median_patches) if args.model == "querent" else dict(SMALL_BAG_QUERENT)
+    given = dict(pos_encoding=args.pos_encoding, final_norm=None if args.final_norm is None else args.final_norm == "on",
+                 pool_from=args.pool_from, layers_from=args.layers_from, stage_end=args.stage_end,
+                 freeze_pooling=None if args.freeze_pooling is None else args.freeze_pooling == "on")
+    return {**base, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _train_config(args: argparse.Namespace, device: str, st: dict) -> TrainConfig:
     return TrainConfig(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_slides=args.batch_slides,
                        max_patches=args.max_patches or None, standardize=not args.no_standardize,
                        class_weights=args.class_weights == "balanced", val_fraction=args.val_fraction,
                        patience=args.patience, min_epochs=args.min_epochs, seed=args.seed, device=device,
                        monitor=args.monitor, smooth=args.smooth, feature_dropout=args.feature_dropout,
-                       layers_from=args.layers_from, stage_end=args.stage_end, freeze_pooling=args.freeze_pooling)
+                       layers_from=st["layers_from"], stage_end=st["stage_end"], freeze_pooling=st["freeze_pooling"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = str(resolve_device(args.device))  # a missing GPU is one line before any work
     check_outputs([("--out", args.out)], inputs=[args.features, args.labels, args.splits])
-    if args.model != "querent" and (args.layers_from or args.freeze_pooling):
+    if args.model != "querent" and (args.layers_from or args.freeze_pooling == "on"):
         raise UsageError(f"--layers-from and --freeze-pooling train Querent's layers in stages; --model {args.model} "
                          "has no such layers (accepted with --model querent)")
-    try:
-        tcfg = _train_config(args, device)
-    except ValueError as err:
-        raise UsageError(str(err)) from err
     if args.splits is None and args.folds < 2:
         raise SystemExit(f"--folds must be >= 2 (or give --splits), got {args.folds}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -178,6 +208,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not patch:
         logger.warning("the feature files do not store how their patches were made (not written by pathology.batch): "
                        "pathology.predict --model %s will assume pathology.batch's defaults", args.out)
+    median = float(np.median([b.features.shape[0] for b in bags]))
+    st = _staging(args, median)
+    try:
+        tcfg = _train_config(args, device, st)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    if args.model == "querent":
+        logger.info("querent on bags of %.0f patches (median): %s (%s)", median, _shown(st) + f", pos_encoding="
+                    f"{st['pos_encoding']}", "the large-bag recipe" if median >= LARGE_BAG else "the default recipe")
     n_classes = 1 if args.task == "survival" else max(2, max(b.label for b in bags) + 1)
     auto = recipe_for(len(bags))
     if args.model == "transmil" and len(bags) < 400:
@@ -189,8 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mcfg = QuerentConfig(in_dim=int(bags[0].features.shape[1]), dim=dim, depth=args.depth or auto["depth"],
                          num_heads=heads, pool_hidden=min(dim, 128),
                          region_size=args.region_size, topk=args.topk, dropout=args.dropout, num_classes=n_classes,
-                         task=args.task, pos_encoding=args.pos_encoding, final_norm=args.final_norm == "on",
-                         pool_from=args.pool_from)
+                         task=args.task, pos_encoding=st["pos_encoding"], final_norm=st["final_norm"],
+                         pool_from=st["pool_from"])
     splits = read_splits(args.splits) if args.splits else None
     os.makedirs(args.out, exist_ok=True)
     res = cross_validate(args.model, mcfg, bags, tcfg, folds=args.folds, progress=not args.no_progress,

@@ -163,3 +163,24 @@ def test_a_units_training_gets_the_variants_staged_layers(monkeypatch):
         with pytest.raises(RuntimeError, match="stop"):
             bs.run_unit("dev", 12, 300, 200, variant, "querent", folds=2)
     assert seen == [("querent", 1, 30), ("querent", 1, 0)]
+
+
+def test_report_stage_runs_each_models_recipe_and_plots_the_curve(tmp_path, monkeypatch):
+    import benchmarks.pathology_cohort_bench as cb
+
+    real = cb.recipe
+    monkeypatch.setattr(cb, "recipe", lambda name, n: {**real(name, n), "epochs": 2, "min_epochs": 1, "smooth": 1})
+    monkeypatch.setattr(bs, "REPORT_VARIANTS", {("querent", 300): "nopos"})
+    assert bs.report_variant("querent", 300) == "nopos" and bs.report_variant("abmil", 300) == "auto"
+    rec = tmp_path / "r.jsonl"
+    args = ["--stage", "report", "--seeds", "10", "--bags", "12", "--bag-sizes", "300", "--models", "querent", "abmil",
+            "--folds", "2", "--records", str(rec), "--threads", "1"]
+    assert run_cli(bs.main, args) == 0
+    lines = [json.loads(x) for x in rec.read_text().splitlines()]
+    assert [(r["model"], r["variant"]) for r in lines] == [("querent", "nopos"), ("abmil", "auto")]
+    assert lines[0]["settings"]["pos_encoding"] == "none"
+    out = tmp_path / "s.json"
+    assert run_cli(bs.main, ["--stage", "summary", "--records", str(rec), "--out", str(out)]) == 0
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    row = json.loads(out.read_text())["report/n12/bag300/nopos/querent/f2"]
+    assert "minus_abmil" in row  # paired with the peer's own recipe

@@ -490,7 +490,7 @@ def test_train_cli_trains_querent_in_stages_and_refuses_what_cannot_be_staged(tm
     base = ["--features", str(tmp_path / "feats"), "--labels", str(tmp_path / "labels.csv"), "--folds", "2",
             "--epochs", "3", "--min-epochs", "1", "--dim", "16", "--heads", "2", "--region-size", "2", "--topk", "2",
             "--no-progress", "--device", "cpu"]
-    staged = ["--layers-from", "2", "--stage-end", "early_stop", "--freeze-pooling", "--final-norm", "off",
+    staged = ["--layers-from", "2", "--stage-end", "early_stop", "--freeze-pooling", "on", "--final-norm", "off",
               "--pool-from", "embed_gate", "--pos-encoding", "none"]
     assert main(base + staged + ["--out", str(tmp_path / "q")]) == 0
     res = json.loads((tmp_path / "q" / "metrics_querent_label.json").read_text())
@@ -507,3 +507,32 @@ def test_train_cli_trains_querent_in_stages_and_refuses_what_cannot_be_staged(tm
     assert run_cli(main, base + ["--layers-from", "3", "--out", str(tmp_path / "b")]) == 2  # fixed: below --epochs
     assert "layers_from (3)" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_querent_on_large_bags_takes_the_large_bag_recipe_unless_told_otherwise():
+    from pathology.train import LARGE_BAG, LARGE_BAG_QUERENT, SMALL_BAG_QUERENT, _staging, build_parser, querent_recipe
+
+    assert querent_recipe(LARGE_BAG) == LARGE_BAG_QUERENT and querent_recipe(LARGE_BAG - 1) == SMALL_BAG_QUERENT
+    assert LARGE_BAG_QUERENT["layers_from"] > 0 and LARGE_BAG_QUERENT["freeze_pooling"] is True
+    req = ["--features", "f", "--labels", "l", "--out", "o"]
+    p = build_parser()
+    assert _staging(p.parse_args(req), 8000) == LARGE_BAG_QUERENT
+    assert _staging(p.parse_args(req), 500) == SMALL_BAG_QUERENT
+    assert _staging(p.parse_args(req + ["--model", "dense"]), 8000) == SMALL_BAG_QUERENT  # Querent only
+    st = _staging(p.parse_args(req + ["--freeze-pooling", "off", "--pos-encoding", "sincos", "--final-norm", "on"]),
+                  8000)
+    assert st == {**LARGE_BAG_QUERENT, "freeze_pooling": False, "pos_encoding": "sincos", "final_norm": True}
+    assert _staging(p.parse_args(req + ["--layers-from", "0"]), 8000)["layers_from"] == 0
+
+
+def test_the_bag_size_benchmark_reports_querent_with_the_recipe_pathology_train_picks():
+    import benchmarks.pathology_bagsize as bs
+    from pathology.train import LARGE_BAG, querent_recipe
+
+    for size in (500, 2000, 8000):
+        s = bs.settings(bs.report_variant("querent", size), 120, size)
+        want = querent_recipe(size)
+        got = {k: s.get(k, d) for k, d in dict(pos_encoding="sincos", final_norm=True, pool_from="tokens",
+                                                 layers_from=0, stage_end="fixed", freeze_pooling=False).items()}
+        assert got == want, size
+    assert bs.LARGE_BAG == LARGE_BAG
