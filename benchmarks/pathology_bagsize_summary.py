@@ -72,6 +72,7 @@ def plot(table: dict, path: str, variants: dict[tuple[str, int], str] | None = N
     import matplotlib.pyplot as plt
 
     from benchmarks.pathology_bagsize import MODELS
+    from benchmarks.pathology_cohort_bench import auc_axes
 
     rows: dict[int, dict[str, list]] = {}
     for key, row in table.items():
@@ -94,16 +95,7 @@ def plot(table: dict, path: str, variants: dict[tuple[str, int], str] | None = N
             err = np.array([[r["auc"] - r["lo"] for _, r in pts], [r["hi"] - r["auc"] for _, r in pts]])
             seeds = min(len(r["seeds"]) for _, r in pts)
             ax.errorbar(x, y, yerr=np.nan_to_num(err), marker="o", ms=4, capsize=3, lw=1.2, label=f"{m} ({seeds}+ seeds)")
-        ax.set_xscale("log")
-        ax.set_xticks(sizes)
-        ax.set_xticklabels([str(s) for s in sizes])
-        ax.minorticks_off()
-        ax.set_ylim(0.3, 1.02)
-        ax.axhline(0.5, color="grey", lw=0.6, ls=":")
-        ax.set_xlabel("patches per bag")
-        ax.set_ylabel("pooled out-of-fold AUC (seed mean, 95% t)")
-        ax.set_title(f"{n} bags, report cohorts", fontsize=9)
-        ax.legend(fontsize=7)
+        auc_axes(ax, sizes, "patches per bag (3-fold CV)", f"{n} bags, report cohorts", legend_size=7)
     fig.tight_layout()
     fig.savefig(path + ".tmp", format="png")
     plt.close(fig)

@@ -224,6 +224,20 @@ def summary(records: dict[str, dict], out: str) -> dict:
     return table
 
 
+def auc_axes(ax, sizes: list[int], xlabel: str, title: str, legend_size: int = 8) -> None:
+    """A pooled-AUC axis against a log-scaled size (ticks at ``sizes``), chance marked."""
+    ax.set_xscale("log")
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([str(s) for s in sizes])
+    ax.minorticks_off()
+    ax.set_ylim(0.3, 1.05)
+    ax.axhline(0.5, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("pooled OOF AUC (seed mean, 95% t interval)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=legend_size)
+
+
 def _plot(curve: dict, path: str) -> None:
     import matplotlib
 
@@ -240,16 +254,7 @@ def _plot(curve: dict, path: str) -> None:
         y = np.array([v["auc"] for _, v in pts])
         err = np.array([[v["auc"] - v["lo"] for _, v in pts], [v["hi"] - v["auc"] for _, v in pts]])
         ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=3, lw=1.2, label=m)
-    ax.set_xscale("log")
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([str(s) for s in sizes])
-    ax.minorticks_off()
-    ax.set_ylim(0.3, 1.05)
-    ax.axhline(0.5, color="grey", lw=0.6, ls=":")
-    ax.set_xlabel("bags in the cohort (5-fold CV)")
-    ax.set_ylabel("pooled OOF AUC (seed mean, 95% t interval)")
-    ax.set_title("planted co-occurrence label: AUC against cohort size", fontsize=9)
-    ax.legend(fontsize=8)
+    auc_axes(ax, sizes, "bags in the cohort (5-fold CV)", "planted co-occurrence label: AUC against cohort size")
     fig.tight_layout()
     fig.savefig(path + ".tmp", format="png")
     plt.close(fig)
