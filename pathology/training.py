@@ -241,7 +241,6 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
         mean, std = mean.to(dev), std.to(dev)
     bs = max(cfg.batch_slides, 8) if survival else cfg.batch_slides
     steps_per_epoch = math.ceil(len(bags) / bs)
-    total = cfg.epochs * steps_per_epoch
 
     def prep(f: torch.Tensor) -> torch.Tensor:
         f = f.to(dev)
@@ -269,6 +268,8 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
     while epoch < limit:
         if staged:
             model.skip_layers = stage1 if adaptive else epoch < cfg.layers_from
+            if cfg.freeze_pooling and not model.skip_layers:  # the second stage: the pooling keeps what it found
+                _freeze_pooling(model, True)
         model.train()
         order = torch.randperm(len(bags), generator=g).tolist()
         losses = []
@@ -331,13 +332,9 @@ def train_model(name: str, model_cfg: QuerentConfig, bags: list[Bag], cfg: Train
             stage1, switch, limit = False, epoch, epoch + cfg.epochs
             best, ref, ref_epoch = ((-float("inf"),), 0, None), None, 0
             s0_step, span = step, cfg.epochs * steps_per_epoch
-            if cfg.freeze_pooling:
-                _freeze_pooling(model, True)
             if bar is not None:
                 bar.total = limit
             continue
-        if staged and not adaptive and cfg.freeze_pooling and epoch == cfg.layers_from:
-            _freeze_pooling(model, True)
         if done:
             stopped = True
             break
